@@ -18,9 +18,14 @@ A tensor may be read by more than one stage (tied embeddings); its gradients add
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pstar_jax import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,4 +82,118 @@ def cast_params(params: Mapping[str, jax.Array], dtype: Any) -> dict[str, jax.Ar
     return {n: p.astype(dtype) for n, p in params.items()}
 
 
-__all__ = ["Stage", "StagedModel", "validate_stages", "compose_loss", "cast_params"]
+
+
+# -- compiled stage functions over chunks ------------------------------------------------------
+#
+# A stage's tensors are views of its chunks: dynamic_slice at offsets passed in as data, so all
+# identical blocks share one compiled function even though their offsets differ. What must be
+# static is the *pattern*: which of the stage's chunks each tensor sits in, and its shape.
+# Inside shard_map every device holds 1/W of each chunk; a stage all-gathers the chunks it
+# reads and reduce-scatters the gradient chunks it writes (W=1: both are no-ops).
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundStage:
+    """A stage bound to a chunk layout."""
+    stage: Stage
+    chunks: tuple[int, ...]  # chunk ids the stage reads, sorted
+    pattern: tuple[tuple[int, tuple[int, ...]], ...]  # per tensor: (index into chunks, shape)
+    offsets: tuple[int, ...]  # per tensor: element offset in its chunk
+
+
+def bind(stage: Stage, layout) -> BoundStage:
+    chunks = layout.chunks_of(stage.param_names)
+    slots = [layout.slot(n) for n in stage.param_names]
+    pattern = tuple((chunks.index(s.chunk), s.shape) for s in slots)
+    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots))
+
+
+def _views(full_chunks, offsets, pattern):
+    return tuple(jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (math.prod(shape),)).reshape(shape)
+                 for i, (j, shape) in enumerate(pattern))
+
+
+def _gather(chunks):
+    return [jax.lax.all_gather(c, "data", tiled=True) for c in chunks]
+
+
+def _accumulate(grad_chunks, param_grads, offsets, pattern):
+    """grad_chunks[j] += this stage's tensor grads, reduce-scattered to each device's shard."""
+    out = []
+    for j, g_chunk in enumerate(grad_chunks):
+        full = jnp.zeros((g_chunk.shape[0] * jax.lax.psum(1, "data"),), g_chunk.dtype)
+        for i, (k, _) in enumerate(pattern):
+            if k == j:
+                full = jax.lax.dynamic_update_slice(full, param_grads[i].reshape(-1).astype(full.dtype), (offsets[i],))
+        out.append(g_chunk + jax.lax.psum_scatter(full, "data", tiled=True))
+    return tuple(out)
+
+
+class StageFunctions:
+    """Compiled forward / backward functions per (apply, pattern, role), built on first use."""
+
+    def __init__(self, mesh: jax.sharding.Mesh):
+        self.mesh = mesh
+        self._cache: dict[tuple, Callable] = {}
+
+    def _get(self, role: str, bound: BoundStage, build: Callable[[], Callable]) -> Callable:
+        key = (role, bound.stage.apply, bound.pattern)
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _shard_map(self, fn, n_chunks: int, in_rest, out_specs):
+        chunk_specs = tuple(P("data") for _ in range(n_chunks))
+        return compat.shard_map(fn, self.mesh, in_specs=(chunk_specs, P(), *in_rest), out_specs=out_specs)
+
+    def forward(self, bound: BoundStage) -> Callable:
+        """(chunks, offsets, x) -> y."""
+        apply, pattern = bound.stage.apply, bound.pattern
+
+        def local(chunks, offsets, x):
+            return apply(_views(_gather(chunks), offsets, pattern), x)
+        return self._get("fwd", bound, lambda: jax.jit(
+            self._shard_map(local, len(bound.chunks), (P("data"),), P("data"))))
+
+    def backward(self, bound: BoundStage, first: bool) -> Callable:
+        """(chunks, offsets, x, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated.
+
+        The forward is recomputed (only stage inputs were kept). The first stage's input is
+        tokens, which have no gradient: it returns None for gx."""
+        apply, pattern = bound.stage.apply, bound.pattern
+
+        def local(chunks, offsets, x, gy, grad_chunks):
+            params = _views(_gather(chunks), offsets, pattern)
+            if first:
+                _, vjp = jax.vjp(lambda p: apply(p, x), params)
+                (gp,), gx = vjp(gy), None
+            else:
+                _, vjp = jax.vjp(apply, params, x)
+                gp, gx = vjp(gy)
+            return gx, _accumulate(grad_chunks, gp, offsets, pattern)
+        n = len(bound.chunks)
+        grad_specs = tuple(P("data") for _ in range(n))
+        return self._get("bwd_first" if first else "bwd", bound, lambda: jax.jit(
+            self._shard_map(local, n, (P("data"), P("data"), grad_specs),
+                            (None if first else P("data"), grad_specs)),
+            donate_argnums=(4,)))
+
+    def head(self, bound: BoundStage) -> Callable:
+        """(chunks, offsets, h, targets, grad_chunks, scale) -> (loss, gh, grad_chunks).
+
+        The last stage's forward and backward in one call. ``scale`` is 1/(W * micro-batches):
+        the gradient of the mean loss, so grads from devices and micro-batches just add up."""
+        apply, pattern = bound.stage.apply, bound.pattern
+
+        def local(chunks, offsets, h, targets, grad_chunks, scale):
+            def scaled_loss(params, h):
+                return apply(params, h, targets) * scale
+            loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(
+                _views(_gather(chunks), offsets, pattern), h)
+            return jax.lax.psum(loss, "data"), gh, _accumulate(grad_chunks, gp, offsets, pattern)
+        n = len(bound.chunks)
+        grad_specs = tuple(P("data") for _ in range(n))
+        return self._get("head", bound, lambda: jax.jit(
+            self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
+            donate_argnums=(4,)))

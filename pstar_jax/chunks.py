@@ -1,0 +1,156 @@
+"""Chunks: every parameter tensor packed into fixed-size flat arrays.
+
+A chunk is a flat 1-D array of ``chunk_numel`` elements of one dtype. The layout maps each
+tensor to (chunk, offset, shape); it is the same for the four chunk lists (bf16 params and
+their grads, fp32 master params, Adam m, Adam v), so chunk ``i`` of every list covers the same
+tensors. Rules, as in PatrickStar:
+  * no tensor straddles two chunks, so ``chunk_numel`` >= the largest tensor;
+  * tensors are placed greedily in model order, so a stage's tensors sit in consecutive chunks;
+  * inside a chunk, tensors that take weight decay come first: elements ``[0, n_decay)`` decay
+    and the rest do not, so the optimizer's decay mask is one comparison, not a stored array;
+  * offsets are aligned to ``align`` elements (vector loads on the accelerator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from pstar_jax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    chunk: int
+    offset: int
+    decays: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    chunk_numel: int
+    slots: tuple[TensorSlot, ...]  # model order
+    n_chunks: int
+    n_decay: tuple[int, ...]  # per chunk: elements [0, n_decay) take weight decay
+
+    @property
+    def numel(self) -> int:
+        """Elements of all tensors (without padding)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.n_chunks * self.chunk_numel
+
+    def slot(self, name: str) -> TensorSlot:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, TensorSlot]:
+        cached = self.__dict__.get("_by_name_cache")
+        if cached is None:
+            cached = {s.name: s for s in self.slots}
+            object.__setattr__(self, "_by_name_cache", cached)
+        return cached
+
+    def chunks_of(self, names: Iterable[str]) -> tuple[int, ...]:
+        """Sorted chunk ids that hold any of ``names``."""
+        return tuple(sorted({self.slot(n).chunk for n in names}))
+
+    def to_json(self) -> dict:
+        return {"chunk_numel": self.chunk_numel,
+                "tensors": [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]}
+
+    @staticmethod
+    def from_json(data: Mapping) -> "ChunkLayout":
+        slots = tuple(TensorSlot(n, tuple(sh), c, o, d) for n, sh, c, o, d in data["tensors"])
+        return _finish(int(data["chunk_numel"]), slots)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
+                 chunk_numel: int, align: int = 64) -> ChunkLayout:
+    """Greedy placement in model order; raises ConfigError if a tensor cannot fit a chunk."""
+    largest = max(shapes, key=lambda n: math.prod(shapes[n]))
+    if math.prod(shapes[largest]) > chunk_numel:
+        raise ConfigError(
+            f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
+            f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
+    groups: list[list[str]] = [[]]
+    fill = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if fill + numel > chunk_numel:
+            groups.append([])
+            fill = 0
+        groups[-1].append(name)
+        fill = _round_up(fill + numel, align)
+    slots = []
+    for chunk, names in enumerate(groups):
+        # Decayed tensors first (stable), so the decay mask of a chunk is a prefix.
+        ordered = [n for n in names if decays(n)] + [n for n in names if not decays(n)]
+        offset = 0
+        for name in ordered:
+            slots.append(TensorSlot(name, tuple(shapes[name]), chunk, offset, decays(name)))
+            offset = _round_up(offset + math.prod(shapes[name]), align)
+    order = {name: i for i, name in enumerate(shapes)}
+    slots.sort(key=lambda s: order[s.name])
+    return _finish(chunk_numel, tuple(slots))
+
+
+def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...]) -> ChunkLayout:
+    n_chunks = max(s.chunk for s in slots) + 1
+    n_decay = [0] * n_chunks
+    for s in slots:
+        if s.decays:
+            n_decay[s.chunk] = max(n_decay[s.chunk], s.offset + s.numel)
+    for s in slots:
+        if not s.decays and s.offset < n_decay[s.chunk]:
+            raise ValueError(f"layout puts non-decayed {s.name} inside the decayed prefix")
+    return ChunkLayout(chunk_numel, slots, n_chunks, tuple(n_decay))
+
+
+def pack(layout: ChunkLayout, params: Mapping[str, np.ndarray], dtype) -> list[np.ndarray]:
+    """Tensors -> flat chunks (host numpy); padding is zero."""
+    chunks = [np.zeros(layout.chunk_numel, dtype) for _ in range(layout.n_chunks)]
+    for s in layout.slots:
+        value = np.asarray(params[s.name])
+        if value.shape != s.shape:
+            raise ConfigError(f"parameter {s.name} has shape {value.shape}, the layout expects {s.shape}")
+        chunks[s.chunk][s.offset:s.offset + s.numel] = value.reshape(-1)
+    return chunks
+
+
+def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Flat chunks -> tensors by name, in model order."""
+    host = [np.asarray(c) for c in chunks]
+    return {s.name: host[s.chunk][s.offset:s.offset + s.numel].reshape(s.shape) for s in layout.slots}
+
+
+def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
+                     multiple: int = 1, align: int = 64, candidates: int = 48) -> int:
+    """The chunk size (>= the largest tensor) whose layout wastes the fewest elements.
+
+    Waste is padding at chunk ends plus alignment gaps. Ties go to the smaller size (finer
+    placement). Candidates run from the largest tensor up to 8x it but no further than a
+    quarter of the model, so there are always several chunks to place."""
+    largest = max(math.prod(s) for s in shapes.values())
+    total = sum(_round_up(math.prod(s), align) for s in shapes.values())
+    low = _round_up(largest, multiple * align)
+    high = max(low, min(8 * largest, _round_up(total // 4, multiple * align)))
+    sizes = sorted({_round_up(int(low + (high - low) * i / candidates), multiple * align)
+                    for i in range(candidates + 1)})
+    best = min(sizes, key=lambda n: (build_layout(shapes, decays, n, align).padded_numel, n))
+    return best

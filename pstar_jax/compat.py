@@ -1,0 +1,55 @@
+"""The one place that knows how JAX versions differ (0.10.2 on Python 3.11, 0.11+ on 3.12).
+
+Everything else imports these names instead of probing jax itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.experimental.compute_on as _compute_on
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# 0.10.x: `compute_on` is a context manager and the decorator form is `compute_on2`;
+# 0.11+: `compute_on` is the decorator and `compute_on2` is gone.
+_compute_on_decorator = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+
+HOST_SPACE = jax.memory.Space.Host
+DEVICE_SPACE = jax.memory.Space.Device
+
+
+def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` as host compute inside the accelerator's jit; its outputs stay in host memory.
+
+    Inputs must already be host-resident; arrays created inside ``fn`` (iota, constants) must be
+    moved with ``to_host`` before they meet host operands, because one op cannot mix spaces."""
+    return _compute_on_decorator(compute_type="device_host", out_memory_spaces=HOST_SPACE)(fn)
+
+
+def to_host(x: Any) -> Any:
+    return jax.device_put(x, HOST_SPACE)
+
+
+def shard_map(fn: Callable[..., Any], mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any
+              ) -> Callable[..., Any]:
+    # check_vma=False: the stage functions gather and scatter by hand, and the replication of
+    # their outputs cannot always be inferred statically.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def cost_flops(compiled_or_lowered: Any) -> float:
+    """FLOPs from cost_analysis(), which is a dict in current versions and was a list before."""
+    cost = compiled_or_lowered.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def memory_stats(device: jax.Device) -> dict[str, int] | None:
+    """The backend's allocator statistics, or None where it keeps none (the CPU backend)."""
+    try:
+        return device.memory_stats()
+    except Exception:  # some plugins raise instead of returning None
+        return None

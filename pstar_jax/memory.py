@@ -1,0 +1,243 @@
+"""Where chunks live: memory kinds of the accelerator's own client, and the chunk store.
+
+Every chunk array is sharded over the ``data`` mesh axis (one device is W=1 of the same
+code) and lives in ``device`` or ``pinned_host`` memory. Moves are ``jax.device_put`` to the
+same sharding with another memory kind: host<->device DMA, never a trip through numpy or the
+CPU backend (those are 7-50x slower, see DESIGN.md).
+
+The store is the one stateful object of the engine. It keeps up to two copies of a chunk: a
+device copy and a host copy. A fetched parameter chunk keeps its host copy, so evicting it
+again while it is unchanged is free; a changed chunk (a gradient, new parameters) has one copy.
+It counts per-device bytes in each space and never lets device-resident chunk bytes exceed the
+budget: room is made by evicting the victims an ``EvictionPolicy`` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any, Hashable, Iterable, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pstar_jax.config import ConfigError, format_bytes
+
+Key = tuple[str, int]  # (chunk list, chunk id); lists: "param", "grad", "master", "opt"
+
+
+class Space(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "pinned_host"
+
+
+class Placement:
+    """The mesh and the shardings of chunks, batches and replicated scalars in each space."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.n_devices = mesh.devices.size
+
+    def sharding(self, space: Space, spec: P = P("data")) -> NamedSharding:
+        return NamedSharding(self.mesh, spec, memory_kind=space.value)
+
+    def put(self, tree: Any, space: Space) -> Any:
+        """Place a pytree: arrays sharded on their first axis, scalars replicated."""
+        return jax.tree.map(lambda x: jax.device_put(
+            x, self.sharding(space, P("data") if np.ndim(x) else P())), tree)
+
+    def per_device_bytes(self, tree: Any) -> int:
+        total = 0
+        for leaf in jax.tree.leaves(tree):
+            total += leaf.nbytes if np.ndim(leaf) == 0 else leaf.nbytes // self.n_devices
+        return total
+
+
+def space_of(tree: Any) -> Space:
+    return Space(jax.tree.leaves(tree)[0].sharding.memory_kind)
+
+
+class EvictionPolicy(Protocol):
+    def victim(self, candidates: list[Key]) -> Key:
+        """The device-resident chunk to move out first."""
+
+
+class LeastRecentlyUsed:
+    """Evict the chunk whose last use is oldest (the simple policy; the planner does better)."""
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._last_use: dict[Hashable, int] = {}
+
+    def touch(self, key: Key) -> None:
+        self._clock += 1
+        self._last_use[key] = self._clock
+
+    def victim(self, candidates: list[Key]) -> Key:
+        return min(candidates, key=lambda k: self._last_use.get(k, 0))
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Per-device bytes moved between host and device since the last reset."""
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    def reset(self) -> None:
+        self.h2d_bytes = self.d2h_bytes = 0
+
+
+@dataclasses.dataclass
+class _Entry:
+    copies: dict[Space, Any]  # one or two copies; two only while both hold the same values
+    nbytes: int  # per device, of one copy
+
+
+class ChunkStore:
+    """All chunk lists, their copies, the per-space byte counts and the device budget."""
+
+    def __init__(self, placement: Placement, device_budget_bytes: int, policy: EvictionPolicy):
+        self.placement = placement
+        self.budget_bytes = device_budget_bytes
+        self.policy = policy
+        self.traffic = Traffic()
+        self.bytes = {Space.DEVICE: 0, Space.HOST: 0}
+        self.peak_device_bytes = 0
+        self._entries: dict[Key, _Entry] = {}
+
+    # -- registration -------------------------------------------------------------------------
+    def put(self, key: Key, value: Any) -> None:
+        """Take ownership of an array (or optax state pytree) already placed in one space."""
+        if key in self._entries:
+            self.drop(key)
+        nbytes = self.placement.per_device_bytes(value)
+        space = space_of(value)
+        if space is Space.DEVICE:
+            self._make_room(nbytes, protect={key})
+        self._entries[key] = _Entry({space: value}, nbytes)
+        self._add_bytes(space, nbytes)
+
+    def take(self, key: Key, space: Space) -> Any:
+        """Remove a chunk from the store and hand its copy in ``space`` over (to be donated)."""
+        value = self.get(key, space)
+        self.drop(key)
+        return value
+
+    def drop(self, key: Key) -> None:
+        entry = self._entries.pop(key)
+        for space in entry.copies:
+            self._add_bytes(space, -entry.nbytes)
+
+    # -- queries ------------------------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    def keys(self, kind: str) -> list[Key]:
+        return sorted(k for k in self._entries if k[0] == kind)
+
+    def spaces(self, key: Key) -> tuple[Space, ...]:
+        return tuple(self._entries[key].copies)
+
+    def peek(self, key: Key) -> Any:
+        """Any copy, for reading values (checkpoints, tests); does not move anything."""
+        copies = self._entries[key].copies
+        return copies.get(Space.DEVICE, copies.get(Space.HOST))
+
+    # -- movement -----------------------------------------------------------------------------
+    def get(self, key: Key, space: Space, protect: Iterable[Key] = ()) -> Any:
+        """The copy in ``space``, copying it there first if needed (async: returns at once)."""
+        entry = self._entries[key]
+        if space not in entry.copies:
+            (source,) = entry.copies.values()
+            if space is Space.DEVICE:
+                self._make_room(entry.nbytes, protect={key, *protect})
+                self.traffic.h2d_bytes += entry.nbytes
+            else:
+                self.traffic.d2h_bytes += entry.nbytes
+            entry.copies[space] = jax.tree.map(
+                lambda x: jax.device_put(x, x.sharding.with_memory_kind(space.value)), source)
+            self._add_bytes(space, entry.nbytes)
+        if isinstance(self.policy, LeastRecentlyUsed):
+            self.policy.touch(key)
+        return entry.copies[space]
+
+    def evict(self, key: Key) -> None:
+        """Leave only a host copy: free if a clean host copy exists, else a device->host copy."""
+        entry = self._entries[key]
+        if Space.HOST not in entry.copies:
+            self.get(key, Space.HOST)
+        if Space.DEVICE in entry.copies:
+            del entry.copies[Space.DEVICE]
+            self._add_bytes(Space.DEVICE, -entry.nbytes)
+
+    def drop_copy(self, key: Key, space: Space) -> None:
+        """Forget one of two copies (e.g. the stale host copy after an in-place update)."""
+        entry = self._entries[key]
+        if len(entry.copies) > 1 and space in entry.copies:
+            del entry.copies[space]
+            self._add_bytes(space, -entry.nbytes)
+
+    def device_resident(self, kinds: Iterable[str]) -> list[Key]:
+        kinds = set(kinds)
+        return [k for k, e in self._entries.items() if k[0] in kinds and Space.DEVICE in e.copies]
+
+    def _make_room(self, nbytes: int, protect: set[Key]) -> None:
+        while self.bytes[Space.DEVICE] + nbytes > self.budget_bytes:
+            candidates = [k for k in self.device_resident(("param", "grad")) if k not in protect]
+            if not candidates:
+                raise MemoryError(
+                    f"device chunk budget {format_bytes(self.budget_bytes)} cannot hold "
+                    f"{format_bytes(self.bytes[Space.DEVICE] + nbytes)} of chunks needed at once")
+            self.evict(self.policy.victim(candidates))
+
+    def _add_bytes(self, space: Space, nbytes: int) -> None:
+        self.bytes[space] += nbytes
+        if space is Space.DEVICE:
+            self.peak_device_bytes = max(self.peak_device_bytes, self.bytes[Space.DEVICE])
+
+
+def total_host_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping or the OOM killer)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total_host_bytes()
+
+
+def device_total_bytes(device: jax.Device) -> int:
+    """What the backend lets JAX allocate on ``device``; host RAM for the CPU backend."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return total_host_bytes()
+
+
+def configure_backend(device_memory: str, host_memory: str | None) -> None:
+    """Set the GPU client's memory fraction and pinned-host pool before the backend starts.
+
+    Both are read once when the backend initialises, so this must run before any JAX
+    operation. A user's own setting of either variable wins. On a CPU both are ignored."""
+    if jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query exists
+        return
+    text = device_memory.strip()
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = 0.95  # a byte budget: let the client take most of the card, the budget limits
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--device-memory fraction must be in (0, 1], got {device_memory!r}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{min(fraction, 0.95):.3f}")
+    if host_memory:
+        from pstar_jax.config import parse_bytes
+        size = parse_bytes(host_memory, "--host-memory")
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(1, -(-size // 10**9))))

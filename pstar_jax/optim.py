@@ -1,0 +1,106 @@
+"""Split optimizer: each chunk's update runs where its fp32 state lives.
+
+Any elementwise optax transformation works, because applying it to a flat chunk equals
+applying it to each tensor in the chunk. The user gives a factory ``make_tx(decay_mask)``:
+``decay_mask`` is 1.0 where weight decay applies and 0.0 where not, a per-element array for a
+chunk (the layout puts decayed tensors first, so it is ``iota < n_decay``) or a scalar for the
+plain engine's per-tensor groups. The same factory drives both engines, so they do the same
+math. Global-norm clipping needs the norm of all grads before any update, so the executor
+sums the squares of each chunk's grad as soon as it is final and passes one scale factor in.
+
+Device-resident state is updated by a plain jit on the device; host-resident state by the
+same function under ``compute_on('device_host')`` on pinned-host arrays, so fp32 master, m and
+v never cross PCIe (only the bf16 grad goes down and the bf16 params come back up).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pstar_jax import compat
+from pstar_jax.config import OptimConfig
+from pstar_jax.memory import Placement, Space
+
+TxFactory = Callable[[Any], optax.GradientTransformation]
+
+
+def default_tx(cfg: OptimConfig) -> TxFactory:
+    """AdamW with linear warmup and cosine decay, decay applied where the mask says."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.final_lr_fraction)
+
+    def make_tx(decay_mask: Any) -> optax.GradientTransformation:
+        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay * decay_mask)
+    return make_tx
+
+
+def clip_scale(sumsq: jax.Array, clip_norm: float | None) -> jax.Array:
+    """The factor grads are multiplied by: 1 below the norm, clip_norm/norm above (as optax)."""
+    if clip_norm is None:
+        return jnp.ones((), jnp.float32)
+    norm = jnp.sqrt(sumsq)
+    return jnp.where(norm < clip_norm, 1.0, clip_norm / norm).astype(jnp.float32)
+
+
+@jax.jit
+def sum_of_squares(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
+class ChunkOptimizer:
+    """Per-chunk optax updates, one compiled function per memory space."""
+
+    def __init__(self, make_tx: TxFactory, placement: Placement, param_dtype: Any):
+        self.make_tx = make_tx
+        self.placement = placement
+        self.param_dtype = param_dtype
+        self._update = {space: self._build(space) for space in Space}
+
+    def init(self, master: jax.Array) -> Any:
+        """Optimizer state for one master chunk, placed in the master's space."""
+        state = jax.jit(self.make_tx(jnp.ones((), jnp.float32)).init)(
+            jax.device_put(master, master.sharding.with_memory_kind(Space.DEVICE.value)))
+        return self.placement.put(state, Space(master.sharding.memory_kind))
+
+    def update(self, space: Space, grad: jax.Array, master: jax.Array, state: Any,
+               scale: jax.Array, n_decay: int) -> tuple[jax.Array, Any, jax.Array]:
+        """(grad, master, state) in ``space`` -> (new master, new state, new params), in ``space``.
+
+        grad, master and state are donated: the update is in place."""
+        scalars = self.placement.put((scale, jnp.int32(n_decay)), space)
+        return self._update[space](grad, master, state, *scalars)
+
+    def _build(self, space: Space) -> Callable:
+        host = space is Space.HOST
+
+        def update(grad, master, state, scale, n_decay):
+            index = jax.lax.iota(jnp.int32, master.shape[0])
+            if host:  # created arrays start in device space; move before mixing with host ones
+                index = compat.to_host(index)
+            decay_mask = (index < n_decay).astype(jnp.float32)
+            tx = self.make_tx(decay_mask)
+            g = grad.astype(jnp.float32) * scale
+            updates, state = tx.update(g, state, master)
+            master = optax.apply_updates(master, updates)
+            return master, state, master.astype(self.param_dtype)
+
+        fn = compat.on_host(update) if host else update
+        shard = self.placement.sharding(space)
+        return jax.jit(fn, donate_argnums=(0, 1, 2), out_shardings=(shard, None, shard))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(numel: int, dtype: Any, sharding: jax.sharding.Sharding) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros((numel,), dtype), out_shardings=sharding)
+
+
+def zeros_chunk(numel: int, dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A zero chunk created directly in its sharding (no host staging)."""
+    return _zeros_fn(numel, jnp.dtype(dtype), sharding)()

@@ -1,0 +1,73 @@
+"""The plain engine: the whole model as one jit with optax, everything on the device.
+
+It is the reference for equality tests and the baseline of every benchmark. It runs the same
+stage functions as the chunked engine (composed into one loss), the same optimizer factory
+(one group with weight decay, one without) and the same clipping formula, so the two engines
+differ only in where data lives and how the step is scheduled. ``remat`` picks XLA's
+rematerialisation policy for the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pstar_jax.config import ConfigError
+from pstar_jax.executor import StepResult
+from pstar_jax.optim import TxFactory, clip_scale
+from pstar_jax.stages import StagedModel, cast_params, compose_loss
+
+REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
+    "none": None,
+    "dots": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "full": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable),
+}
+
+
+class PlainEngine:
+    def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
+                 seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+        loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
+        self.params = {n: jnp.asarray(v, jnp.float32) for n, v in model.init_params(seed).items()}
+        labels = {n: "decay" if model.decays(n) else "no_decay" for n in self.params}
+        tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
+        self.opt_state = tx.init(self.params)
+        self.micro_batches = micro_batches
+
+        def mean_loss(params, tokens_MxBxL, targets_MxBxL):
+            compute = cast_params(params, compute_dtype)
+            losses = [loss_fn(compute, tokens_MxBxL[m], targets_MxBxL[m]) for m in range(micro_batches)]
+            return sum(losses) / micro_batches
+
+        def step(params, opt_state, tokens, targets):
+            loss, grads = jax.value_and_grad(mean_loss)(params, tokens, targets)
+            sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+            scale = clip_scale(sumsq, clip_norm)
+            grads = jax.tree.map(lambda g: g * scale, grads)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, jnp.sqrt(sumsq)
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self.step_count = 0
+
+    def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        start = time.perf_counter()
+        tokens = jnp.asarray(np.stack([t for t, _ in micro_batches]), jnp.int32)
+        targets = jnp.asarray(np.stack([t for _, t in micro_batches]), jnp.int32)
+        self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens, targets)
+        loss = float(loss)  # sync: the step's time includes all its work
+        self.step_count += 1
+        model_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)))
+        return StepResult(loss=loss, grad_norm=float(norm), step_s=time.perf_counter() - start,
+                          optimizer_s=0.0, h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
+
+    def params_numpy(self) -> dict[str, np.ndarray]:
+        return {n: np.asarray(v) for n, v in self.params.items()}

@@ -1,0 +1,168 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pstar_jax import data
+from pstar_jax.data import Batches, DataError
+
+
+@pytest.mark.parametrize("vocab_size, suffix, dtype", [(256, ".u16.bin", np.uint16), (70_000, ".u32.bin", np.uint32)])
+def test_write_load_round_trip(tmp_path, vocab_size, suffix, dtype):
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=1000)
+    path = tmp_path / f"t{suffix}"
+    data.write_tokens(path, tokens, vocab_size)
+    loaded = data.load_tokens(path)
+    assert isinstance(loaded, np.memmap) and loaded.dtype == dtype and not loaded.flags.writeable
+    np.testing.assert_array_equal(loaded, tokens)
+    assert os.listdir(tmp_path) == [path.name]  # no temp file left behind
+
+
+def test_write_refuses_overwrite_and_wrong_suffix(tmp_path):
+    path = tmp_path / "t.u16.bin"
+    data.write_tokens(path, np.arange(10), 256)
+    with pytest.raises(DataError, match="already exists"):
+        data.write_tokens(path, np.arange(20), 256)
+    assert len(data.load_tokens(path)) == 10
+    data.write_tokens(path, np.arange(20), 256, overwrite=True)
+    assert len(data.load_tokens(path)) == 20
+    with pytest.raises(DataError, match=r"must end in \.u32\.bin"):
+        data.write_tokens(tmp_path / "big.u16.bin", np.arange(10), 70_000)
+    with pytest.raises(DataError, match="vocab is 5"):
+        data.write_tokens(tmp_path / "v.u16.bin", np.arange(10), 5)
+    with pytest.raises(DataError, match="all >= 0"):
+        data.write_tokens(tmp_path / "n.u16.bin", np.array([3, -1]), 256)
+    assert sorted(os.listdir(tmp_path)) == ["t.u16.bin"]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(DataError, match=r"does not exist; make one with `pstar-tokens`"):
+        data.load_tokens(tmp_path / "missing.u16.bin")
+    (tmp_path / "empty.u16.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="holds 0 tokens"):
+        data.load_tokens(tmp_path / "empty.u16.bin")
+    (tmp_path / "odd.u32.bin").write_bytes(b"\x00" * 6)
+    with pytest.raises(DataError, match="not a whole number"):
+        data.load_tokens(tmp_path / "odd.u32.bin")
+    np.arange(8, dtype=np.uint16).tofile(tmp_path / "raw.bin")
+    with pytest.raises(DataError, match="pass dtype="):
+        data.load_tokens(tmp_path / "raw.bin")
+    np.testing.assert_array_equal(data.load_tokens(tmp_path / "raw.bin", dtype=np.uint16), np.arange(8))
+
+
+def test_check_vocab():
+    data.check_vocab(np.array([0, 9]), 10)
+    with pytest.raises(DataError, match=r"token id 10 but the model's vocab is 10; pass --vocab-size >= 11"):
+        data.check_vocab(np.array([0, 10]), 10)
+
+
+def _take(batches, n):
+    return [next(batches) for _ in range(n)]
+
+
+def test_batches_deterministic_and_shifted():
+    tokens = np.arange(1000, dtype=np.uint16)
+    first = _take(Batches(tokens, 4, 16, seed=3), 5)
+    again = _take(Batches(tokens, 4, 16, seed=3), 5)
+    other = _take(Batches(tokens, 4, 16, seed=4), 5)
+    for (x, y), (x2, y2) in zip(first, again):
+        assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == np.int32
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        np.testing.assert_array_equal(y, x + 1)  # arange data: each target is the next token
+        assert np.all(x[:, 0] % 16 == 0)  # windows start on the seq_len stride
+    assert any(not np.array_equal(a[0], b[0]) for a, b in zip(first, other))
+
+
+def test_batches_exact_resume():
+    tokens = np.random.default_rng(1).integers(0, 256, size=500).astype(np.uint16)
+    fresh = Batches(tokens, 3, 8, seed=0)
+    stream = _take(fresh, 50)  # 62 windows per epoch, so this crosses epoch boundaries
+    assert fresh.state() == {"position": 50}
+    for k in (0, 7, 20, 21, 49):
+        resumed = _take(Batches(tokens, 3, 8, seed=0, position=k), 50 - k)
+        for (x, y), (x2, y2) in zip(stream[k:], resumed):
+            np.testing.assert_array_equal(x, x2)
+            np.testing.assert_array_equal(y, y2)
+
+
+def test_epochs_reshuffle_on_small_data():
+    tokens = np.arange(4 * 5 + 1, dtype=np.uint16)  # exactly 5 windows of seq_len 4
+    batches = Batches(tokens, 2, 4, seed=0)
+    assert batches.windows_per_epoch == 5
+    starts = np.concatenate([x[:, 0] for x, _ in _take(batches, 20)])  # 40 rows = 8 epochs
+    epochs = starts.reshape(8, 5)
+    for epoch in epochs:
+        assert sorted(epoch) == [0, 4, 8, 12, 16]  # each epoch visits every window once
+    assert len({tuple(e) for e in epochs}) > 1
+
+
+def test_process_split_partitions_global_batch():
+    tokens = np.random.default_rng(2).integers(0, 256, size=2000).astype(np.uint16)
+    whole = _take(Batches(tokens, 8, 16, seed=5, position=3), 4)
+    parts = [_take(Batches(tokens, 8, 16, seed=5, process_index=i, process_count=4, position=3), 4) for i in range(4)]
+    for step, (x, y) in enumerate(whole):
+        np.testing.assert_array_equal(np.concatenate([p[step][0] for p in parts]), x)
+        np.testing.assert_array_equal(np.concatenate([p[step][1] for p in parts]), y)
+        assert all(p[step][0].shape == (2, 16) for p in parts)
+    with pytest.raises(DataError, match="divisible by process_count 3"):
+        Batches(tokens, 8, 16, seed=0, process_count=3)
+
+
+def test_batches_too_little_data():
+    with pytest.raises(DataError, match="data has 16 tokens.*seq_len \\+ 1 = 17"):
+        Batches(np.arange(16), 2, 16, seed=0)
+
+
+def test_default_corpus_deterministic():
+    corpus = data.default_corpus(max_bytes=200_000)
+    assert corpus.dtype == np.uint16 and len(corpus) == 200_000
+    assert corpus.max() < 256
+    np.testing.assert_array_equal(corpus, data.default_corpus(max_bytes=200_000))
+
+
+def test_default_corpus_falls_back_without_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    corpus = data.default_corpus()
+    assert len(corpus) > 1000 and corpus.max() < 256
+    np.testing.assert_array_equal(corpus, data.default_corpus())
+
+
+def test_cli_writes_file(tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_bytes(b"hello world")
+    out = tmp_path / "out.u16.bin"
+    assert data.main([str(out), str(text), str(text)]) == 0
+    assert "23 tokens" in capsys.readouterr().out
+    np.testing.assert_array_equal(data.load_tokens(out), data.encode_bytes(b"hello world\x00hello world"))
+    assert data.main([str(tmp_path / "d.u16.bin"), "--default-corpus", "--max-bytes", "5000"]) == 0
+    assert len(data.load_tokens(tmp_path / "d.u16.bin")) == 5000
+
+
+def test_cli_bad_input_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out.u16.bin"
+    assert data.main([str(out), str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pstar-tokens: error: text file") and "does not exist" in err
+    assert os.listdir(tmp_path) == []
+
+    out.write_bytes(b"keep")
+    assert data.main([str(out), "--default-corpus"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert out.read_bytes() == b"keep"
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path):
+    out = tmp_path / "out.u16.bin"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pstar_jax.data", str(out), str(tmp_path / "missing.txt")],
+        capture_output=True, text=True, env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("pstar-tokens: error:") and proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stderr and not out.exists()
