@@ -274,3 +274,9 @@ class StagedGPT:
         c = self.config
         lookup = c.seq_len * c.d_model + (0 if c.tie_embeddings else c.vocab_size * c.d_model)
         return 6.0 * (self.n_params() - lookup) + 6.0 * c.n_layer * c.seq_len * c.d_model
+
+
+def build_model(name: str, **overrides: Any) -> StagedGPT:
+    """A preset with some fields replaced (None values are ignored): what a CLI builds."""
+    config = dataclasses.replace(preset(name), **{k: v for k, v in overrides.items() if v is not None})
+    return StagedGPT(config)

@@ -89,9 +89,12 @@ PRECISIONS = ("bf16", "fp32")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the chunked engine runs: sizes are per device, in bytes or elements as named."""
+    """How the chunked engine runs: sizes are per device, in bytes or elements as named.
+
+    ``device_budget_bytes`` None means half the model's chunk bytes plus the working memory:
+    the CPU demo default, where 'device' memory is host RAM and the point is to see chunks move."""
     chunk_numel: int
-    device_budget_bytes: int
+    device_budget_bytes: int | None
     precision: str = "bf16"
     micro_batches: int = 1
 
@@ -102,7 +105,7 @@ class EngineConfig:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_numel}")
         if self.micro_batches < 1:
             raise ConfigError(f"--micro-batches must be at least 1, got {self.micro_batches}")
-        if self.device_budget_bytes < 1:
+        if self.device_budget_bytes is not None and self.device_budget_bytes < 1:
             raise ConfigError("--device-memory must be positive")
 
     @property

@@ -29,6 +29,7 @@ from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.memory import ChunkStore, EvictionPolicy, LeastRecentlyUsed, Placement, Space
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
+from pstar_jax.trace import trace_step
 
 
 @dataclasses.dataclass
@@ -45,7 +46,11 @@ class StepResult:
 class ChunkedEngine:
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                  seed: int = 0, clip_norm: float | None = 1.0,
-                 policy: EvictionPolicy | None = None, layout: ChunkLayout | None = None):
+                 policy: EvictionPolicy | None = None, layout: ChunkLayout | None = None,
+                 batch_shape: tuple[int, int] | None = None):
+        """``cfg.device_budget_bytes`` is all the device memory the engine may use. With
+        ``batch_shape`` (global micro-batch, seq_len) the warm-up trace measures the non-model
+        memory and chunks get the rest; without it chunks get the whole budget."""
         self.cfg = cfg
         self.clip_norm = clip_norm
         self.placement = Placement(mesh)
@@ -58,33 +63,53 @@ class ChunkedEngine:
         self.bound: list[BoundStage] = [bind(s, self.layout) for s in stages]
         self.fns = StageFunctions(mesh)
         self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
-        self.store = ChunkStore(self.placement, cfg.device_budget_bytes, policy or LeastRecentlyUsed())
+        self.trace = (trace_step(self.bound, self.fns, self.placement, self.layout.chunk_numel,
+                                 self.param_dtype, *batch_shape) if batch_shape else None)
+        self.working_bytes = self.trace.peak_non_model_bytes if self.trace else 0
+        self.min_chunk_bytes = max(2 * len(b.chunks) for b in self.bound) * self.chunk_bytes(self.param_dtype)
+        if cfg.device_budget_bytes is None:
+            self.device_budget_bytes = self.working_bytes + max(self.model_data_bytes // 2, self.min_chunk_bytes)
+        else:
+            self.device_budget_bytes = cfg.device_budget_bytes
+        self.chunk_budget_bytes = self.device_budget_bytes - self.working_bytes
+        self.store = ChunkStore(self.placement, self.chunk_budget_bytes, policy or LeastRecentlyUsed())
         # Backward runs stages in reverse: a chunk's last backward use is its lowest stage.
         self.last_bwd_stage = {c: min(i for i, b in enumerate(self.bound) if c in b.chunks)
                                for c in range(self.layout.n_chunks)}
         self._check_budget()
         self.opt_space = self._place_optimizer_state()
         self._init_chunks(model.init_params(seed))
+        # Replicated exactly as in the trace, so the step reuses the trace's compilations.
+        self._offset_arrays = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
+                               for b in self.bound]
         self.step_count = 0
 
     # -- sizes and placement ------------------------------------------------------------------
     def chunk_bytes(self, dtype: Any) -> int:
         return self.layout.chunk_numel * jnp.dtype(dtype).itemsize // self.n_devices
 
+    @property
+    def model_data_bytes(self) -> int:
+        """Per device: params (their grads take their place) + fp32 master, m, v: 14 B/param in bf16."""
+        return self.layout.n_chunks * (self.chunk_bytes(self.param_dtype) + 3 * self.chunk_bytes(jnp.float32))
+
     def _check_budget(self) -> None:
         # During a stage's backward its param chunks and grad chunks are all on the device,
         # and the next stage's param chunks may already be coming in.
-        per = self.chunk_bytes(self.param_dtype)
-        need = max(2 * len(b.chunks) for b in self.bound) * per
-        if need > self.cfg.device_budget_bytes:
+        need = self.min_chunk_bytes
+        if need > self.chunk_budget_bytes:
             raise ConfigError(
-                f"--device-memory {format_bytes(self.cfg.device_budget_bytes)} cannot hold the largest "
-                f"stage's params and grads ({format_bytes(need)}); raise it or lower --chunk-size")
+                f"--device-memory {format_bytes(self.device_budget_bytes)} cannot hold the largest "
+                f"stage's params and grads ({format_bytes(need)}) plus its working memory "
+                f"({format_bytes(self.working_bytes)}); raise it to at least "
+                f"{format_bytes(need + self.working_bytes)} or lower --chunk-size or the batch")
 
     def _place_optimizer_state(self) -> list[Space]:
-        """Device for as many chunks as fit beside all bf16 params and grads (the margin), host for the rest."""
+        """Device for as many chunks as fit beside all bf16 params (the margin), host for the rest.
+
+        PatrickStar's margin: the chunk budget less the params' chunks and one stage's grads."""
         n = self.layout.n_chunks
-        margin = self.cfg.device_budget_bytes - 2 * n * self.chunk_bytes(self.param_dtype)
+        margin = self.chunk_budget_bytes - n * self.chunk_bytes(self.param_dtype) - self.min_chunk_bytes // 2
         state_bytes = 3 * self.chunk_bytes(jnp.float32)  # master, m, v
         on_device = int(np.clip(margin // state_bytes, 0, n)) if margin > 0 else 0
         return [Space.DEVICE if c < on_device else Space.HOST for c in range(n)]
@@ -101,6 +126,17 @@ class ChunkedEngine:
             self.store.put(("param", c), self.placement.put(
                 jnp.asarray(chunk).astype(self.param_dtype), Space.DEVICE if fits else Space.HOST))
 
+    def summary(self) -> str:
+        n_dev = sum(s is Space.DEVICE for s in self.opt_space)
+        params = self.layout.numel
+        return "\n".join([
+            f"chunked engine: {params:,} params in {self.layout.n_chunks} chunks of {self.layout.chunk_numel:,} "
+            f"elements ({100 * params / self.layout.padded_numel:.1f}% used), {self.n_devices} device(s)",
+            f"device memory {format_bytes(self.device_budget_bytes)} = working {format_bytes(self.working_bytes)}"
+            f" + chunks {format_bytes(self.chunk_budget_bytes)}; model data "
+            f"{format_bytes(self.model_data_bytes)}",
+            f"optimizer state: {n_dev} chunks on the device, {len(self.opt_space) - n_dev} on the host"])
+
     # -- one step -----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         if len(micro_batches) != self.cfg.micro_batches:
@@ -108,7 +144,7 @@ class ChunkedEngine:
         start = time.perf_counter()
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
-        scale = jnp.float32(1.0 / (self.n_devices * len(micro_batches)))
+        scale = self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))), Space.DEVICE)
         losses, sumsq = [], []
         for m, (tokens, targets) in enumerate(micro_batches):
             loss, sq = self._micro_batch(tokens, targets, scale, last=(m == len(micro_batches) - 1))
@@ -148,7 +184,7 @@ class ChunkedEngine:
         return loss, sumsq
 
     def _offsets(self, i: int) -> jax.Array:
-        return jnp.asarray(self.bound[i].offsets, jnp.int32)
+        return self._offset_arrays[i]
 
     def _fetch(self, i: int, nxt: int | None) -> tuple[jax.Array, ...]:
         """Stage i's param chunks on the device, and a prefetch of stage ``nxt``'s."""

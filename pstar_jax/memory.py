@@ -43,10 +43,10 @@ class Placement:
     def sharding(self, space: Space, spec: P = P("data")) -> NamedSharding:
         return NamedSharding(self.mesh, spec, memory_kind=space.value)
 
-    def put(self, tree: Any, space: Space) -> Any:
-        """Place a pytree: arrays sharded on their first axis, scalars replicated."""
+    def put(self, tree: Any, space: Space, replicated: bool = False) -> Any:
+        """Place a pytree: arrays sharded on their first axis (or replicated), scalars replicated."""
         return jax.tree.map(lambda x: jax.device_put(
-            x, self.sharding(space, P("data") if np.ndim(x) else P())), tree)
+            x, self.sharding(space, P("data") if np.ndim(x) and not replicated else P())), tree)
 
     def per_device_bytes(self, tree: Any) -> int:
         total = 0

@@ -1,0 +1,167 @@
+"""pstar-train: train a staged model (by default the Flax GPT of models/) with either engine.
+
+This module only wires parts together: flags -> configs -> data, model, engine -> loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from pstar_jax.config import ConfigError, OptimConfig, format_bytes, parse_bytes, parse_count, parse_memory
+from pstar_jax.data import DataError, default_corpus, load_tokens
+
+ENGINES = ("chunked", "plain")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pstar-train", description=__doc__.splitlines()[0])
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny", help="preset name: tiny, small, GPT2_1B ... GPT3_175B")
+    m.add_argument("--model-module", default="models.gpt",
+                   help="module with build_model(name, **overrides) returning a staged model")
+    for flag in ("--n-layer", "--d-model", "--n-head", "--vocab-size", "--seq-len"):
+        m.add_argument(flag, type=int, default=None, help="override the preset")
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all micro-batches")
+    t.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip; 0 disables")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", default=None, help="token file from pstar-tokens; default: the Python "
+                   "standard library's sources as bytes")
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=ENGINES, default="chunked")
+    e.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    e.add_argument("--remat", default="none", help="plain engine: none, dots or full")
+    e.add_argument("--device-memory", default="auto",
+                   help="device memory for chunks and activations: bytes (2GiB), a fraction of the "
+                        "device (0.8), or auto (0.9 on an accelerator; on a CPU half the model data, "
+                        "so chunks move)")
+    e.add_argument("--host-memory", default=None, help="pinned host memory pool (bytes); default: "
+                   "what the machine has available")
+    e.add_argument("--chunk-size", default="auto", help="elements per chunk (4M, 65536) or auto")
+    o = p.add_argument_group("output")
+    o.add_argument("--metrics-out", default=None, help="JSON lines, one per step")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _model(args):
+    module = importlib.import_module(args.model_module)
+    try:
+        return module.build_model(args.model, n_layer=args.n_layer, d_model=args.d_model,
+                                  n_head=args.n_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                                  tie_embeddings=args.tie_embeddings)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _tokens(args, vocab_size: int):
+    from pstar_jax.data import check_vocab
+    tokens = load_tokens(args.data) if args.data else default_corpus()
+    check_vocab(tokens, vocab_size)
+    return tokens
+
+
+def _validate(args) -> None:
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    if args.batch_size < 1 or args.micro_batches < 1 or args.batch_size % args.micro_batches:
+        raise ConfigError(f"--batch-size {args.batch_size} must be a positive multiple of "
+                          f"--micro-batches {args.micro_batches}")
+    if args.host_memory is not None:
+        parse_bytes(args.host_memory, "--host-memory")
+    if args.chunk_size != "auto":
+        parse_count(args.chunk_size, "--chunk-size")
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    from pstar_jax.memory import configure_backend
+    configure_backend("0.9" if args.device_memory == "auto" else args.device_memory, args.host_memory)
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from pstar_jax.chunks import auto_chunk_numel
+    from pstar_jax.config import EngineConfig
+    from pstar_jax.data import Batches
+    from pstar_jax.executor import ChunkedEngine
+    from pstar_jax.memory import device_total_bytes
+    from pstar_jax.metrics import MetricsWriter, Progress, step_record
+    from pstar_jax.optim import default_tx
+    from pstar_jax.plain import PlainEngine
+
+    model = _model(args)
+    cfg = model.config
+    tokens = _tokens(args, cfg.vocab_size)
+    micro = args.batch_size // args.micro_batches
+    batches = Batches(tokens, micro, cfg.seq_len, args.seed)
+    optim = OptimConfig(lr=args.lr, total_steps=args.steps, weight_decay=args.weight_decay,
+                        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
+                        clip_norm=args.clip_norm or None)
+    make_tx = default_tx(optim)
+    device = jax.devices()[0]
+    if args.engine == "plain":
+        engine = PlainEngine(model, args.precision, make_tx, args.micro_batches, args.seed,
+                             optim.clip_norm, args.remat)
+        print(f"plain engine: {model.n_params():,} params, remat {args.remat}", flush=True)
+    else:
+        shapes = model.param_shapes()
+        chunk_numel = (auto_chunk_numel(shapes, model.decays) if args.chunk_size == "auto"
+                       else parse_count(args.chunk_size, "--chunk-size"))
+        if args.device_memory == "auto":
+            on_cpu = device.platform == "cpu"
+            budget = None if on_cpu else int(0.9 * device_total_bytes(device))
+        else:
+            budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        engine = ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches),
+                               make_tx, mesh, args.seed, optim.clip_norm, batch_shape=(micro, cfg.seq_len))
+        print(engine.summary(), flush=True)
+
+    writer = MetricsWriter(args.metrics_out)
+    progress = Progress(args.steps, enabled=not args.quiet)
+    step_tokens = args.batch_size * cfg.seq_len
+    try:
+        for step in range(engine.step_count, args.steps):
+            result = engine.step([next(batches) for _ in range(args.micro_batches)])
+            record = step_record(step, result, step_tokens, model.flops_per_token())
+            writer.write(record)
+            progress.update(record)
+    finally:
+        progress.close()
+        writer.close()
+    print(f"done: {args.steps} steps, final loss {result.loss:.4f}, "
+          f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(result.h2d_bytes)} h2d / "
+          f"{format_bytes(result.d2h_bytes)} d2h in the last step")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except (ConfigError, DataError) as err:
+        print(f"pstar-train: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pstar-train: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""Test setup: 8 fake CPU devices (set before JAX starts) and a shared compilation cache."""
+
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+# Many tests compile the same tiny stage functions; a persistent cache makes repeats cheap.
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "pstar_jax_test_xla_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,183 @@
+"""The chunked engine against the plain engine: same numbers, budgets kept, bytes moved."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from models.gpt import StagedGPT, preset
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
+from pstar_jax.executor import ChunkedEngine
+from pstar_jax.memory import Space
+from pstar_jax.optim import default_tx
+from pstar_jax.plain import PlainEngine
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
+CHUNK = 8192  # tiny GPT: 6 chunks, two per block
+
+
+def mesh1():
+    return Mesh(np.array(jax.devices()[:1]), ("data",))
+
+
+def model(**overrides):
+    return StagedGPT(dataclasses.replace(preset("tiny"), **overrides))
+
+
+def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_steps):
+        step = []
+        for _ in range(micro_batches):
+            tok = rng.integers(0, 256, (batch, seq + 1))
+            step.append((tok[:, :-1], tok[:, 1:]))
+        out.append(step)
+    return out
+
+
+def chunked(m, budget, precision="fp32", micro_batches=1, optim=OPTIM, **kw):
+    cfg = EngineConfig(chunk_numel=CHUNK, device_budget_bytes=budget, precision=precision,
+                       micro_batches=micro_batches)
+    return ChunkedEngine(m, cfg, default_tx(optim), mesh1(), clip_norm=optim.clip_norm, **kw)
+
+
+def plain(m, precision="fp32", micro_batches=1, optim=OPTIM):
+    return PlainEngine(m, precision, default_tx(optim), micro_batches, clip_norm=optim.clip_norm)
+
+
+def run_both(a, b, steps):
+    la, lb = [], []
+    for step in steps:
+        la.append(a.step(step).loss)
+        lb.append(b.step(step).loss)
+    return np.array(la), np.array(lb)
+
+
+def assert_params_close(engine, reference, rtol, atol):
+    pa, pb = engine.params(), reference.params_numpy()
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        np.testing.assert_allclose(pa[name], pb[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp32_equals_plain_under_eviction(tied):
+    """fp32: same per-step losses (rtol 1e-5) and final params as plain, with chunks moving."""
+    m = model(tie_embeddings=tied)
+    engine = chunked(m, budget=200_000)
+    reference = plain(m)
+    steps = batches(5)
+    moved = []
+    la, lb = [], []
+    for step in steps:
+        r = engine.step(step)
+        la.append(r.loss)
+        lb.append(reference.step(step).loss)
+        moved.append(r.h2d_bytes + r.d2h_bytes)
+        assert r.device_chunk_peak_bytes <= engine.chunk_budget_bytes
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    assert min(moved) > 0, "a budget below the model size must move chunks"
+    assert_params_close(engine, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_close_to_plain():
+    """bf16 compute with fp32 master: losses within 1e-3 relative, params within bf16 rounding."""
+    m = model()
+    engine, reference = chunked(m, budget=150_000, precision="bf16"), plain(m, "bf16")
+    la, lb = run_both(engine, reference, batches(5))
+    np.testing.assert_allclose(la, lb, rtol=1e-3)
+    assert_params_close(engine, reference, rtol=0, atol=2e-2)
+
+
+def test_everything_resident_moves_nothing():
+    """With room for all model data, no bytes cross after the first step and Adam runs on the device."""
+    engine = chunked(model(), budget=10**8)
+    assert all(s is Space.DEVICE for s in engine.opt_space)
+    results = [engine.step(step) for step in batches(2)]
+    assert results[-1].h2d_bytes == 0 and results[-1].d2h_bytes == 0
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """Two micro-batches of 4 equal one batch of 8 (mean of equal-size means), and plain with 2."""
+    m = model()
+    steps2 = batches(3, micro_batches=2)
+    steps1 = [[(np.concatenate([a[0] for a in s]), np.concatenate([a[1] for a in s]))] for s in steps2]
+    accumulated = chunked(m, budget=200_000, micro_batches=2)
+    big = plain(m)
+    la, lb = run_both_separately(accumulated, steps2, big, steps1)
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    assert_params_close(accumulated, big, rtol=1e-5, atol=1e-6)
+    reference = plain(m, micro_batches=2)
+    lc = [reference.step(s).loss for s in steps2]
+    np.testing.assert_allclose(la, lc, rtol=1e-5)
+
+
+def run_both_separately(a, steps_a, b, steps_b):
+    return np.array([a.step(s).loss for s in steps_a]), np.array([b.step(s).loss for s in steps_b])
+
+
+def test_clipping_matches_plain_and_bites():
+    """Global-norm clipping: same as plain, and different from not clipping."""
+    m = model()
+    clipped = dataclasses.replace(OPTIM, clip_norm=0.05)
+    engine, reference = chunked(m, budget=200_000, optim=clipped), plain(m, optim=clipped)
+    unclipped = chunked(m, budget=200_000)
+    steps = batches(3)
+    norms = []
+    for step in steps:
+        r = engine.step(step)
+        norms.append(r.grad_norm)
+        reference.step(step)
+        unclipped.step(step)
+    assert min(norms) > 0.05, "the test must actually clip"
+    assert_params_close(engine, reference, rtol=1e-5, atol=1e-6)
+    diff = max(np.abs(engine.params()[n] - unclipped.params()[n]).max() for n in engine.params())
+    assert diff > 1e-4
+
+
+def test_weight_decay_mask_matches_plain():
+    """Strong decay: chunks (decay prefix per chunk) equal plain (decay by tensor group)."""
+    m = model()
+    decayed = dataclasses.replace(OPTIM, weight_decay=2.0)
+    engine, reference = chunked(m, budget=200_000, optim=decayed), plain(m, optim=decayed)
+    run_both(engine, reference, batches(3))
+    assert_params_close(engine, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_host_and_device_adam_agree():
+    """The same training with optimizer state all on the host and all on the device: equal params."""
+    m = model()
+    host = chunked(m, budget=200_000)
+    device = chunked(m, budget=10**8)
+    assert all(s is Space.HOST for s in host.opt_space)
+    la, lb = run_both(host, device, batches(3))
+    np.testing.assert_array_equal(la, lb)
+    for name, value in host.params().items():
+        np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
+
+
+def test_params_and_grads_never_both_alive_after_last_use():
+    """After a step the store holds params, master and opt state per chunk, and no grads."""
+    engine = chunked(model(), budget=200_000)
+    engine.step(batches(1)[0])
+    n = engine.layout.n_chunks
+    for kind in ("param", "master", "opt"):
+        assert len(engine.store.keys(kind)) == n
+    assert engine.store.keys("grad") == []
+
+
+def test_budget_too_small_for_a_stage_is_a_config_error():
+    """A budget that cannot hold one stage's params and grads plus working memory: ConfigError."""
+    with pytest.raises(ConfigError, match="cannot hold the largest stage"):
+        chunked(model(), budget=50_000, batch_shape=(4, 64))
+
+
+def test_trace_budget_split():
+    """With the batch shape known, chunks get the budget less the traced working memory."""
+    engine = chunked(model(), budget=10**7, batch_shape=(4, 64))
+    assert 0 < engine.working_bytes < 10**7
+    assert engine.chunk_budget_bytes == 10**7 - engine.working_bytes
+    assert engine.trace.moments[-1].phase == "adam"
