@@ -80,6 +80,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[str]:
+    return [n for n in names if decays(n)] + [n for n in names if not decays(n)]
+
+
+def _extent(names: Sequence[str], shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
+            align: int) -> int:
+    """Elements a chunk holding ``names`` spans, laid out decayed first with aligned offsets."""
+    end = 0
+    for name in _decay_first(names, decays):
+        end = _round_up(end, align) + math.prod(shapes[name])
+    return end
+
+
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                  chunk_numel: int, align: int = 64) -> ChunkLayout:
     """Greedy placement in model order; raises ConfigError if a tensor cannot fit a chunk."""
@@ -89,20 +102,16 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
             f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
     groups: list[list[str]] = [[]]
-    fill = 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        if fill + numel > chunk_numel:
+    for name in shapes:
+        # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
+        # reordering changes the alignment gaps.
+        if groups[-1] and _extent(groups[-1] + [name], shapes, decays, align) > chunk_numel:
             groups.append([])
-            fill = 0
         groups[-1].append(name)
-        fill = _round_up(fill + numel, align)
     slots = []
     for chunk, names in enumerate(groups):
-        # Decayed tensors first (stable), so the decay mask of a chunk is a prefix.
-        ordered = [n for n in names if decays(n)] + [n for n in names if not decays(n)]
-        offset = 0
-        for name in ordered:
+        offset = 0  # decayed tensors first (stable), so a chunk's decay mask is a prefix
+        for name in _decay_first(names, decays):
             slots.append(TensorSlot(name, tuple(shapes[name]), chunk, offset, decays(name)))
             offset = _round_up(offset + math.prod(shapes[name]), align)
     order = {name: i for i, name in enumerate(shapes)}
@@ -140,17 +149,30 @@ def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.nd
 
 
 def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-                     multiple: int = 1, align: int = 64, candidates: int = 48) -> int:
+                     multiple: int = 1, align: int = 64, max_candidates: int = 512) -> int:
     """The chunk size (>= the largest tensor) whose layout wastes the fewest elements.
 
-    Waste is padding at chunk ends plus alignment gaps. Ties go to the smaller size (finer
-    placement). Candidates run from the largest tensor up to 8x it but no further than a
-    quarter of the model, so there are always several chunks to place."""
-    largest = max(math.prod(s) for s in shapes.values())
-    total = sum(_round_up(math.prod(s), align) for s in shapes.values())
-    low = _round_up(largest, multiple * align)
-    high = max(low, min(8 * largest, _round_up(total // 4, multiple * align)))
-    sizes = sorted({_round_up(int(low + (high - low) * i / candidates), multiple * align)
-                    for i in range(candidates + 1)})
-    best = min(sizes, key=lambda n: (build_layout(shapes, decays, n, align).padded_numel, n))
-    return best
+    Waste is padding at chunk ends plus alignment gaps. A least-waste size is always the
+    extent of some run of consecutive tensors (a smaller size would not change the layout of a
+    full chunk), so those extents are the candidates; repeated blocks make most of them equal.
+    Sizes run from the largest tensor up to 2x it (coarser chunks place memory too coarsely),
+    but no further than a quarter of the model,
+    so there are always several chunks to place. Ties go to the smaller size."""
+    names = list(shapes)
+    sizes = [_round_up(math.prod(shapes[n]), align) for n in names]
+    low = _round_up(max(math.prod(s) for s in shapes.values()), multiple * align)
+    high = max(low, min(2 * low, _round_up(sum(sizes) // 4, multiple * align)))
+    candidates = {low}
+    for i in range(len(names)):
+        run = 0
+        for size in sizes[i:]:
+            run += size
+            if run > high:
+                break
+            if run >= low:
+                candidates.add(_round_up(run, multiple))
+    ordered = sorted(candidates)
+    if len(ordered) > max_candidates:  # keep the search quick for huge, irregular models
+        step = len(ordered) / max_candidates
+        ordered = sorted({ordered[int(i * step)] for i in range(max_candidates)} | {low})
+    return min(ordered, key=lambda n: (build_layout(shapes, decays, n, align).padded_numel, n))

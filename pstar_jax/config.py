@@ -55,10 +55,13 @@ def parse_count(text: str | int, what: str) -> int:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    """Bytes for people: '1023 B', '1.50 KiB', '2.00 GiB' (rounding never shows '1024')."""
+    if abs(n) < 1023.5:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
+        if abs(n) < 1023.995 or unit == "TiB":
+            return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
 
 

@@ -51,7 +51,8 @@ class Placement:
     def per_device_bytes(self, tree: Any) -> int:
         total = 0
         for leaf in jax.tree.leaves(tree):
-            total += leaf.nbytes if np.ndim(leaf) == 0 else leaf.nbytes // self.n_devices
+            replicated = np.ndim(leaf) == 0 or leaf.sharding.is_fully_replicated
+            total += leaf.nbytes if replicated else leaf.nbytes // self.n_devices
         return total
 
 
@@ -60,6 +61,9 @@ def space_of(tree: Any) -> Space:
 
 
 class EvictionPolicy(Protocol):
+    def touch(self, key: Key) -> None:
+        """``key`` was just used (fetched, read or written)."""
+
     def victim(self, candidates: list[Key]) -> Key:
         """The device-resident chunk to move out first."""
 
@@ -118,6 +122,7 @@ class ChunkStore:
             self._make_room(nbytes, protect={key})
         self._entries[key] = _Entry({space: value}, nbytes)
         self._add_bytes(space, nbytes)
+        self.policy.touch(key)
 
     def take(self, key: Key, space: Space) -> Any:
         """Remove a chunk from the store and hand its copy in ``space`` over (to be donated)."""
@@ -159,8 +164,7 @@ class ChunkStore:
             entry.copies[space] = jax.tree.map(
                 lambda x: jax.device_put(x, x.sharding.with_memory_kind(space.value)), source)
             self._add_bytes(space, entry.nbytes)
-        if isinstance(self.policy, LeastRecentlyUsed):
-            self.policy.touch(key)
+        self.policy.touch(key)
         return entry.copies[space]
 
     def evict(self, key: Key) -> None:

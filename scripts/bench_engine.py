@@ -1,0 +1,74 @@
+"""Step time of the chunked engine (everything resident) beside the plain engine, one run.
+
+    python scripts/bench_engine.py --model small --batch-size 16 --steps 20
+
+Both engines train the same model on the same batches; the figure is the median step time
+after warm-up steps (compilation excluded). Target on a CPU: chunked within 1.25x of plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from models.gpt import build_model  # noqa: E402
+from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
+from pstar_jax.executor import ChunkedEngine  # noqa: E402
+from pstar_jax.optim import default_tx  # noqa: E402
+from pstar_jax.plain import PlainEngine  # noqa: E402
+
+
+def median_step_s(engine, steps, warmup: int) -> tuple[float, object]:
+    times, last = [], None
+    for i, step in enumerate(steps):
+        last = engine.step(step)
+        if i >= warmup:
+            times.append(last.step_s)
+    return statistics.median(times), last
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--remat", default="none")
+    args = p.parse_args()
+
+    model = build_model(args.model, n_layer=args.n_layer)
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(args.steps):
+        tok = rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1))
+        steps.append([(tok[:, :-1], tok[:, 1:])])
+    make_tx = default_tx(OptimConfig(total_steps=args.steps))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    chunked = ChunkedEngine(model, EngineConfig(2 ** 22, 2 ** 40, args.precision), make_tx, mesh)
+    plain = PlainEngine(model, args.precision, make_tx, remat=args.remat)
+    t_chunked, r = median_step_s(chunked, steps, args.warmup)
+    t_plain, _ = median_step_s(plain, steps, args.warmup)
+    tokens = args.batch_size * cfg.seq_len
+    print(f"model {args.model}: {model.n_params():,} params, batch {args.batch_size}x{cfg.seq_len}, "
+          f"{args.precision}, {jax.devices()[0].platform}, {chunked.layout.n_chunks} chunks, "
+          f"median of {args.steps - args.warmup} steps")
+    print(f"{'engine':<28}{'step_s':>10}{'tokens/s':>12}{'h2d+d2h/step':>15}")
+    print(f"{'chunked (all resident)':<28}{t_chunked:>10.4f}{tokens / t_chunked:>12,.0f}"
+          f"{r.h2d_bytes + r.d2h_bytes:>15,}")
+    print(f"{'plain (remat ' + args.remat + ')':<28}{t_plain:>10.4f}{tokens / t_plain:>12,.0f}{0:>15,}")
+    print(f"chunked / plain = {t_chunked / t_plain:.3f} (target <= 1.25)")
+
+
+if __name__ == "__main__":
+    main()

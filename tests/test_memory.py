@@ -1,0 +1,219 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from pstar_jax.memory import ChunkStore, LeastRecentlyUsed, Placement, Space, space_of
+
+NUMEL = 1024
+CHUNK_BYTES = NUMEL * 4  # float32
+
+
+def one_device() -> Placement:
+    return Placement(Mesh(np.array(jax.devices()[:1]), ("data",)))
+
+
+def chunk(placement: Placement, value: float, space: Space) -> jax.Array:
+    return placement.put(jnp.full((NUMEL,), value, jnp.float32), space)
+
+
+def store_of(n_chunks: int, space: Space, budget_chunks: int = 2) -> ChunkStore:
+    """A store with ``n_chunks`` param chunks of value i in ``space``, budget ``budget_chunks``."""
+    placement = one_device()
+    store = ChunkStore(placement, budget_chunks * CHUNK_BYTES, LeastRecentlyUsed())
+    for i in range(n_chunks):
+        store.put(("param", i), chunk(placement, i, space))
+    return store
+
+
+def test_put_counts_bytes_per_space():
+    """put() adds each chunk's per-device bytes to the count of the space it lives in."""
+    placement = one_device()
+    store = ChunkStore(placement, 10 * CHUNK_BYTES, LeastRecentlyUsed())
+    store.put(("param", 0), chunk(placement, 0, Space.DEVICE))
+    store.put(("master", 0), chunk(placement, 0, Space.HOST))
+    store.put(("master", 1), chunk(placement, 1, Space.HOST))
+    assert store.bytes == {Space.DEVICE: CHUNK_BYTES, Space.HOST: 2 * CHUNK_BYTES}
+    store.put(("master", 1), chunk(placement, 1, Space.DEVICE))  # replaces the host copy
+    assert store.bytes == {Space.DEVICE: 2 * CHUNK_BYTES, Space.HOST: CHUNK_BYTES}
+    assert store.spaces(("master", 1)) == (Space.DEVICE,)
+    assert store.keys("master") == [("master", 0), ("master", 1)]
+    assert store.traffic.h2d_bytes == store.traffic.d2h_bytes == 0
+
+
+def test_fetch_keeps_host_copy_and_clean_evict_is_free():
+    """get(DEVICE) of a host chunk copies it down; evicting it unchanged moves nothing back."""
+    store = store_of(1, Space.HOST)
+    key = ("param", 0)
+    fetched = store.get(key, Space.DEVICE)
+    assert fetched.sharding.memory_kind == "device"
+    assert set(store.spaces(key)) == {Space.DEVICE, Space.HOST}
+    assert store.traffic.h2d_bytes == CHUNK_BYTES and store.traffic.d2h_bytes == 0
+    assert store.bytes == {Space.DEVICE: CHUNK_BYTES, Space.HOST: CHUNK_BYTES}
+    assert store.get(key, Space.DEVICE) is fetched  # already there: no second copy
+    assert store.traffic.h2d_bytes == CHUNK_BYTES
+    store.evict(key)
+    assert store.spaces(key) == (Space.HOST,)
+    assert store.traffic.d2h_bytes == 0
+    assert store.bytes == {Space.DEVICE: 0, Space.HOST: CHUNK_BYTES}
+    assert store.peek(key).sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(store.peek(key)), np.zeros(NUMEL, np.float32))
+
+
+def test_evict_device_only_chunk_copies_up():
+    """Evicting a chunk with no host copy moves it d2h, counted once, values intact."""
+    store = store_of(1, Space.DEVICE)
+    key = ("param", 0)
+    store.put(key, chunk(store.placement, 3.0, Space.DEVICE))
+    store.evict(key)
+    assert store.spaces(key) == (Space.HOST,)
+    assert store.traffic.d2h_bytes == CHUNK_BYTES and store.traffic.h2d_bytes == 0
+    assert store.bytes == {Space.DEVICE: 0, Space.HOST: CHUNK_BYTES}
+    host = store.peek(key)
+    assert host.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(host), np.full(NUMEL, 3.0, np.float32))
+    store.evict(key)  # already host-only: nothing moves
+    assert store.traffic.d2h_bytes == CHUNK_BYTES
+
+
+def test_get_host_copy_of_device_chunk():
+    """get(HOST) of a device chunk copies it up and keeps both copies, counting both spaces."""
+    store = store_of(1, Space.DEVICE)
+    host = store.get(("param", 0), Space.HOST)
+    assert host.sharding.memory_kind == "pinned_host" and space_of(host) is Space.HOST
+    assert store.traffic.d2h_bytes == CHUNK_BYTES
+    assert store.bytes == {Space.DEVICE: CHUNK_BYTES, Space.HOST: CHUNK_BYTES}
+    store.drop_copy(("param", 0), Space.DEVICE)
+    assert store.spaces(("param", 0)) == (Space.HOST,) and store.bytes[Space.DEVICE] == 0
+    store.drop_copy(("param", 0), Space.HOST)  # the only copy is never dropped
+    assert store.spaces(("param", 0)) == (Space.HOST,)
+
+
+def test_budget_evicts_least_recently_used():
+    """With room for two chunks, fetching a third evicts the one used longest ago."""
+    store = store_of(3, Space.HOST, budget_chunks=2)
+    store.get(("param", 0), Space.DEVICE)
+    store.get(("param", 1), Space.DEVICE)
+    store.get(("param", 0), Space.DEVICE)  # 1 is now the least recently used
+    store.get(("param", 2), Space.DEVICE)
+    assert set(store.device_resident(["param"])) == {("param", 0), ("param", 2)}
+    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
+    assert store.traffic.d2h_bytes == 0  # the victim had a clean host copy
+    assert store.traffic.h2d_bytes == 3 * CHUNK_BYTES
+
+
+def test_budget_never_exceeded():
+    """Over a long access sequence device bytes stay within the budget and the peak is exact."""
+    rng = np.random.default_rng(0)
+    store = store_of(6, Space.HOST, budget_chunks=3)
+    seen = 0
+    for key in rng.integers(0, 6, size=60):
+        value = store.get(("param", int(key)), Space.DEVICE)
+        assert value.sharding.memory_kind == "device"
+        assert store.bytes[Space.DEVICE] <= store.budget_bytes
+        assert store.bytes[Space.DEVICE] == CHUNK_BYTES * len(store.device_resident(["param"]))
+        seen = max(seen, store.bytes[Space.DEVICE])
+    assert store.peak_device_bytes == seen == 3 * CHUNK_BYTES
+    for i in range(6):  # every chunk kept its values through the moves
+        np.testing.assert_array_equal(np.asarray(store.peek(("param", i))), np.full(NUMEL, i, np.float32))
+
+
+def test_put_on_device_makes_room():
+    """Putting a device chunk into a full budget evicts another (a changed one costs d2h)."""
+    store = store_of(2, Space.DEVICE, budget_chunks=2)
+    store.put(("grad", 0), chunk(store.placement, 7.0, Space.DEVICE))
+    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
+    assert Space.DEVICE in store.spaces(("grad", 0))
+    assert store.traffic.d2h_bytes == CHUNK_BYTES
+    assert store.peak_device_bytes == 2 * CHUNK_BYTES
+
+
+def test_put_counts_as_a_use():
+    """A chunk put on the device is more recently used than one fetched before it."""
+    store = store_of(3, Space.HOST, budget_chunks=2)
+    store.get(("param", 0), Space.DEVICE)
+    store.put(("grad", 0), chunk(store.placement, 5.0, Space.DEVICE))
+    store.get(("param", 1), Space.DEVICE)
+    assert set(store.device_resident(["param", "grad"])) == {("grad", 0), ("param", 1)}
+    assert store.traffic.d2h_bytes == 0
+
+
+def test_protect_is_honoured():
+    """Protected chunks are never chosen, even when they are the least recently used."""
+    store = store_of(3, Space.HOST, budget_chunks=2)
+    store.get(("param", 0), Space.DEVICE)
+    store.get(("param", 1), Space.DEVICE)
+    store.get(("param", 2), Space.DEVICE, protect=[("param", 0)])
+    assert set(store.device_resident(["param"])) == {("param", 0), ("param", 2)}
+
+
+def test_memory_error_when_nothing_can_be_evicted():
+    """If every resident chunk is protected, get() raises MemoryError and changes nothing."""
+    store = store_of(3, Space.HOST, budget_chunks=2)
+    store.get(("param", 0), Space.DEVICE)
+    store.get(("param", 1), Space.DEVICE)
+    before = (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes)
+    with pytest.raises(MemoryError, match="budget 8.00 KiB cannot hold 12.00 KiB"):
+        store.get(("param", 2), Space.DEVICE, protect=[("param", 0), ("param", 1)])
+    assert (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes) == before
+    assert store.spaces(("param", 2)) == (Space.HOST,)
+
+
+def test_optimizer_state_is_not_evicted():
+    """Only param and grad chunks are eviction candidates; master/opt chunks stay put."""
+    placement = one_device()
+    store = ChunkStore(placement, 2 * CHUNK_BYTES, LeastRecentlyUsed())
+    store.put(("master", 0), chunk(placement, 0, Space.DEVICE))
+    store.put(("param", 0), chunk(placement, 0, Space.DEVICE))
+    store.put(("master", 1), chunk(placement, 1, Space.DEVICE))
+    assert store.spaces(("param", 0)) == (Space.HOST,)  # the param made room
+    with pytest.raises(MemoryError):
+        store.put(("opt", 0), chunk(placement, 2, Space.DEVICE))
+    assert set(store.device_resident(["master", "opt"])) == {("master", 0), ("master", 1)}
+    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
+
+
+def test_take_removes_and_returns():
+    """take() hands over the copy in the asked space and forgets the chunk and its bytes."""
+    store = store_of(2, Space.HOST)
+    store.get(("param", 1), Space.DEVICE)
+    value = store.take(("param", 1), Space.DEVICE)
+    assert value.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(value), np.ones(NUMEL, np.float32))
+    assert ("param", 1) not in store and store.keys("param") == [("param", 0)]
+    assert store.bytes == {Space.DEVICE: 0, Space.HOST: CHUNK_BYTES}
+    host = store.take(("param", 0), Space.HOST)
+    assert host.sharding.memory_kind == "pinned_host"
+    assert store.bytes == {Space.DEVICE: 0, Space.HOST: 0} and store.traffic.d2h_bytes == 0
+
+
+def test_pytree_values():
+    """An optax-like state pytree is one entry; its scalars count in full and move with it."""
+    placement = one_device()
+    store = ChunkStore(placement, 10 * CHUNK_BYTES, LeastRecentlyUsed())
+    state = placement.put({"count": jnp.int32(0), "mu": jnp.zeros(NUMEL), "nu": jnp.zeros(NUMEL)}, Space.HOST)
+    store.put(("opt", 0), state)
+    assert store.bytes[Space.HOST] == 2 * CHUNK_BYTES + 4
+    on_device = store.get(("opt", 0), Space.DEVICE)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(on_device)} == {"device"}
+    assert store.traffic.h2d_bytes == 2 * CHUNK_BYTES + 4
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
+def test_per_device_bytes_over_eight_devices():
+    """A chunk sharded over 8 devices costs nbytes/8 per device; replicated scalars cost in full."""
+    placement = Placement(Mesh(np.array(jax.devices()[:8]), ("data",)))
+    assert placement.n_devices == 8
+    x = placement.put(jnp.zeros((NUMEL,), jnp.float32), Space.DEVICE)
+    assert len(x.addressable_shards) == 8 and x.addressable_shards[0].data.shape == (NUMEL // 8,)
+    assert placement.per_device_bytes(x) == CHUNK_BYTES // 8
+    scalar = placement.put(jnp.float32(1.0), Space.HOST)
+    assert scalar.sharding.is_fully_replicated and scalar.sharding.memory_kind == "pinned_host"
+    assert placement.per_device_bytes(scalar) == 4
+    assert placement.per_device_bytes({"s": scalar, "x": x, "y": x}) == 2 * CHUNK_BYTES // 8 + 4
+    store = ChunkStore(placement, CHUNK_BYTES // 8, LeastRecentlyUsed())
+    store.put(("param", 0), placement.put(jnp.zeros((NUMEL,), jnp.float32), Space.HOST))
+    store.get(("param", 0), Space.DEVICE)
+    assert store.bytes == {Space.DEVICE: CHUNK_BYTES // 8, Space.HOST: CHUNK_BYTES // 8}
+    assert store.traffic.h2d_bytes == CHUNK_BYTES // 8
