@@ -118,14 +118,24 @@ def _gather(chunks):
     return [jax.lax.all_gather(c, "data", tiled=True) for c in chunks]
 
 
-def _accumulate(grad_chunks, param_grads, offsets, pattern):
-    """grad_chunks[j] += this stage's tensor grads, reduce-scattered to each device's shard."""
+def _accumulate(grad_chunks, param_grads, offsets, pattern, n_devices: int):
+    """grad_chunks[j] += this stage's tensor grads, reduce-scattered to each device's shard.
+
+    With one device the grads are added in place, touching only their own elements; with W
+    devices a full-chunk buffer is reduce-scattered, since tensors do not align with shards."""
     out = []
     for j, g_chunk in enumerate(grad_chunks):
-        full = jnp.zeros((g_chunk.shape[0] * jax.lax.psum(1, "data"),), g_chunk.dtype)
-        for i, (k, _) in enumerate(pattern):
-            if k == j:
-                full = jax.lax.dynamic_update_slice(full, param_grads[i].reshape(-1).astype(full.dtype), (offsets[i],))
+        mine = [(i, shape) for i, (k, shape) in enumerate(pattern) if k == j]
+        if n_devices == 1:
+            for i, shape in mine:
+                old = jax.lax.dynamic_slice(g_chunk, (offsets[i],), (math.prod(shape),))
+                new = old + param_grads[i].reshape(-1).astype(g_chunk.dtype)
+                g_chunk = jax.lax.dynamic_update_slice(g_chunk, new, (offsets[i],))
+            out.append(g_chunk)
+            continue
+        full = jnp.zeros((g_chunk.shape[0] * n_devices,), g_chunk.dtype)
+        for i, _ in mine:
+            full = jax.lax.dynamic_update_slice(full, param_grads[i].reshape(-1).astype(full.dtype), (offsets[i],))
         out.append(g_chunk + jax.lax.psum_scatter(full, "data", tiled=True))
     return tuple(out)
 
@@ -135,6 +145,7 @@ class StageFunctions:
 
     def __init__(self, mesh: jax.sharding.Mesh):
         self.mesh = mesh
+        self.n_devices = mesh.devices.size
         self._cache: dict[tuple, Callable] = {}
 
     def _get(self, role: str, bound: BoundStage, build: Callable[[], Callable]) -> Callable:
@@ -171,7 +182,7 @@ class StageFunctions:
             else:
                 _, vjp = jax.vjp(apply, params, x)
                 gp, gx = vjp(gy)
-            return gx, _accumulate(grad_chunks, gp, offsets, pattern)
+            return gx, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in range(n))
         return self._get("bwd_first" if first else "bwd", bound, lambda: jax.jit(
@@ -191,7 +202,7 @@ class StageFunctions:
                 return apply(params, h, targets) * scale
             loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(
                 _views(_gather(chunks), offsets, pattern), h)
-            return jax.lax.psum(loss, "data"), gh, _accumulate(grad_chunks, gp, offsets, pattern)
+            return jax.lax.psum(loss, "data"), gh, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in range(n))
         return self._get("head", bound, lambda: jax.jit(
