@@ -88,6 +88,7 @@ class OptimConfig:
 
 
 PRECISIONS = ("bf16", "fp32")
+ADAM_PLACEMENTS = ("auto", "device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +101,12 @@ class EngineConfig:
     device_budget_bytes: int | None
     precision: str = "bf16"
     micro_batches: int = 1
+    adam_placement: str = "auto"  # where fp32 master and optimizer state live: auto, device, host
 
     def __post_init__(self) -> None:
+        if self.adam_placement not in ADAM_PLACEMENTS:
+            raise ConfigError(f"--adam-placement must be one of {', '.join(ADAM_PLACEMENTS)}, "
+                              f"got {self.adam_placement!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.chunk_numel < 1:

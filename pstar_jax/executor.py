@@ -1,16 +1,16 @@
-"""The chunked engine: one training step run stage by stage over chunks.
+"""The chunked engine: one training step run stage by stage over chunks, as the plan says.
 
 Per micro-batch: forward through the stages, keeping only each stage's input (activation
 checkpointing at stage boundaries); the last stage computes loss and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
-into gradient chunks. Before a stage runs, its chunks are fetched to the device and the next
-stage's are requested too: JAX dispatch is asynchronous, so that copy overlaps the current
-stage's compute. After a chunk's last backward use in the last micro-batch its bf16 params are
-dropped and its grad takes their place (14 bytes per parameter in all). Then the optimizer
+into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
+are dropped and its grad takes their place (14 bytes per parameter in all). Then the optimizer
 updates each chunk where its fp32 state lives and yields the next bf16 params.
 
-The executor asks the store for chunks; it never decides placement by itself. Which chunks the
-store evicts is the policy's business (LRU here; the warm-up planner supplies a better one).
+Placement is the plan's: before each moment (or during the previous one, when the plan says
+prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
+performs exactly the plan's evictions and fetches, and the store refuses anything that would
+break the moment's device budget. The executor never decides placement itself.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from pstar_jax import compat
 from pstar_jax.chunks import ChunkLayout, build_layout, pack, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
-from pstar_jax.memory import ChunkStore, EvictionPolicy, LeastRecentlyUsed, Placement, Space
+from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
+from pstar_jax.plan import Access, Machine, Plan, PlanMoment, make_plan, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step
 
@@ -41,18 +43,21 @@ class StepResult:
     h2d_bytes: int
     d2h_bytes: int
     device_chunk_peak_bytes: int
+    predicted_h2d_bytes: int = 0
+    predicted_d2h_bytes: int = 0
 
 
 class ChunkedEngine:
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
-                 seed: int = 0, clip_norm: float | None = 1.0,
-                 policy: EvictionPolicy | None = None, layout: ChunkLayout | None = None,
-                 batch_shape: tuple[int, int] | None = None):
-        """``cfg.device_budget_bytes`` is all the device memory the engine may use. With
-        ``batch_shape`` (global micro-batch, seq_len) the warm-up trace measures the non-model
-        memory and chunks get the rest; without it chunks get the whole budget."""
+                 batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
+                 clip_norm: float | None = 1.0, host_bytes: int | None = None,
+                 layout: ChunkLayout | None = None):
+        """``cfg.device_budget_bytes`` is all the device memory the engine may use per device,
+        chunks and working memory together; ``batch_shape`` is the global (micro-batch, seq_len).
+        Raises ConfigError, before allocating model data, when the plan does not fit."""
         self.cfg = cfg
         self.clip_norm = clip_norm
+        self.machine = machine
         self.placement = Placement(mesh)
         self.n_devices = self.placement.n_devices
         self.param_dtype = cfg.compute_dtype
@@ -63,142 +68,153 @@ class ChunkedEngine:
         self.bound: list[BoundStage] = [bind(s, self.layout) for s in stages]
         self.fns = StageFunctions(mesh)
         self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
-        self.trace = (trace_step(self.bound, self.fns, self.placement, self.layout.chunk_numel,
-                                 self.param_dtype, *batch_shape) if batch_shape else None)
-        self.working_bytes = self.trace.peak_non_model_bytes if self.trace else 0
-        self.min_chunk_bytes = max(2 * len(b.chunks) for b in self.bound) * self.chunk_bytes(self.param_dtype)
-        if cfg.device_budget_bytes is None:
-            self.device_budget_bytes = self.working_bytes + max(self.model_data_bytes // 2, self.min_chunk_bytes)
-        else:
-            self.device_budget_bytes = cfg.device_budget_bytes
-        self.chunk_budget_bytes = self.device_budget_bytes - self.working_bytes
-        self.store = ChunkStore(self.placement, self.chunk_budget_bytes, policy or LeastRecentlyUsed())
-        # Backward runs stages in reverse: a chunk's last backward use is its lowest stage.
-        self.last_bwd_stage = {c: min(i for i, b in enumerate(self.bound) if c in b.chunks)
-                               for c in range(self.layout.n_chunks)}
-        self._check_budget()
-        self.opt_space = self._place_optimizer_state()
+        self.host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
+        self._plans: dict[tuple[int, int], tuple[Plan, list[Access]]] = {}
+        self.plan, self.accesses = self.plan_for(batch_shape)
+        self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
+        self.store = ChunkStore(self.placement, self.device_budget_bytes)
         self._init_chunks(model.init_params(seed))
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
-        self._offset_arrays = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
-                               for b in self.bound]
+        self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
+                         for b in self.bound]
         self.step_count = 0
 
-    # -- sizes and placement ------------------------------------------------------------------
-    def chunk_bytes(self, dtype: Any) -> int:
-        return self.layout.chunk_numel * jnp.dtype(dtype).itemsize // self.n_devices
+    # -- planning -----------------------------------------------------------------------------
+    @property
+    def item_bytes(self) -> int:
+        """One param (or grad) chunk, per device."""
+        return self.layout.chunk_numel * jnp.dtype(self.param_dtype).itemsize // self.n_devices
 
     @property
     def model_data_bytes(self) -> int:
-        """Per device: params (their grads take their place) + fp32 master, m, v: 14 B/param in bf16."""
-        return self.layout.n_chunks * (self.chunk_bytes(self.param_dtype) + 3 * self.chunk_bytes(jnp.float32))
+        """Per device: params (their grads take their place) + master and optimizer state."""
+        return self.layout.n_chunks * (self.item_bytes + self._opt_state_bytes())
 
-    def _check_budget(self) -> None:
-        # During a stage's backward its param chunks and grad chunks are all on the device,
-        # and the next stage's param chunks may already be coming in.
-        need = self.min_chunk_bytes
-        if need > self.chunk_budget_bytes:
-            raise ConfigError(
-                f"--device-memory {format_bytes(self.device_budget_bytes)} cannot hold the largest "
-                f"stage's params and grads ({format_bytes(need)}) plus its working memory "
-                f"({format_bytes(self.working_bytes)}); raise it to at least "
-                f"{format_bytes(need + self.working_bytes)} or lower --chunk-size or the batch")
+    def _opt_state_bytes(self) -> int:
+        return self.optimizer.state_bytes(self.layout.chunk_numel)
 
-    def _place_optimizer_state(self) -> list[Space]:
-        """Device for as many chunks as fit beside all bf16 params (the margin), host for the rest.
-
-        PatrickStar's margin: the chunk budget less the params' chunks and one stage's grads."""
-        n = self.layout.n_chunks
-        margin = self.chunk_budget_bytes - n * self.chunk_bytes(self.param_dtype) - self.min_chunk_bytes // 2
-        state_bytes = 3 * self.chunk_bytes(jnp.float32)  # master, m, v
-        on_device = int(np.clip(margin // state_bytes, 0, n)) if margin > 0 else 0
-        return [Space.DEVICE if c < on_device else Space.HOST for c in range(n)]
-
-    def _init_chunks(self, params: Any) -> None:
-        host = {name: np.asarray(value, np.float32) for name, value in params.items()}
-        for c, chunk in enumerate(pack(self.layout, host, np.float32)):
-            space = self.opt_space[c]
-            master = self.placement.put(jnp.asarray(chunk), space)
-            self.store.put(("opt", c), self.optimizer.init(master))
-            self.store.put(("master", c), master)
-            # bf16 params start where there is room; the first forward fetches the rest.
-            fits = self.store.bytes[Space.DEVICE] + self.chunk_bytes(self.param_dtype) <= self.store.budget_bytes
-            self.store.put(("param", c), self.placement.put(
-                jnp.asarray(chunk).astype(self.param_dtype), Space.DEVICE if fits else Space.HOST))
+    def plan_for(self, batch_shape: tuple[int, int]) -> tuple[Plan, list[Access]]:
+        """Trace and plan for one micro-batch shape (cached: a new shape makes a new plan)."""
+        if batch_shape not in self._plans:
+            shape = trace_step(self.bound, self.fns, self.placement, self.layout.chunk_numel, self.param_dtype,
+                               *batch_shape, self._opt_state_bytes(), self.cfg.micro_batches)
+            self.step_shape = shape
+            budget = self.cfg.device_budget_bytes
+            if budget is None:  # the CPU demo default: half the model data beside the working memory
+                stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
+                working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
+                budget = working + max(self.model_data_bytes // 2, 2 * stage_bytes)
+            self.device_budget_bytes = budget
+            plan = make_plan(shape, budget, self.host_bytes, self.machine, self.cfg.adam_placement)
+            if not plan.fits:
+                raise ConfigError(
+                    f"the model does not fit: {plan.problem} (device memory {format_bytes(budget)}, host "
+                    f"memory {format_bytes(self.host_bytes)}); raise --device-memory or --host-memory, or "
+                    f"lower --chunk-size or the batch")
+            self._plans[batch_shape] = (plan, step_accesses(shape, plan.opt_on_device))
+        return self._plans[batch_shape]
 
     def summary(self) -> str:
-        n_dev = sum(s is Space.DEVICE for s in self.opt_space)
-        params = self.layout.numel
+        p, n = self.plan, self.layout.n_chunks
+        on_device = sum(p.opt_on_device)
         return "\n".join([
-            f"chunked engine: {params:,} params in {self.layout.n_chunks} chunks of {self.layout.chunk_numel:,} "
-            f"elements ({100 * params / self.layout.padded_numel:.1f}% used), {self.n_devices} device(s)",
-            f"device memory {format_bytes(self.device_budget_bytes)} = working {format_bytes(self.working_bytes)}"
-            f" + chunks {format_bytes(self.chunk_budget_bytes)}; model data "
+            f"chunked engine: {self.layout.numel:,} params in {n} chunks of {self.layout.chunk_numel:,} "
+            f"elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used), {self.n_devices} device(s)",
+            f"plan: device memory {format_bytes(self.device_budget_bytes)} (peak {format_bytes(p.peak_device_bytes)}), "
+            f"host {format_bytes(p.peak_host_bytes)} of {format_bytes(self.host_bytes)}; model data "
             f"{format_bytes(self.model_data_bytes)}",
-            f"optimizer state: {n_dev} chunks on the device, {len(self.opt_space) - n_dev} on the host"])
+            f"plan: {100 * p.resident_fraction:.0f}% of param chunks stay on the device; Adam on the device for "
+            f"{on_device} chunks, on the host for {n - on_device}; per step {format_bytes(p.h2d_bytes)} h2d, "
+            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
+
+    def _init_chunks(self, params: Any) -> None:
+        """Master and optimizer state where the plan keeps them; params as at the plan's step start."""
+        initial = dict(self.plan.initial_device)
+        host = {name: np.asarray(value, np.float32) for name, value in params.items()}
+        for c, chunk in enumerate(pack(self.layout, host, np.float32)):
+            master = self.placement.put(jnp.asarray(chunk), self.opt_space[c])
+            self.store.put(("opt", c), self.optimizer.init(master))
+            self.store.put(("master", c), master)
+            key = ("param", c)
+            dirty = initial.get(key)
+            self.store.put(key, self.placement.put(jnp.asarray(chunk).astype(self.param_dtype),
+                                                   Space.DEVICE if dirty else Space.HOST))
+            if dirty is False:  # on the device with a valid host copy
+                self.store.get(key, Space.DEVICE)
+        self.store.traffic.reset()
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         if len(micro_batches) != self.cfg.micro_batches:
             raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
+        plan, accesses = self.plan_for(tuple(np.shape(micro_batches[0][0])))
         start = time.perf_counter()
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
-        scale = self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))), Space.DEVICE)
-        losses, sumsq = [], []
-        for m, (tokens, targets) in enumerate(micro_batches):
-            loss, sq = self._micro_batch(tokens, targets, scale, last=(m == len(micro_batches) - 1))
-            losses.append(loss)
-            sumsq.extend(sq)
-        grad_sumsq = sum(sumsq)
-        jax.block_until_ready(grad_sumsq)  # sync: optimizer_s measures the optimizer phase alone
-        opt_start = time.perf_counter()
-        self._optimizer_phase(clip_scale(grad_sumsq, self.clip_norm))
+        run = _StepState(scale=self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))),
+                                                  Space.DEVICE))
+        opt_start = None
+        moments = plan.moments
+        for t, (moment, access) in enumerate(zip(moments, accesses)):
+            if access.phase == "adam" and opt_start is None:
+                jax.block_until_ready(run.sumsq)  # sync: optimizer_s measures the optimizer phase alone
+                opt_start = time.perf_counter()
+                run.clip = clip_scale(sum(run.sumsq), self.clip_norm)
+            if not moment.prefetch:
+                self._act(moment, moment.capacity_bytes)
+            self._run(access, run, micro_batches)
+            if t + 1 < len(moments) and moments[t + 1].prefetch:
+                self._act(moments[t + 1], min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+            for key in access.drops:
+                self.store.drop(key)
         jax.block_until_ready([self.store.peek(k) for k in self.store.keys("param")])
         end = time.perf_counter()
         self.step_count += 1
-        return StepResult(loss=float(sum(losses)), grad_norm=float(jnp.sqrt(grad_sumsq)),
+        return StepResult(loss=float(sum(run.losses)), grad_norm=float(jnp.sqrt(sum(run.sumsq))),
                           step_s=end - start, optimizer_s=end - opt_start,
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
-                          device_chunk_peak_bytes=self.store.peak_device_bytes)
+                          device_chunk_peak_bytes=self.store.peak_device_bytes,
+                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes)
+
+    def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
+        """The plan's evictions, then its fetches, under the moment's device budget."""
+        opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes
+        self.store.budget_bytes = capacity_bytes + opt_device
+        for key in moment.evict:
+            self.store.evict(key)
+        for key in moment.fetch:
+            self.store.get(key, Space.DEVICE)
+
+    def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
+        head = len(self.bound) - 1
+        if a.phase == "adam":
+            self._adam(a.index, run.clip)
+            return
+        i = a.index
+        params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
+        if a.phase == "fwd":
+            if i == 0:
+                tokens, run.targets = (self._put_batch(x) for x in micro_batches[a.micro])
+                run.x = tokens
+            run.stash.append(run.x)
+            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], run.x)
+            return
+        grads = self._grads(i)
+        if a.phase == "head":
+            loss, run.g, grads = self.fns.head(self.bound[i])(
+                params, self._offsets[i], run.x, run.targets, grads, run.scale)
+            run.losses.append(loss)
+        else:
+            run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
+                params, self._offsets[i], run.stash.pop(), run.g, grads)
+        last = a.micro == self.cfg.micro_batches - 1
+        for c, grad in zip(self.bound[i].chunks, grads):
+            self.store.put(("grad", c), grad)
+            if last and ("param", c) in a.drops:
+                run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
 
     def _put_batch(self, array: np.ndarray) -> jax.Array:
         return jax.device_put(jnp.asarray(array, jnp.int32), self.placement.sharding(Space.DEVICE))
-
-    def _micro_batch(self, tokens, targets, scale, last: bool) -> tuple[jax.Array, list[jax.Array]]:
-        x = self._put_batch(tokens)
-        stash = []
-        for i, bound in enumerate(self.bound[:-1]):
-            stash.append(x)
-            x = self.fns.forward(bound)(self._fetch(i, i + 1), self._offsets(i), x)
-        head = len(self.bound) - 1
-        params = self._fetch(head, head - 1)
-        loss, g, grads = self.fns.head(self.bound[head])(
-            params, self._offsets(head), x, self._put_batch(targets), self._grads(head), scale)
-        sumsq = self._after_backward(head, grads, last)
-        for i in reversed(range(head)):
-            params = self._fetch(i, i - 1 if i else None)
-            g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets(i), stash.pop(), g, self._grads(i))
-            sumsq += self._after_backward(i, grads, last)
-        return loss, sumsq
-
-    def _offsets(self, i: int) -> jax.Array:
-        return self._offset_arrays[i]
-
-    def _fetch(self, i: int, nxt: int | None) -> tuple[jax.Array, ...]:
-        """Stage i's param chunks on the device, and a prefetch of stage ``nxt``'s."""
-        keys = [("param", c) for c in self.bound[i].chunks]
-        arrays = tuple(self.store.get(k, Space.DEVICE, protect=keys) for k in keys)
-        if nxt is not None:
-            ahead = [("param", c) for c in self.bound[nxt].chunks if ("param", c) in self.store]
-            need = sum(1 for k in ahead if Space.DEVICE not in self.store.spaces(k))
-            room = self.store.budget_bytes - self.store.bytes[Space.DEVICE]
-            # Prefetch only into free room: evicting for a prefetch could push out what runs now.
-            if need and need * self.chunk_bytes(self.param_dtype) <= room:
-                for k in ahead:
-                    self.store.get(k, Space.DEVICE, protect=keys + ahead)
-        return arrays
 
     def _grads(self, i: int) -> tuple[jax.Array, ...]:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
@@ -212,30 +228,36 @@ class ChunkedEngine:
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
 
-    def _after_backward(self, i: int, grads: tuple[jax.Array, ...], last: bool) -> list[jax.Array]:
-        sumsq = []
-        for c, grad in zip(self.bound[i].chunks, grads):
-            self.store.put(("grad", c), grad)
-            if last and self.last_bwd_stage[c] == i:
-                # Final grad: count it for the global norm and let it take the params' place.
-                sumsq.append(sum_of_squares(grad))
-                self.store.drop(("param", c))
-        return sumsq
-
-    def _optimizer_phase(self, scale: jax.Array) -> None:
-        for c in range(self.layout.n_chunks):
-            space = self.opt_space[c]
-            grad = self.store.take(("grad", c), space)
-            master = self.store.take(("master", c), space)
-            state = self.store.take(("opt", c), space)
-            master, state, params = self.optimizer.update(space, grad, master, state, scale,
-                                                          self.layout.n_decay[c])
-            self.store.put(("master", c), master)
-            self.store.put(("opt", c), state)
-            self.store.put(("param", c), params)
+    def _adam(self, c: int, clip: jax.Array) -> None:
+        space = self.opt_space[c]
+        grad = self.store.take(("grad", c), space)
+        master = self.store.take(("master", c), space)
+        state = self.store.take(("opt", c), space)
+        master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
+        self.store.put(("master", c), master)
+        self.store.put(("opt", c), state)
+        self.store.put(("param", c), params)
 
     # -- reading state ------------------------------------------------------------------------
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
         """Current tensors by name (fp32 master, or the compute-dtype params), as numpy."""
         chunks = [np.asarray(jax.device_get(self.store.peek((kind, c)))) for c in range(self.layout.n_chunks)]
         return unpack(self.layout, chunks)
+
+    def device_memory_in_use(self) -> int | None:
+        """What the backend's allocator holds now (None on a CPU): for checking the trace."""
+        stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
+        return stats.get("bytes_in_use") if stats else None
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What flows between the moments of one step."""
+    scale: jax.Array
+    x: Any = None
+    g: Any = None
+    targets: Any = None
+    clip: Any = None
+    stash: list = dataclasses.field(default_factory=list)
+    losses: list = dataclasses.field(default_factory=list)
+    sumsq: list = dataclasses.field(default_factory=list)

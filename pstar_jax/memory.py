@@ -8,8 +8,8 @@ CPU backend (those are 7-50x slower, see DESIGN.md).
 The store is the one stateful object of the engine. It keeps up to two copies of a chunk: a
 device copy and a host copy. A fetched parameter chunk keeps its host copy, so evicting it
 again while it is unchanged is free; a changed chunk (a gradient, new parameters) has one copy.
-It counts per-device bytes in each space and never lets device-resident chunk bytes exceed the
-budget: room is made by evicting the victims an ``EvictionPolicy`` names.
+It counts per-device bytes in each space and refuses to let device-resident chunk bytes exceed
+the budget of the moment: making room is the plan's job (pstar_jax.plan), not the store's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Any, Hashable, Iterable, Protocol
+from typing import Any, Iterable
 
 import jax
 import numpy as np
@@ -60,29 +60,6 @@ def space_of(tree: Any) -> Space:
     return Space(jax.tree.leaves(tree)[0].sharding.memory_kind)
 
 
-class EvictionPolicy(Protocol):
-    def touch(self, key: Key) -> None:
-        """``key`` was just used (fetched, read or written)."""
-
-    def victim(self, candidates: list[Key]) -> Key:
-        """The device-resident chunk to move out first."""
-
-
-class LeastRecentlyUsed:
-    """Evict the chunk whose last use is oldest (the simple policy; the planner does better)."""
-
-    def __init__(self) -> None:
-        self._clock = 0
-        self._last_use: dict[Hashable, int] = {}
-
-    def touch(self, key: Key) -> None:
-        self._clock += 1
-        self._last_use[key] = self._clock
-
-    def victim(self, candidates: list[Key]) -> Key:
-        return min(candidates, key=lambda k: self._last_use.get(k, 0))
-
-
 @dataclasses.dataclass
 class Traffic:
     """Per-device bytes moved between host and device since the last reset."""
@@ -102,10 +79,9 @@ class _Entry:
 class ChunkStore:
     """All chunk lists, their copies, the per-space byte counts and the device budget."""
 
-    def __init__(self, placement: Placement, device_budget_bytes: int, policy: EvictionPolicy):
+    def __init__(self, placement: Placement, device_budget_bytes: int):
         self.placement = placement
-        self.budget_bytes = device_budget_bytes
-        self.policy = policy
+        self.budget_bytes = device_budget_bytes  # the executor sets it per moment from the plan
         self.traffic = Traffic()
         self.bytes = {Space.DEVICE: 0, Space.HOST: 0}
         self.peak_device_bytes = 0
@@ -119,10 +95,9 @@ class ChunkStore:
         nbytes = self.placement.per_device_bytes(value)
         space = space_of(value)
         if space is Space.DEVICE:
-            self._make_room(nbytes, protect={key})
+            self._check_room(key, nbytes)
         self._entries[key] = _Entry({space: value}, nbytes)
         self._add_bytes(space, nbytes)
-        self.policy.touch(key)
 
     def take(self, key: Key, space: Space) -> Any:
         """Remove a chunk from the store and hand its copy in ``space`` over (to be donated)."""
@@ -151,20 +126,19 @@ class ChunkStore:
         return copies.get(Space.DEVICE, copies.get(Space.HOST))
 
     # -- movement -----------------------------------------------------------------------------
-    def get(self, key: Key, space: Space, protect: Iterable[Key] = ()) -> Any:
+    def get(self, key: Key, space: Space) -> Any:
         """The copy in ``space``, copying it there first if needed (async: returns at once)."""
         entry = self._entries[key]
         if space not in entry.copies:
             (source,) = entry.copies.values()
             if space is Space.DEVICE:
-                self._make_room(entry.nbytes, protect={key, *protect})
+                self._check_room(key, entry.nbytes)
                 self.traffic.h2d_bytes += entry.nbytes
             else:
                 self.traffic.d2h_bytes += entry.nbytes
             entry.copies[space] = jax.tree.map(
                 lambda x: jax.device_put(x, x.sharding.with_memory_kind(space.value)), source)
             self._add_bytes(space, entry.nbytes)
-        self.policy.touch(key)
         return entry.copies[space]
 
     def evict(self, key: Key) -> None:
@@ -187,14 +161,11 @@ class ChunkStore:
         kinds = set(kinds)
         return [k for k, e in self._entries.items() if k[0] in kinds and Space.DEVICE in e.copies]
 
-    def _make_room(self, nbytes: int, protect: set[Key]) -> None:
-        while self.bytes[Space.DEVICE] + nbytes > self.budget_bytes:
-            candidates = [k for k in self.device_resident(("param", "grad")) if k not in protect]
-            if not candidates:
-                raise MemoryError(
-                    f"device chunk budget {format_bytes(self.budget_bytes)} cannot hold "
-                    f"{format_bytes(self.bytes[Space.DEVICE] + nbytes)} of chunks needed at once")
-            self.evict(self.policy.victim(candidates))
+    def _check_room(self, key: Key, nbytes: int) -> None:
+        if self.bytes[Space.DEVICE] + nbytes > self.budget_bytes:
+            raise MemoryError(
+                f"placing {key} would put {format_bytes(self.bytes[Space.DEVICE] + nbytes)} of chunks on the "
+                f"device, over the plan's {format_bytes(self.budget_bytes)} for this moment (a planner bug)")
 
     def _add_bytes(self, space: Space, nbytes: int) -> None:
         self.bytes[space] += nbytes

@@ -69,6 +69,13 @@ class ChunkOptimizer:
             jax.device_put(master, master.sharding.with_memory_kind(Space.DEVICE.value)))
         return self.placement.put(state, Space(master.sharding.memory_kind))
 
+    def state_bytes(self, chunk_numel: int) -> int:
+        """Per-device bytes of one chunk's fp32 master plus its optimizer state (nothing allocated)."""
+        master = jax.ShapeDtypeStruct((chunk_numel,), jnp.float32)
+        state = jax.eval_shape(self.make_tx(jnp.ones((), jnp.float32)).init, master)
+        W = self.placement.n_devices
+        return sum(x.size * x.dtype.itemsize // (W if x.ndim else 1) for x in jax.tree.leaves((master, state)))
+
     def update(self, space: Space, grad: jax.Array, master: jax.Array, state: Any,
                scale: jax.Array, n_decay: int) -> tuple[jax.Array, Any, jax.Array]:
         """(grad, master, state) in ``space`` -> (new master, new state, new params), in ``space``.

@@ -1,7 +1,7 @@
 """Warm-up trace: non-model memory and chunk accesses at every moment of a step.
 
 A *moment* is one stage call: each stage's forward, the head (forward and backward in one), each
-stage's backward, then the optimizer. The trace is taken before any model data exists: every
+stage's backward, then the optimizer per chunk. The trace is taken before any model data exists: every
 distinct stage function is lowered and compiled on abstract arguments, and
 ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
 non-model memory of a moment is what the stage call needs beside the chunks: the stage inputs
@@ -11,7 +11,6 @@ stashed for the backward so far, the call's activation inputs and outputs, and i
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -20,30 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.memory import Placement, Space
+from pstar_jax.plan import StepShape
 from pstar_jax.stages import BoundStage, StageFunctions
-
-
-@dataclasses.dataclass(frozen=True)
-class Moment:
-    phase: str  # "fwd", "head", "bwd", "adam"
-    stage: int  # stage index; -1 for the optimizer
-    chunks: tuple[int, ...]
-    non_model_bytes: int  # per device
-    flops: float  # per device
-
-
-@dataclasses.dataclass(frozen=True)
-class Trace:
-    moments: tuple[Moment, ...]
-    batch_shape: tuple[int, int]  # global (batch, seq_len) of one micro-batch
-
-    @property
-    def peak_non_model_bytes(self) -> int:
-        return max(m.non_model_bytes for m in self.moments)
-
-    def to_json(self) -> dict:
-        return {"batch_shape": list(self.batch_shape),
-                "moments": [dataclasses.asdict(m) for m in self.moments]}
 
 
 def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -60,12 +37,14 @@ def _analyse(fn, *args) -> tuple[int, int, float]:
 
 
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
-               chunk_numel: int, param_dtype: Any, batch: int, seq_len: int) -> Trace:
+               chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
+               micro_batches: int = 1) -> StepShape:
     """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``."""
     dev = placement.sharding(Space.DEVICE)
     rep = placement.sharding(Space.DEVICE, P())
     W = placement.n_devices
     chunk = _abstract((chunk_numel,), param_dtype, dev)
+    chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // W
     tokens = _abstract((batch, seq_len), jnp.int32, dev)
 
     def offsets(b: BoundStage):
@@ -79,32 +58,34 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     for b in bound[:-1]:
         y = jax.eval_shape(fns.forward(b), chunks(b), offsets(b), xs[-1])
         xs.append(_abstract(y.shape, y.dtype, dev))
-    act_bytes = [x.size * x.dtype.itemsize // W for x in xs]
-
+    act = [x.size * x.dtype.itemsize // W for x in xs]
     cache: dict[tuple, tuple[int, int, float]] = {}
 
     def analysed(role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
-        key = (role, b.stage.apply, b.pattern, tuple(a.shape for a in args[2:] if hasattr(a, "shape")))
+        # Memory barely depends on where tensors sit in chunks, so one compile per
+        # (role, apply, number of chunks, activation shapes) stands for all such stages.
+        key = (role, b.stage.apply, len(b.chunks), tuple(getattr(a, "shape", ()) for a in args[2:]))
         if key not in cache:
             cache[key] = _analyse(fn, *args)
         return cache[key]
 
-    moments = []
     head = len(bound) - 1
+    fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
     for i, b in enumerate(bound[:-1]):
         temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i])
-        stashed = sum(act_bytes[:i + 1])
-        moments.append(Moment("fwd", i, b.chunks, stashed + temp + out, flops))
+        fwd_nm.append(sum(act[:i + 1]) + temp + out)  # stashed inputs so far, the call's temps and output
+        fwd_fl.append(flops)
     b = bound[head]
     scale = _abstract((), jnp.float32, rep)
-    temp, out, flops = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tokens, chunks(b), scale)
-    chunk_out = len(b.chunks) * chunk.size * chunk.dtype.itemsize // W  # grad chunks are model data
-    moments.append(Moment("head", head, b.chunks, sum(act_bytes) + temp + max(out - chunk_out, 0), flops))
+    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tokens, chunks(b), scale)
+    head_nm = sum(act) + temp + max(out - len(b.chunks) * chunk_bytes, 0)  # grad chunks are model data
     for i in reversed(range(head)):
         b = bound[i]
-        fn = fns.backward(b, first=(i == 0))
-        temp, out, flops = analysed("bwd", b, fn, chunks(b), offsets(b), xs[i], xs[i + 1], chunks(b))
-        chunk_out = len(b.chunks) * chunk.size * chunk.dtype.itemsize // W
-        moments.append(Moment("bwd", i, b.chunks, sum(act_bytes[:i + 2]) + temp + max(out - chunk_out, 0), flops))
-    moments.append(Moment("adam", -1, tuple(sorted({c for b in bound for c in b.chunks})), 0, 0.0))
-    return Trace(tuple(moments), (batch, seq_len))
+        temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
+                                    xs[i + 1], chunks(b))
+        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.chunks) * chunk_bytes, 0)
+        bwd_fl[i] = flops
+    return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
+                     head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
+                     chunk_numel=chunk_numel // W, item_bytes=chunk_bytes, opt_state_bytes=opt_state_bytes,
+                     micro_batches=micro_batches)

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "so chunks move)")
     e.add_argument("--host-memory", default=None, help="pinned host memory pool (bytes); default: "
                    "what the machine has available")
+    e.add_argument("--adam-placement", choices=("auto", "device", "host"), default="auto",
+                   help="where fp32 master and Adam state live; auto: as many chunks on the device as "
+                        "make the predicted step fastest")
     e.add_argument("--chunk-size", default="auto", help="elements per chunk (4M, 65536) or auto")
     o = p.add_argument_group("output")
     o.add_argument("--metrics-out", default=None, help="JSON lines, one per step")
@@ -101,7 +104,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.config import EngineConfig
     from pstar_jax.data import Batches
     from pstar_jax.executor import ChunkedEngine
-    from pstar_jax.memory import device_total_bytes
+    import jax.numpy as jnp
+
+    from pstar_jax.machine import measure
+    from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes
+    from pstar_jax.optim import ChunkOptimizer
     from pstar_jax.metrics import MetricsWriter, Progress, step_record
     from pstar_jax.optim import default_tx
     from pstar_jax.plain import PlainEngine
@@ -121,17 +128,22 @@ def run(argv: Sequence[str] | None = None) -> int:
                              optim.clip_norm, args.remat)
         print(f"plain engine: {model.n_params():,} params, remat {args.remat}", flush=True)
     else:
-        shapes = model.param_shapes()
-        chunk_numel = (auto_chunk_numel(shapes, model.decays) if args.chunk_size == "auto"
+        chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays) if args.chunk_size == "auto"
                        else parse_count(args.chunk_size, "--chunk-size"))
-        if args.device_memory == "auto":
-            on_cpu = device.platform == "cpu"
-            budget = None if on_cpu else int(0.9 * device_total_bytes(device))
+        if args.device_memory == "auto":  # on a CPU: None, half the model data (the demo default)
+            budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
         else:
             budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
+        host = available_host_bytes()
+        if args.host_memory is not None:
+            host = min(host, parse_bytes(args.host_memory, "--host-memory"))
         mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        engine = ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches),
-                               make_tx, mesh, args.seed, optim.clip_norm, batch_shape=(micro, cfg.seq_len))
+        placement = Placement(mesh)
+        machine = measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
+        engine = ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches,
+                                                   args.adam_placement),
+                               make_tx, mesh, (micro, cfg.seq_len), machine, args.seed, optim.clip_norm,
+                               host_bytes=host)
         print(engine.summary(), flush=True)
 
     writer = MetricsWriter(args.metrics_out)
@@ -140,7 +152,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         for step in range(engine.step_count, args.steps):
             result = engine.step([next(batches) for _ in range(args.micro_batches)])
-            record = step_record(step, result, step_tokens, model.flops_per_token())
+            record = step_record(step, result, step_tokens, model.flops_per_token(),
+                                 predicted_h2d_bytes=result.predicted_h2d_bytes,
+                                 predicted_d2h_bytes=result.predicted_d2h_bytes)
             writer.write(record)
             progress.update(record)
     finally:

@@ -25,6 +25,7 @@ from models.gpt import build_model  # noqa: E402
 from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
 from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
 from pstar_jax.executor import ChunkedEngine  # noqa: E402
+from pstar_jax.machine import H200  # noqa: E402
 from pstar_jax.optim import default_tx  # noqa: E402
 from pstar_jax.plain import PlainEngine  # noqa: E402
 
@@ -58,7 +59,8 @@ def main() -> None:
     make_tx = default_tx(OptimConfig(total_steps=args.steps))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     chunk_numel = auto_chunk_numel(model.param_shapes(), model.decays)
-    chunked = ChunkedEngine(model, EngineConfig(chunk_numel, 2 ** 40, args.precision), make_tx, mesh)
+    chunked = ChunkedEngine(model, EngineConfig(chunk_numel, 2 ** 40, args.precision), make_tx, mesh,
+                            (args.batch_size, cfg.seq_len), H200)
     t_chunked, r = median_step_s(chunked, steps, args.warmup)
     t_plain = {remat: median_step_s(PlainEngine(model, args.precision, make_tx, remat=remat), steps,
                                     args.warmup)[0] for remat in ("none", "full")}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from pstar_jax.memory import ChunkStore, LeastRecentlyUsed, Placement, Space, space_of
+from pstar_jax.memory import ChunkStore, Placement, Space, space_of
 
 NUMEL = 1024
 CHUNK_BYTES = NUMEL * 4  # float32
@@ -21,7 +21,7 @@ def chunk(placement: Placement, value: float, space: Space) -> jax.Array:
 def store_of(n_chunks: int, space: Space, budget_chunks: int = 2) -> ChunkStore:
     """A store with ``n_chunks`` param chunks of value i in ``space``, budget ``budget_chunks``."""
     placement = one_device()
-    store = ChunkStore(placement, budget_chunks * CHUNK_BYTES, LeastRecentlyUsed())
+    store = ChunkStore(placement, budget_chunks * CHUNK_BYTES)
     for i in range(n_chunks):
         store.put(("param", i), chunk(placement, i, space))
     return store
@@ -30,7 +30,7 @@ def store_of(n_chunks: int, space: Space, budget_chunks: int = 2) -> ChunkStore:
 def test_put_counts_bytes_per_space():
     """put() adds each chunk's per-device bytes to the count of the space it lives in."""
     placement = one_device()
-    store = ChunkStore(placement, 10 * CHUNK_BYTES, LeastRecentlyUsed())
+    store = ChunkStore(placement, 10 * CHUNK_BYTES)
     store.put(("param", 0), chunk(placement, 0, Space.DEVICE))
     store.put(("master", 0), chunk(placement, 0, Space.HOST))
     store.put(("master", 1), chunk(placement, 1, Space.HOST))
@@ -90,88 +90,21 @@ def test_get_host_copy_of_device_chunk():
     assert store.spaces(("param", 0)) == (Space.HOST,)
 
 
-def test_budget_evicts_least_recently_used():
-    """With room for two chunks, fetching a third evicts the one used longest ago."""
-    store = store_of(3, Space.HOST, budget_chunks=2)
-    store.get(("param", 0), Space.DEVICE)
-    store.get(("param", 1), Space.DEVICE)
-    store.get(("param", 0), Space.DEVICE)  # 1 is now the least recently used
-    store.get(("param", 2), Space.DEVICE)
-    assert set(store.device_resident(["param"])) == {("param", 0), ("param", 2)}
-    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
-    assert store.traffic.d2h_bytes == 0  # the victim had a clean host copy
-    assert store.traffic.h2d_bytes == 3 * CHUNK_BYTES
-
-
-def test_budget_never_exceeded():
-    """Over a long access sequence device bytes stay within the budget and the peak is exact."""
-    rng = np.random.default_rng(0)
-    store = store_of(6, Space.HOST, budget_chunks=3)
-    seen = 0
-    for key in rng.integers(0, 6, size=60):
-        value = store.get(("param", int(key)), Space.DEVICE)
-        assert value.sharding.memory_kind == "device"
-        assert store.bytes[Space.DEVICE] <= store.budget_bytes
-        assert store.bytes[Space.DEVICE] == CHUNK_BYTES * len(store.device_resident(["param"]))
-        seen = max(seen, store.bytes[Space.DEVICE])
-    assert store.peak_device_bytes == seen == 3 * CHUNK_BYTES
-    for i in range(6):  # every chunk kept its values through the moves
-        np.testing.assert_array_equal(np.asarray(store.peek(("param", i))), np.full(NUMEL, i, np.float32))
-
-
-def test_put_on_device_makes_room():
-    """Putting a device chunk into a full budget evicts another (a changed one costs d2h)."""
-    store = store_of(2, Space.DEVICE, budget_chunks=2)
-    store.put(("grad", 0), chunk(store.placement, 7.0, Space.DEVICE))
-    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
-    assert Space.DEVICE in store.spaces(("grad", 0))
-    assert store.traffic.d2h_bytes == CHUNK_BYTES
-    assert store.peak_device_bytes == 2 * CHUNK_BYTES
-
-
-def test_put_counts_as_a_use():
-    """A chunk put on the device is more recently used than one fetched before it."""
-    store = store_of(3, Space.HOST, budget_chunks=2)
-    store.get(("param", 0), Space.DEVICE)
-    store.put(("grad", 0), chunk(store.placement, 5.0, Space.DEVICE))
-    store.get(("param", 1), Space.DEVICE)
-    assert set(store.device_resident(["param", "grad"])) == {("grad", 0), ("param", 1)}
-    assert store.traffic.d2h_bytes == 0
-
-
-def test_protect_is_honoured():
-    """Protected chunks are never chosen, even when they are the least recently used."""
-    store = store_of(3, Space.HOST, budget_chunks=2)
-    store.get(("param", 0), Space.DEVICE)
-    store.get(("param", 1), Space.DEVICE)
-    store.get(("param", 2), Space.DEVICE, protect=[("param", 0)])
-    assert set(store.device_resident(["param"])) == {("param", 0), ("param", 2)}
-
-
-def test_memory_error_when_nothing_can_be_evicted():
-    """If every resident chunk is protected, get() raises MemoryError and changes nothing."""
+def test_store_never_exceeds_the_budget_and_changes_nothing_when_refusing():
+    """Making room is the plan's job: a fetch or put over the budget raises MemoryError, state intact."""
     store = store_of(3, Space.HOST, budget_chunks=2)
     store.get(("param", 0), Space.DEVICE)
     store.get(("param", 1), Space.DEVICE)
     before = (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes)
-    with pytest.raises(MemoryError, match="budget 8.00 KiB cannot hold 12.00 KiB"):
-        store.get(("param", 2), Space.DEVICE, protect=[("param", 0), ("param", 1)])
-    assert (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes) == before
-    assert store.spaces(("param", 2)) == (Space.HOST,)
-
-
-def test_optimizer_state_is_not_evicted():
-    """Only param and grad chunks are eviction candidates; master/opt chunks stay put."""
-    placement = one_device()
-    store = ChunkStore(placement, 2 * CHUNK_BYTES, LeastRecentlyUsed())
-    store.put(("master", 0), chunk(placement, 0, Space.DEVICE))
-    store.put(("param", 0), chunk(placement, 0, Space.DEVICE))
-    store.put(("master", 1), chunk(placement, 1, Space.DEVICE))
-    assert store.spaces(("param", 0)) == (Space.HOST,)  # the param made room
+    with pytest.raises(MemoryError, match="over the plan's 8.00 KiB"):
+        store.get(("param", 2), Space.DEVICE)
     with pytest.raises(MemoryError):
-        store.put(("opt", 0), chunk(placement, 2, Space.DEVICE))
-    assert set(store.device_resident(["master", "opt"])) == {("master", 0), ("master", 1)}
-    assert store.bytes[Space.DEVICE] == 2 * CHUNK_BYTES
+        store.put(("grad", 0), chunk(store.placement, 1.0, Space.DEVICE))
+    assert (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes) == before
+    assert store.spaces(("param", 2)) == (Space.HOST,) and ("grad", 0) not in store
+    store.evict(("param", 0))  # the plan's eviction makes room: now it fits
+    store.get(("param", 2), Space.DEVICE)
+    assert store.peak_device_bytes == 2 * CHUNK_BYTES
 
 
 def test_take_removes_and_returns():
@@ -191,7 +124,7 @@ def test_take_removes_and_returns():
 def test_pytree_values():
     """An optax-like state pytree is one entry; its scalars count in full and move with it."""
     placement = one_device()
-    store = ChunkStore(placement, 10 * CHUNK_BYTES, LeastRecentlyUsed())
+    store = ChunkStore(placement, 10 * CHUNK_BYTES)
     state = placement.put({"count": jnp.int32(0), "mu": jnp.zeros(NUMEL), "nu": jnp.zeros(NUMEL)}, Space.HOST)
     store.put(("opt", 0), state)
     assert store.bytes[Space.HOST] == 2 * CHUNK_BYTES + 4
@@ -212,7 +145,7 @@ def test_per_device_bytes_over_eight_devices():
     assert scalar.sharding.is_fully_replicated and scalar.sharding.memory_kind == "pinned_host"
     assert placement.per_device_bytes(scalar) == 4
     assert placement.per_device_bytes({"s": scalar, "x": x, "y": x}) == 2 * CHUNK_BYTES // 8 + 4
-    store = ChunkStore(placement, CHUNK_BYTES // 8, LeastRecentlyUsed())
+    store = ChunkStore(placement, CHUNK_BYTES // 8)
     store.put(("param", 0), placement.put(jnp.zeros((NUMEL,), jnp.float32), Space.HOST))
     store.get(("param", 0), Space.DEVICE)
     assert store.bytes == {Space.DEVICE: CHUNK_BYTES // 8, Space.HOST: CHUNK_BYTES // 8}

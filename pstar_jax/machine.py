@@ -1,0 +1,70 @@
+"""Rates of the machine a plan is made for: transfers, compute, optimizer updates.
+
+The planner predicts step time from these. ``H200`` holds figures measured on the project's
+GPU machine; ``measure`` takes a quick reading of the machine at hand (about a second).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Per-device rates."""
+    name: str
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    flops_per_s: float  # sustained model FLOP/s of stage compute
+    device_adam_params_per_s: float
+    host_adam_params_per_s: float
+
+
+# One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, plain GPT 1.3B at 326 TFLOPS,
+# Adam on the device and with compute_on('device_host') over 16 cores.
+H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 326e12, 119e9, 0.88e9)
+MACHINES = {"h200": H200}
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    jax.block_until_ready(fn())  # warm-up: compile and first touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())  # sync: the measurement needs the work done
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
+    """Time a chunk's copies both ways, a matmul and a chunk's optimizer update in each space."""
+    from pstar_jax.memory import Space  # memory imports nothing of ours but config; keep machine light
+
+    x = placement.put(jnp.zeros((numel,), jnp.float32), Space.DEVICE)
+    on_host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
+    nbytes = numel * 4 // placement.n_devices
+    h2d = nbytes / _best_time(lambda: jax.device_put(on_host, x.sharding))
+    d2h = nbytes / _best_time(lambda: jax.device_put(x, on_host.sharding))
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    flops = 2 * n**3 / _best_time(lambda: matmul(a))
+    adam = {}
+    for space in Space:
+        state = {"master": placement.put(np.zeros(numel, np.float32), space)}
+        state["opt"] = optimizer.init(state["master"])
+        grads = [placement.put(np.zeros(numel, optimizer.param_dtype), space) for _ in range(4)]
+        clip = jnp.ones((), jnp.float32)
+
+        def update(space=space, state=state, grads=grads):  # each call donates a fresh grad
+            state["master"], state["opt"], _ = optimizer.update(space, grads.pop(), state["master"],
+                                                                state["opt"], clip, 0)
+            return state["master"]
+        adam[space] = numel / placement.n_devices / _best_time(update)
+    return Machine(f"{jax.devices()[0].platform} (measured)", h2d, d2h, flops, adam[Space.DEVICE], adam[Space.HOST])

@@ -1,0 +1,139 @@
+"""The planner: Belady never moves more than LRU or FIFO, equals brute force, never overflows."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pstar_jax.machine import H200
+from pstar_jax.plan import (Access, StepShape, _State, make_plan, plan_step, simulate,
+                            step_accesses, victim_for)
+
+
+def read_trace(draw_needs, n_items):
+    return [Access("fwd", t, 0, tuple(("param", c) for c in needs), 0) for t, needs in enumerate(draw_needs)]
+
+
+@st.composite
+def traces(draw, max_items=6, max_len=10):
+    n_items = draw(st.integers(2, max_items))
+    width = draw(st.integers(1, 2))
+    needs = draw(st.lists(st.lists(st.integers(0, n_items - 1), min_size=1, max_size=width, unique=True),
+                          min_size=1, max_size=max_len))
+    capacity = draw(st.integers(width, n_items))
+    return read_trace(needs, n_items), n_items, capacity
+
+
+def fetched_bytes(accesses, n_items, capacity, rule):
+    state = _State({}, {("param", c) for c in range(n_items)})
+    moments, _ = simulate(accesses, [capacity] * len(accesses), 1, state, victim_for(rule, accesses),
+                          prefetch=False)
+    for m in moments:
+        assert len(m.evict) + m.chunk_bytes >= 0
+        assert m.chunk_bytes <= capacity, "the plan overflowed the device"
+    return sum(m.h2d_bytes for m in moments)
+
+
+def brute_force(accesses, n_items, capacity):
+    """The fewest fetches over every eviction choice (read-only trace: evictions are free)."""
+    best = [float("inf")]
+
+    def go(t, resident, cost):
+        if cost >= best[0]:
+            return
+        if t == len(accesses):
+            best[0] = cost
+            return
+        needs = set(accesses[t].needs)
+        missing = needs - resident
+        keep = resident | missing
+        over = len(keep) - capacity
+        if over <= 0:
+            go(t + 1, keep, cost + len(missing))
+            return
+        for out in itertools.combinations(sorted(resident - needs), over):
+            go(t + 1, keep - set(out), cost + len(missing))
+    go(0, frozenset(), 0)
+    return best[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces())
+def test_belady_moves_no_more_than_lru_or_fifo(trace):
+    accesses, n, cap = trace
+    opt = fetched_bytes(accesses, n, cap, "belady")
+    assert opt <= fetched_bytes(accesses, n, cap, "lru")
+    assert opt <= fetched_bytes(accesses, n, cap, "fifo")
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(max_items=5, max_len=8))
+def test_belady_equals_brute_force_optimum(trace):
+    accesses, n, cap = trace
+    assert fetched_bytes(accesses, n, cap, "belady") == brute_force(accesses, n, cap)
+
+
+def gpt_like_shape(n_blocks, chunks_per_block, micro_batches=1, non_model=(100, 300)):
+    """embed in chunk 0, blocks in consecutive chunks (sharing an edge chunk), head reads 0 and the last."""
+    stage_chunks = [(0,)]
+    c = 0
+    for _ in range(n_blocks):
+        stage_chunks.append(tuple(range(c, c + chunks_per_block + 1)))
+        c += chunks_per_block
+    stage_chunks.append((0, c))
+    n = c + 1
+    S = len(stage_chunks)
+    lo, hi = non_model
+    return StepShape(tuple(stage_chunks), tuple([lo] * (S - 1)), hi, tuple([hi] * (S - 1)),
+                     tuple([1e9] * (S - 1)), 1e9, tuple([2e9] * (S - 1)), n, 1000, 100, 600, micro_batches)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.integers(0, 4000), st.integers(0, 40))
+def test_plan_never_exceeds_device_capacity(n_blocks, per_block, micro, extra, k):
+    """At every moment: chunks + optimizer state + non-model data <= device capacity, or no plan."""
+    shape = gpt_like_shape(n_blocks, per_block, micro)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    opt = [c < k for c in range(shape.n_chunks)]
+    plan = plan_step(shape, device, 10**9, H200, opt)
+    if not plan.fits:
+        assert "runs out" in plan.problem
+        return
+    accesses = step_accesses(shape, opt)
+    assert len(plan.moments) == len(accesses)
+    for m, a in zip(plan.moments, accesses):
+        assert m.chunk_bytes + a.non_model_bytes + sum(opt) * 600 <= device
+        assert set(a.needs) <= set(m.fetch) | set(m.evict) | set(a.needs)  # shape of the record
+    assert plan.peak_device_bytes <= device
+
+
+def test_plan_is_periodic_and_counts_traffic():
+    """A step started from the plan's initial state ends there, moving the predicted bytes."""
+    shape = gpt_like_shape(4, 2)
+    plan = make_plan(shape, 300 + 900, 10**9, H200)
+    assert plan.fits and plan.h2d_bytes > 0
+    accesses = step_accesses(shape, plan.opt_on_device)
+    start = _State(dict(plan.initial_device),
+                   {("param", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
+    moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_bytes, start,
+                            victim_for("belady", accesses))
+    assert sum(m.h2d_bytes for m in moments) == plan.h2d_bytes
+    assert tuple(sorted(end.device.items())) == plan.initial_device
+
+
+def test_everything_fits_moves_nothing():
+    shape = gpt_like_shape(3, 2)
+    plan = make_plan(shape, 10**6, 10**9, H200)
+    assert plan.fits and plan.h2d_bytes == 0 and plan.d2h_bytes == 0 and all(plan.opt_on_device)
+    assert plan.resident_fraction == 1.0
+
+
+def test_too_small_device_names_the_moment():
+    plan = make_plan(gpt_like_shape(3, 2), 500, 10**9, H200)
+    assert not plan.fits and "device memory runs out at" in plan.problem
+
+
+def test_host_memory_shortfall_is_reported():
+    plan = make_plan(gpt_like_shape(3, 2), 1200, 1000, H200)
+    assert not plan.fits and "host memory runs out" in plan.problem
