@@ -29,7 +29,8 @@ from pstar_jax.chunks import ChunkLayout, build_layout, pack, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Access, Machine, Plan, PlanMoment, make_plan, step_accesses
+from pstar_jax.machine import Machine
+from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step
 
@@ -47,6 +48,50 @@ class StepResult:
     predicted_d2h_bytes: int = 0
 
 
+@dataclasses.dataclass
+class Planned:
+    """A model's layout, stage functions, trace and plan for one batch shape: no model data."""
+    layout: ChunkLayout
+    bound: list[BoundStage]
+    fns: StageFunctions
+    shape: StepShape
+    plan: Plan
+    accesses: list[Access]
+    device_budget_bytes: int
+
+
+def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
+               machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
+               fns: StageFunctions | None = None, trace_cache: dict | None = None) -> Planned:
+    """Lay out, trace and plan without allocating model data (what pstar-plan and the engine share)."""
+    placement = Placement(mesh)
+    param_dtype = cfg.compute_dtype
+    stages = list(model.stages(param_dtype))
+    validate_stages(stages, model.param_shapes())
+    chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
+    layout = layout or build_layout(model.param_shapes(), model.decays, chunk_numel)
+    bound = [bind(s, layout) for s in stages]
+    fns = fns or StageFunctions(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
+    shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
+                       cfg.micro_batches, cache=trace_cache)
+    budget = cfg.device_budget_bytes
+    if budget is None:  # the CPU demo default: half the model data beside the working memory
+        stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
+        working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
+        budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
+    plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    return Planned(layout, bound, fns, shape, plan, step_accesses(shape, plan.opt_on_device), budget)
+
+
+def require_fit(planned: Planned, host_bytes: int) -> None:
+    if not planned.plan.fits:
+        raise ConfigError(
+            f"the model does not fit: {planned.plan.problem} (device memory "
+            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
+            f"--device-memory or --host-memory, or lower --chunk-size or the batch")
+
+
 class ChunkedEngine:
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                  batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
@@ -61,16 +106,16 @@ class ChunkedEngine:
         self.placement = Placement(mesh)
         self.n_devices = self.placement.n_devices
         self.param_dtype = cfg.compute_dtype
-        stages = list(model.stages(self.param_dtype))
-        validate_stages(stages, model.param_shapes())
-        chunk_numel = -(-cfg.chunk_numel // self.n_devices) * self.n_devices  # shardable
-        self.layout = layout or build_layout(model.param_shapes(), model.decays, chunk_numel)
-        self.bound: list[BoundStage] = [bind(s, self.layout) for s in stages]
-        self.fns = StageFunctions(mesh)
-        self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
+        self.make_tx = make_tx
+        self.model = model
         self.host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
-        self._plans: dict[tuple[int, int], tuple[Plan, list[Access]]] = {}
-        self.plan, self.accesses = self.plan_for(batch_shape)
+        planned = plan_model(model, cfg, mesh, batch_shape, machine, self.host_bytes, make_tx, layout)
+        require_fit(planned, self.host_bytes)
+        self.layout, self.bound, self.fns = planned.layout, planned.bound, planned.fns
+        self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
+        self._plans: dict[tuple[int, int], Planned] = {tuple(batch_shape): planned}
+        self.plan, self.accesses = planned.plan, planned.accesses
+        self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
         self._init_chunks(model.init_params(seed))
@@ -78,6 +123,9 @@ class ChunkedEngine:
         self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
         self.step_count = 0
+        # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
+        # live non-model bytes beside the trace's prediction; None on a CPU.
+        self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
 
     # -- planning -----------------------------------------------------------------------------
     @property
@@ -88,30 +136,21 @@ class ChunkedEngine:
     @property
     def model_data_bytes(self) -> int:
         """Per device: params (their grads take their place) + master and optimizer state."""
-        return self.layout.n_chunks * (self.item_bytes + self._opt_state_bytes())
+        return self.layout.n_chunks * (self.item_bytes + self.plan.opt_state_bytes)
 
-    def _opt_state_bytes(self) -> int:
-        return self.optimizer.state_bytes(self.layout.chunk_numel)
-
-    def plan_for(self, batch_shape: tuple[int, int]) -> tuple[Plan, list[Access]]:
-        """Trace and plan for one micro-batch shape (cached: a new shape makes a new plan)."""
+    def plan_for(self, batch_shape: tuple[int, int]) -> Planned:
+        """The plan for a micro-batch shape (cached: a new shape makes a new plan)."""
         if batch_shape not in self._plans:
-            shape = trace_step(self.bound, self.fns, self.placement, self.layout.chunk_numel, self.param_dtype,
-                               *batch_shape, self._opt_state_bytes(), self.cfg.micro_batches)
-            self.step_shape = shape
-            budget = self.cfg.device_budget_bytes
-            if budget is None:  # the CPU demo default: half the model data beside the working memory
-                stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
-                working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
-                budget = working + max(self.model_data_bytes // 2, 2 * stage_bytes)
-            self.device_budget_bytes = budget
-            plan = make_plan(shape, budget, self.host_bytes, self.machine, self.cfg.adam_placement)
-            if not plan.fits:
-                raise ConfigError(
-                    f"the model does not fit: {plan.problem} (device memory {format_bytes(budget)}, host "
-                    f"memory {format_bytes(self.host_bytes)}); raise --device-memory or --host-memory, or "
-                    f"lower --chunk-size or the batch")
-            self._plans[batch_shape] = (plan, step_accesses(shape, plan.opt_on_device))
+            planned = plan_model(self.model, self.cfg, self.placement.mesh, batch_shape, self.machine,
+                                 self.host_bytes, self.make_tx, self.layout, self.fns)
+            require_fit(planned, self.host_bytes)
+            if planned.plan.opt_on_device != self.plan.opt_on_device:  # state is placed once, at init
+                planned = dataclasses.replace(planned, plan=plan_step(
+                    planned.shape, planned.device_budget_bytes, self.host_bytes, self.machine,
+                    self.plan.opt_on_device))
+                require_fit(planned, self.host_bytes)
+                planned.accesses = step_accesses(planned.shape, planned.plan.opt_on_device)
+            self._plans[batch_shape] = planned
         return self._plans[batch_shape]
 
     def summary(self) -> str:
@@ -147,10 +186,13 @@ class ChunkedEngine:
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         if len(micro_batches) != self.cfg.micro_batches:
             raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
-        plan, accesses = self.plan_for(tuple(np.shape(micro_batches[0][0])))
+        planned = self.plan_for(tuple(np.shape(micro_batches[0][0])))
+        plan, accesses = planned.plan, planned.accesses
         start = time.perf_counter()
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
+        if plan is not self.plan:  # another batch shape: move to the new plan's starting state
+            self._settle(planned)
         run = _StepState(scale=self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))),
                                                   Space.DEVICE))
         opt_start = None
@@ -163,6 +205,8 @@ class ChunkedEngine:
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
             self._run(access, run, micro_batches)
+            if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
+                self._measure_moment(run)
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(moments[t + 1], min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
             for key in access.drops:
@@ -176,9 +220,25 @@ class ChunkedEngine:
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes)
 
+    def _settle(self, planned: Planned) -> None:
+        """Put the param chunks where the plan starts a step (its traffic counts in this step)."""
+        plan = planned.plan
+        self._act(dataclasses.replace(plan.moments[-1], evict=(), fetch=()), plan.moments[-1].capacity_bytes)
+        initial = dict(plan.initial_device)
+        for key in self.store.device_resident(("param",)):
+            if key not in initial:
+                self.store.evict(key)
+        for key, dirty in initial.items():
+            self.store.get(key, Space.DEVICE)
+            if dirty:
+                self.store.drop_copy(key, Space.HOST)
+            else:
+                self.store.get(key, Space.HOST)
+        self.plan, self.accesses = plan, planned.accesses
+
     def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
         """The plan's evictions, then its fetches, under the moment's device budget."""
-        opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes
+        opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes  # same in every plan
         self.store.budget_bytes = capacity_bytes + opt_device
         for key in moment.evict:
             self.store.evict(key)
@@ -212,6 +272,11 @@ class ChunkedEngine:
             self.store.put(("grad", c), grad)
             if last and ("param", c) in a.drops:
                 run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
+
+    def _measure_moment(self, run: "_StepState") -> None:
+        jax.block_until_ready((run.x, run.g))  # sync: first step only, to read the allocator
+        in_use = self.device_memory_in_use() or 0
+        self.measured_non_model.append(in_use - self.store.bytes[Space.DEVICE])
 
     def _put_batch(self, array: np.ndarray) -> jax.Array:
         return jax.device_put(jnp.asarray(array, jnp.int32), self.placement.sharding(Space.DEVICE))

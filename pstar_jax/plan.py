@@ -21,6 +21,7 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
+from pstar_jax.config import format_bytes
 from pstar_jax.machine import Machine
 
 Item = tuple[str, int]  # ("param" | "grad", chunk id)
@@ -229,6 +230,21 @@ class StepShape:
     micro_batches: int = 1
 
 
+def scale_batch(shape: StepShape, factor: float) -> StepShape:
+    """The step at ``factor`` times the traced batch: activation memory and FLOPs scale linearly.
+
+    An estimate (temporaries that do not grow with the batch are scaled too, so it errs on the
+    safe side for larger batches); pstar-plan uses it to search the largest batch quickly."""
+    def s(values):
+        return tuple(int(v * factor) for v in values)
+
+    def f(values):
+        return tuple(v * factor for v in values)
+    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model), head_non_model=int(shape.head_non_model * factor),
+                               bwd_non_model=s(shape.bwd_non_model), fwd_flops=f(shape.fwd_flops),
+                               head_flops=shape.head_flops * factor, bwd_flops=f(shape.bwd_flops))
+
+
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool]) -> list[Access]:
     """The moments of one step in the executor's order, with what each needs."""
     head = len(shape.stage_chunks) - 1
@@ -281,7 +297,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         else:
             raise Infeasible("the placement does not settle into a repeating step", 0)
     except Infeasible as err:
-        problem = (f"device memory runs out at {err} by {err.shortfall:,} bytes" if err.shortfall
+        problem = (f"device memory runs out at {err} by {format_bytes(err.shortfall)}" if err.shortfall
                    else str(err))
         return Plan((), (), tuple(opt_on_device), shape.item_bytes, shape.opt_state_bytes, device_bytes,
                     0, 0, 0, 0, float("inf"), False, problem)
@@ -289,7 +305,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     host_opt = (len(opt_on_device) - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
     if peak_host > host_bytes:
-        problem = f"host memory runs out by {peak_host - host_bytes:,} bytes"
+        problem = f"host memory runs out by {format_bytes(peak_host - host_bytes)}"
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), shape.item_bytes,
                 shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,

@@ -38,8 +38,13 @@ def _analyse(fn, *args) -> tuple[int, int, float]:
 
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
-               micro_batches: int = 1) -> StepShape:
-    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``."""
+               micro_batches: int = 1, cache: dict | None = None) -> StepShape:
+    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``.
+
+    ``cache`` may be shared between traces of models that differ only in depth or chunk layout
+    (pstar-plan's searches): a stage is known by its apply function's name and position, its
+    number of chunks and its activation shapes, so equal stages are analysed once."""
+    cache = {} if cache is None else cache
     dev = placement.sharding(Space.DEVICE)
     rep = placement.sharding(Space.DEVICE, P())
     W = placement.n_devices
@@ -53,18 +58,24 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     def chunks(b: BoundStage):
         return tuple(chunk for _ in b.chunks)
 
+    def kind(b: BoundStage) -> tuple:
+        return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is bound[0], b is bound[-1],
+                jnp.dtype(param_dtype).name, W)
+
     # Activation shapes along the chain (abstract evaluation, nothing allocated).
     xs = [tokens]
     for b in bound[:-1]:
-        y = jax.eval_shape(fns.forward(b), chunks(b), offsets(b), xs[-1])
+        key = ("out", kind(b), xs[-1].shape, len(b.chunks))
+        if key not in cache:
+            cache[key] = jax.eval_shape(fns.forward(b), chunks(b), offsets(b), xs[-1])
+        y = cache[key]
         xs.append(_abstract(y.shape, y.dtype, dev))
     act = [x.size * x.dtype.itemsize // W for x in xs]
-    cache: dict[tuple, tuple[int, int, float]] = {}
 
     def analysed(role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
         # Memory barely depends on where tensors sit in chunks, so one compile per
-        # (role, apply, number of chunks, activation shapes) stands for all such stages.
-        key = (role, b.stage.apply, len(b.chunks), tuple(getattr(a, "shape", ()) for a in args[2:]))
+        # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
+        key = (role, kind(b), len(b.chunks), chunk_numel, tuple(getattr(a, "shape", ()) for a in args[2:]))
         if key not in cache:
             cache[key] = _analyse(fn, *args)
         return cache[key]

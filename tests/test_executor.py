@@ -190,7 +190,13 @@ def test_moved_bytes_equal_the_plan_every_step_bf16_accumulating():
 
 
 def test_new_batch_shape_makes_a_new_plan():
+    """A new shape: a new plan with the same Adam placement; after the switch, traffic as planned."""
     engine = chunked(model())
     engine.step(batches(1)[0])
-    engine.step(batches(1, batch=2)[0])
+    for step in batches(2, batch=2) + batches(1):
+        engine.step(step)
+    r = engine.step(batches(1, batch=2)[0])
+    r = engine.step(batches(1, batch=2)[0])
+    assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
     assert set(engine._plans) == {(4, 64), (2, 64)}
+    assert engine.plan_for((2, 64)).plan.opt_on_device == engine.plan.opt_on_device

@@ -1,0 +1,170 @@
+"""pstar-plan: will this model train here, and how? Answers from the trace alone, no model data.
+
+Prints whether it fits, the chunk size, how many chunks stay on the device, where Adam runs,
+the bytes moved per step, a predicted step time, and the largest depth and batch that fit.
+Exit 0 when it fits, 1 when it does not (one sentence why), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+from pstar_jax.config import ConfigError, format_bytes, parse_bytes, parse_count
+from pstar_jax.train import _model, _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pstar-plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="GPT2_1B")
+    p.add_argument("--model-module", default="models.gpt")
+    for flag in ("--n-layer", "--d-model", "--n-head", "--vocab-size", "--seq-len"):
+        p.add_argument(flag, type=int, default=None)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--device-memory", default="128GiB", help="per device (default: an H200 at 0.95)")
+    p.add_argument("--host-memory", default="110GiB", help="pinned host memory for chunks")
+    p.add_argument("--chunk-size", default="auto")
+    p.add_argument("--adam-placement", choices=("auto", "device", "host"), default="auto")
+    p.add_argument("--machine", choices=("h200",), default="h200", help="rates for the predicted step time")
+    p.add_argument("--no-search", action="store_true", help="skip the largest depth and batch searches")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the memory timeline")
+    return p
+
+
+def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
+    """The largest n >= 1 with fits(n), assuming fits is monotone; 0 if not even 1 fits."""
+    if not fits(1):
+        return 0
+    low, high = 1, max(2, start)
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1 or args.batch_size % args.micro_batches:
+        raise ConfigError(f"--batch-size {args.batch_size} must be a positive multiple of --micro-batches")
+    device_bytes = parse_bytes(args.device_memory, "--device-memory")
+    host_bytes = parse_bytes(args.host_memory, "--host-memory")
+    if args.chunk_size != "auto":
+        parse_count(args.chunk_size, "--chunk-size")
+
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from pstar_jax.chunks import auto_chunk_numel
+    from pstar_jax.config import EngineConfig, OptimConfig
+    from pstar_jax.executor import plan_model
+    from pstar_jax.machine import MACHINES
+    from pstar_jax.optim import default_tx
+    from pstar_jax.plan import make_plan, scale_batch
+
+    model = _model(args)
+    cfg = model.config
+    chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays) if args.chunk_size == "auto"
+                   else parse_count(args.chunk_size, "--chunk-size"))
+    engine_cfg = EngineConfig(chunk_numel, device_bytes, args.precision, args.micro_batches, args.adam_placement)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    machine = MACHINES[args.machine]
+    make_tx = default_tx(OptimConfig())
+    micro = args.batch_size // args.micro_batches
+    cache: dict = {}
+    planned = plan_model(model, engine_cfg, mesh, (micro, cfg.seq_len), machine, host_bytes, make_tx,
+                         trace_cache=cache)
+    plan = planned.plan
+
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(cfg), "chunk_numel": planned.layout.chunk_numel,
+                          "n_chunks": planned.layout.n_chunks, "plan": plan.to_json()}))
+    else:
+        n = planned.layout.n_chunks
+        on_device = sum(plan.opt_on_device)
+        tokens = args.batch_size * cfg.seq_len
+        print(f"model {args.model}: {model.n_params():,} params ({format_bytes(14 * model.n_params())} of "
+              f"model data at 14 B/param), batch {args.batch_size}x{cfg.seq_len} in {args.micro_batches} "
+              f"micro-batch(es), {args.precision}")
+        print(f"capacity: device {format_bytes(device_bytes)}, host {format_bytes(host_bytes)}; rates: {machine.name}")
+        print(f"chunks: {n} of {planned.layout.chunk_numel:,} elements "
+              f"({100 * planned.layout.numel / planned.layout.padded_numel:.1f}% used)")
+        if plan.fits:
+            step_s = plan.predicted_step_s
+            print(f"fits: peak device {format_bytes(plan.peak_device_bytes)}, peak host "
+                  f"{format_bytes(plan.peak_host_bytes)}")
+            print(f"resident: {100 * plan.resident_fraction:.0f}% of param chunks never leave the device")
+            print(f"adam: on the device for {on_device} chunks, on the host for {n - on_device}")
+            print(f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
+                  f"device->host")
+            print(f"predicted: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
+                  f"{model.flops_per_token() * tokens / step_s / 1e12:.0f} model TFLOPS")
+    if not args.no_search and not args.json:
+        def depth_fits(n_layer: int) -> bool:
+            deeper = _model(argparse.Namespace(**{**vars(args), "n_layer": n_layer}))
+            return plan_model(deeper, engine_cfg, mesh, (micro, cfg.seq_len), machine, host_bytes, make_tx,
+                              trace_cache=cache).plan.fits
+
+        def batch_fits(batch: int) -> bool:
+            shape = scale_batch(planned.shape, batch / micro)
+            return make_plan(shape, device_bytes, host_bytes, machine, args.adam_placement).fits
+        depth = largest(depth_fits, cfg.n_layer)
+        batch = largest(batch_fits, micro)
+        print(f"largest depth that fits with this batch: {depth} layers at d_model {cfg.d_model}" if depth
+              else f"no depth fits at d_model {cfg.d_model} with this batch")
+        print(f"largest batch that fits at this depth: {batch * args.micro_batches} sequences per step"
+              if batch else "no batch fits at this depth", "(activation memory scaled linearly from the trace)")
+    if args.plot:
+        plot_timeline(planned, args.plot)
+    if not plan.fits:
+        print(f"pstar-plan: does not fit: {plan.problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot_timeline(planned, path: str) -> None:
+    """Model data and non-model data per moment, stacked, against the device capacity."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan, accesses = planned.plan, planned.accesses
+    opt = sum(plan.opt_on_device) * plan.opt_state_bytes
+    gib = 2**30
+    non_model = [a.non_model_bytes / gib for a in accesses]
+    chunks = [(m.chunk_bytes + opt) / gib for m in plan.moments] or [0.0] * len(accesses)
+    x = range(len(accesses))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.stackplot(x, chunks, non_model, labels=["model data (chunks + device Adam state)", "non-model data"],
+                 colors=["#4c72b0", "#dd8452"])
+    ax.axhline(plan.device_capacity_bytes / gib, color="black", linestyle="--", label="device capacity")
+    ax.set_xlabel("moment (forward, backward, optimizer per chunk)")
+    ax.set_ylabel("GiB per device")
+    ax.set_title(f"pstar plan: {'fits' if plan.fits else 'does not fit'}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except ConfigError as err:
+        print(f"pstar-plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

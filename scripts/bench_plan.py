@@ -1,0 +1,75 @@
+"""Bytes moved per step: the warm-up plan (Belady) beside streaming every chunk at every use.
+
+    python scripts/bench_plan.py --model small --batch-size 8
+
+The device budget holds about half the model data beside the traced working memory (the CPU
+default of pstar-train). Rows: the plan pstar_jax trains with, the same capacity managed by LRU
+and FIFO eviction, and streaming (each moment's chunks fetched, everything else evicted). The
+plan's row is also measured: two real training steps, whose bytes must equal the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from models.gpt import build_model  # noqa: E402
+from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
+from pstar_jax.config import EngineConfig, OptimConfig, format_bytes  # noqa: E402
+from pstar_jax.executor import ChunkedEngine  # noqa: E402
+from pstar_jax.machine import H200  # noqa: E402
+from pstar_jax.optim import default_tx  # noqa: E402
+from pstar_jax.plan import plan_step, step_accesses  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args()
+    model = build_model(args.model)
+    cfg = model.config
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    chunk_numel = auto_chunk_numel(model.param_shapes(), model.decays)
+    engine = ChunkedEngine(model, EngineConfig(chunk_numel, None, "bf16"), default_tx(OptimConfig()), mesh,
+                           (args.batch_size, cfg.seq_len), H200)
+    plan, shape = engine.plan, engine._plans[(args.batch_size, cfg.seq_len)].shape
+    rng = np.random.default_rng(0)
+    measured = []
+    for _ in range(2):
+        tok = rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1))
+        r = engine.step([(tok[:, :-1], tok[:, 1:])])
+        measured.append((r.h2d_bytes, r.d2h_bytes))
+    opt = plan.opt_on_device
+    rows = [("plan (Belady), predicted", plan.h2d_bytes, plan.d2h_bytes),
+            ("plan (Belady), measured step 2", *measured[-1])]
+    for rule in ("lru", "fifo"):
+        other = plan_step(shape, engine.device_budget_bytes, engine.host_bytes, H200, opt, victim_rule=rule)
+        rows.append((f"{rule.upper()} at the same capacity", other.h2d_bytes, other.d2h_bytes)
+                    if other.fits else (f"{rule.upper()}: {other.problem}", 0, 0))
+    # Streaming: each moment's device room is exactly what it needs, so nothing stays.
+    accesses = step_accesses(shape, opt)
+    tight = max(len(set(a.needs)) for a in accesses) * shape.item_bytes
+    stream_shape = dataclasses.replace(shape, fwd_non_model=tuple(0 for _ in shape.fwd_non_model),
+                                       bwd_non_model=tuple(0 for _ in shape.bwd_non_model), head_non_model=0)
+    opt_bytes = sum(opt) * shape.opt_state_bytes
+    stream = plan_step(stream_shape, tight + opt_bytes, engine.host_bytes, H200, opt, victim_rule="fifo")
+    rows.append(("streaming every chunk at every use", stream.h2d_bytes, stream.d2h_bytes))
+    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {chunk_numel:,}, "
+          f"batch {args.batch_size}x{cfg.seq_len}, device budget {format_bytes(engine.device_budget_bytes)} "
+          f"for model data {format_bytes(engine.model_data_bytes)}, Adam on the device for {sum(opt)} chunks")
+    print(f"{'placement':<40}{'h2d/step':>14}{'d2h/step':>14}{'total':>14}")
+    for name, h2d, d2h in rows:
+        print(f"{name:<40}{format_bytes(h2d):>14}{format_bytes(d2h):>14}{format_bytes(h2d + d2h):>14}")
+
+
+if __name__ == "__main__":
+    main()
