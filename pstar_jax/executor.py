@@ -33,6 +33,7 @@ from pstar_jax.machine import Machine
 from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step
+from pstar_jax.zero import replicated_value, to_numpy
 
 
 @dataclasses.dataclass
@@ -171,12 +172,12 @@ class ChunkedEngine:
         initial = dict(self.plan.initial_device)
         host = {name: np.asarray(value, np.float32) for name, value in params.items()}
         for c, chunk in enumerate(pack(self.layout, host, np.float32)):
-            master = self.placement.put(jnp.asarray(chunk), self.opt_space[c])
+            master = self.placement.put(chunk, self.opt_space[c])
             self.store.put(("opt", c), self.optimizer.init(master))
             self.store.put(("master", c), master)
             key = ("param", c)
             dirty = initial.get(key)
-            self.store.put(key, self.placement.put(jnp.asarray(chunk).astype(self.param_dtype),
+            self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
                                                    Space.DEVICE if dirty else Space.HOST))
             if dirty is False:  # on the device with a valid host copy
                 self.store.get(key, Space.DEVICE)
@@ -184,9 +185,11 @@ class ChunkedEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        """One optimizer step over (tokens, targets) micro-batches: this process's rows of each."""
         if len(micro_batches) != self.cfg.micro_batches:
             raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
-        planned = self.plan_for(tuple(np.shape(micro_batches[0][0])))
+        rows, seq_len = np.shape(micro_batches[0][0])  # this process's rows of the global micro-batch
+        planned = self.plan_for((rows * jax.process_count(), seq_len))
         plan, accesses = planned.plan, planned.accesses
         start = time.perf_counter()
         self.store.traffic.reset()
@@ -214,7 +217,7 @@ class ChunkedEngine:
         jax.block_until_ready([self.store.peek(k) for k in self.store.keys("param")])
         end = time.perf_counter()
         self.step_count += 1
-        return StepResult(loss=float(sum(run.losses)), grad_norm=float(jnp.sqrt(sum(run.sumsq))),
+        return StepResult(loss=replicated_value(sum(run.losses)), grad_norm=replicated_value(jnp.sqrt(sum(run.sumsq))),
                           step_s=end - start, optimizer_s=end - opt_start,
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
@@ -278,8 +281,10 @@ class ChunkedEngine:
         in_use = self.device_memory_in_use() or 0
         self.measured_non_model.append(in_use - self.store.bytes[Space.DEVICE])
 
-    def _put_batch(self, array: np.ndarray) -> jax.Array:
-        return jax.device_put(jnp.asarray(array, jnp.int32), self.placement.sharding(Space.DEVICE))
+    def _put_batch(self, rows: np.ndarray) -> jax.Array:
+        """This process's rows of the global batch, sharded over the data axis."""
+        return jax.make_array_from_process_local_data(self.placement.sharding(Space.DEVICE),
+                                                      np.asarray(rows, np.int32))
 
     def _grads(self, i: int) -> tuple[jax.Array, ...]:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
@@ -306,7 +311,7 @@ class ChunkedEngine:
     # -- reading state ------------------------------------------------------------------------
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
         """Current tensors by name (fp32 master, or the compute-dtype params), as numpy."""
-        chunks = [np.asarray(jax.device_get(self.store.peek((kind, c)))) for c in range(self.layout.n_chunks)]
+        chunks = [to_numpy(self.store.peek((kind, c))) for c in range(self.layout.n_chunks)]
         return unpack(self.layout, chunks)
 
     def device_memory_in_use(self) -> int | None:

@@ -46,7 +46,7 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     """Time a chunk's copies both ways, a matmul and a chunk's optimizer update in each space."""
     from pstar_jax.memory import Space  # memory imports nothing of ours but config; keep machine light
 
-    x = placement.put(jnp.zeros((numel,), jnp.float32), Space.DEVICE)
+    x = placement.put(np.zeros((numel,), np.float32), Space.DEVICE)
     on_host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
     nbytes = numel * 4 // placement.n_devices
     h2d = nbytes / _best_time(lambda: jax.device_put(on_host, x.sharding))

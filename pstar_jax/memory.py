@@ -44,9 +44,17 @@ class Placement:
         return NamedSharding(self.mesh, spec, memory_kind=space.value)
 
     def put(self, tree: Any, space: Space, replicated: bool = False) -> Any:
-        """Place a pytree: arrays sharded on their first axis (or replicated), scalars replicated."""
-        return jax.tree.map(lambda x: jax.device_put(
-            x, self.sharding(space, P("data") if np.ndim(x) and not replicated else P())), tree)
+        """Place a pytree: arrays sharded on their first axis (or replicated), scalars replicated.
+
+        Host (numpy) values are cut into each device's shard on this process, so the same code
+        places a global value across many processes, each holding the same numpy array."""
+        def one(x):
+            sharding = self.sharding(space, P("data") if np.ndim(x) and not replicated else P())
+            if isinstance(x, jax.Array):
+                return jax.device_put(x, sharding)
+            value = np.asarray(x)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+        return jax.tree.map(one, tree)
 
     def per_device_bytes(self, tree: Any) -> int:
         total = 0

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pstar_jax import compat
@@ -81,7 +82,7 @@ class ChunkOptimizer:
         """(grad, master, state) in ``space`` -> (new master, new state, new params), in ``space``.
 
         grad, master and state are donated: the update is in place."""
-        scalars = self.placement.put((scale, jnp.int32(n_decay)), space)
+        scalars = self.placement.put((scale, np.int32(n_decay)), space)
         return self._update[space](grad, master, state, *scalars)
 
     def _build(self, space: Space) -> Callable:

@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax.config import ConfigError
 from pstar_jax.executor import StepResult
 from pstar_jax.optim import TxFactory, clip_scale
 from pstar_jax.stages import StagedModel, cast_params, compose_loss
+from pstar_jax.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
     "none": None,
@@ -31,12 +33,17 @@ REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
 
 class PlainEngine:
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
-                 seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none"):
+                 seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
+                 mesh: jax.sharding.Mesh | None = None):
+        """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated."""
         if remat not in REMAT_POLICIES:
             raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
         loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
+        self.mesh = mesh
         self.params = {n: jnp.asarray(v, jnp.float32) for n, v in model.init_params(seed).items()}
+        if mesh is not None:
+            self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
         labels = {n: "decay" if model.decays(n) else "no_decay" for n in self.params}
         tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
         self.opt_state = tx.init(self.params)
@@ -60,14 +67,20 @@ class PlainEngine:
 
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         start = time.perf_counter()
-        tokens = jnp.asarray(np.stack([t for t, _ in micro_batches]), jnp.int32)
-        targets = jnp.asarray(np.stack([t for _, t in micro_batches]), jnp.int32)
+        tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
+        targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
+        if self.mesh is not None:  # this process's rows of each micro-batch
+            rows = NamedSharding(self.mesh, P(None, "data"))
+            tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
         self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens, targets)
-        loss = float(loss)  # sync: the step's time includes all its work
+        loss = replicated_value(loss)  # sync: the step's time includes all its work
         self.step_count += 1
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)))
-        return StepResult(loss=loss, grad_norm=float(norm), step_s=time.perf_counter() - start,
+        return StepResult(loss=loss, grad_norm=replicated_value(norm), step_s=time.perf_counter() - start,
                           optimizer_s=0.0, h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
 
     def params_numpy(self) -> dict[str, np.ndarray]:
-        return {n: np.asarray(v) for n, v in self.params.items()}
+        return {n: to_numpy(v) for n, v in self.params.items()}
+
+    def summary(self) -> str:
+        return f"plain engine: {sum(v.size for v in self.params.values()):,} params, all on the device"

@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device-memory", default="128GiB", help="per device (default: an H200 at 0.95)")
-    p.add_argument("--host-memory", default="110GiB", help="pinned host memory for chunks")
+    p.add_argument("--host-memory", default="110GiB", help="pinned host memory for chunks, per host")
+    p.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO)")
+    p.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's memory "
+                   "(default: W up to 8)")
     p.add_argument("--chunk-size", default="auto")
     p.add_argument("--adam-placement", choices=("auto", "device", "host"), default="auto")
     p.add_argument("--machine", choices=("h200",), default="h200", help="rates for the predicted step time")
@@ -56,13 +59,27 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.batch_size < 1 or args.batch_size % args.micro_batches:
         raise ConfigError(f"--batch-size {args.batch_size} must be a positive multiple of --micro-batches")
     device_bytes = parse_bytes(args.device_memory, "--device-memory")
-    host_bytes = parse_bytes(args.host_memory, "--host-memory")
+    W = args.data_parallel
+    if W < 1 or args.batch_size // args.micro_batches % W:
+        raise ConfigError(f"the micro-batch ({args.batch_size // args.micro_batches} sequences) must be a "
+                          f"multiple of --data-parallel {W}")
+    per_host = args.devices_per_host or min(W, 8)
+    host_bytes = parse_bytes(args.host_memory, "--host-memory") // per_host  # the plan is per device
     if args.chunk_size != "auto":
         parse_count(args.chunk_size, "--chunk-size")
 
     import dataclasses
 
     import jax
+    from jax._src import xla_bridge
+    if not xla_bridge.backends_are_initialized():
+        # Plans are traced on the CPU backend (its memory analysis stands in for the accelerator's),
+        # with W fake devices for the sharded stage functions.
+        jax.config.update("jax_platforms", "cpu")
+        if W > 1:
+            jax.config.update("jax_num_cpu_devices", W)
+    if len(jax.devices()) < W:
+        raise ConfigError(f"--data-parallel {W} needs {W} devices to trace with; {len(jax.devices())} are here")
     import numpy as np
     from jax.sharding import Mesh
 
@@ -75,10 +92,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     model = _model(args)
     cfg = model.config
-    chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays) if args.chunk_size == "auto"
+    chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays, multiple=W) if args.chunk_size == "auto"
                    else parse_count(args.chunk_size, "--chunk-size"))
     engine_cfg = EngineConfig(chunk_numel, device_bytes, args.precision, args.micro_batches, args.adam_placement)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
     machine = MACHINES[args.machine]
     make_tx = default_tx(OptimConfig())
     micro = args.batch_size // args.micro_batches
@@ -97,7 +114,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"model {args.model}: {model.n_params():,} params ({format_bytes(14 * model.n_params())} of "
               f"model data at 14 B/param), batch {args.batch_size}x{cfg.seq_len} in {args.micro_batches} "
               f"micro-batch(es), {args.precision}")
-        print(f"capacity: device {format_bytes(device_bytes)}, host {format_bytes(host_bytes)}; rates: {machine.name}")
+        print(f"capacity per device: device {format_bytes(device_bytes)}, host {format_bytes(host_bytes)}; "
+              f"{W} data-parallel device(s); rates: {machine.name}")
         print(f"chunks: {n} of {planned.layout.chunk_numel:,} elements "
               f"({100 * planned.layout.numel / planned.layout.padded_numel:.1f}% used)")
         if plan.fits:
@@ -108,8 +126,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"adam: on the device for {on_device} chunks, on the host for {n - on_device}")
             print(f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                   f"device->host")
-            print(f"predicted: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
-                  f"{model.flops_per_token() * tokens / step_s / 1e12:.0f} model TFLOPS")
+            tflops = model.flops_per_token() * tokens / step_s / 1e12
+            print(f"predicted: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, {tflops:.0f} model TFLOPS"
+                  + (f" ({tflops / W:.0f} per device)" if W > 1 else ""))
     if not args.no_search and not args.json:
         def depth_fits(n_layer: int) -> bool:
             deeper = _model(argparse.Namespace(**{**vars(args), "n_layer": n_layer}))

@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where fp32 master and Adam state live; auto: as many chunks on the device as "
                         "make the predicted step fastest")
     e.add_argument("--chunk-size", default="auto", help="elements per chunk (4M, 65536) or auto")
+    d = p.add_argument_group("data parallelism (ZeRO) and multi-host")
+    d.add_argument("--data-parallel", type=int, default=None, help="devices W to shard chunks and the batch "
+                   "over (default: all devices of all processes)")
+    d.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (or PSTAR_COORDINATOR)")
+    d.add_argument("--num-processes", type=int, default=None, help="or PSTAR_NUM_PROCESSES")
+    d.add_argument("--process-id", type=int, default=None, help="or PSTAR_PROCESS_ID")
+    d.add_argument("--heartbeat-timeout", type=int, default=60,
+                   help="seconds before a silent process counts as dead and the others stop")
+    d.add_argument("--step-timeout", type=float, default=None,
+                   help="end with an error if a step makes no progress for this many seconds")
+    d.add_argument("--local-devices", type=int, default=None,
+                   help="CPU only: fake this many devices per process (for trying data parallelism)")
     o = p.add_argument_group("output")
     o.add_argument("--metrics-out", default=None, help="JSON lines, one per step")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -95,63 +107,44 @@ def run(argv: Sequence[str] | None = None) -> int:
     _validate(args)
     from pstar_jax.memory import configure_backend
     configure_backend("0.9" if args.device_memory == "auto" else args.device_memory, args.host_memory)
-
     import jax
-    import numpy as np
-    from jax.sharding import Mesh
+    if args.local_devices:  # CPU only: fake devices, to try data parallelism on one machine
+        jax.config.update("jax_num_cpu_devices", args.local_devices)
+    from pstar_jax import zero
+    zero.initialize(args.coordinator, args.num_processes, args.process_id,
+                    heartbeat_timeout_s=args.heartbeat_timeout)
 
-    from pstar_jax.chunks import auto_chunk_numel
-    from pstar_jax.config import EngineConfig
     from pstar_jax.data import Batches
-    from pstar_jax.executor import ChunkedEngine
-    import jax.numpy as jnp
-
-    from pstar_jax.machine import measure
-    from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes
-    from pstar_jax.optim import ChunkOptimizer
     from pstar_jax.metrics import MetricsWriter, Progress, step_record
     from pstar_jax.optim import default_tx
-    from pstar_jax.plain import PlainEngine
 
     model = _model(args)
     cfg = model.config
     tokens = _tokens(args, cfg.vocab_size)
+    mesh = zero.data_mesh(args.data_parallel)
+    W = mesh.devices.size
     micro = args.batch_size // args.micro_batches
-    batches = Batches(tokens, micro, cfg.seq_len, args.seed)
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of --data-parallel {W}")
+    zero.check_process_rows(micro)
+    batches = Batches(tokens, micro, cfg.seq_len, args.seed, process_index=jax.process_index(),
+                      process_count=jax.process_count())  # yields this process's rows
     optim = OptimConfig(lr=args.lr, total_steps=args.steps, weight_decay=args.weight_decay,
                         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                         clip_norm=args.clip_norm or None)
-    make_tx = default_tx(optim)
-    device = jax.devices()[0]
-    if args.engine == "plain":
-        engine = PlainEngine(model, args.precision, make_tx, args.micro_batches, args.seed,
-                             optim.clip_norm, args.remat)
-        print(f"plain engine: {model.n_params():,} params, remat {args.remat}", flush=True)
-    else:
-        chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays) if args.chunk_size == "auto"
-                       else parse_count(args.chunk_size, "--chunk-size"))
-        if args.device_memory == "auto":  # on a CPU: None, half the model data (the demo default)
-            budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
-        else:
-            budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
-        host = available_host_bytes()
-        if args.host_memory is not None:
-            host = min(host, parse_bytes(args.host_memory, "--host-memory"))
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        placement = Placement(mesh)
-        machine = measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
-        engine = ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches,
-                                                   args.adam_placement),
-                               make_tx, mesh, (micro, cfg.seq_len), machine, args.seed, optim.clip_norm,
-                               host_bytes=host)
+    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm)
+    main_process = zero.is_main_process()
+    if main_process:
         print(engine.summary(), flush=True)
 
-    writer = MetricsWriter(args.metrics_out)
-    progress = Progress(args.steps, enabled=not args.quiet)
+    writer = MetricsWriter(args.metrics_out if main_process else None)
+    progress = Progress(args.steps, enabled=main_process and not args.quiet)
+    watchdog = zero.Watchdog(args.step_timeout)
     step_tokens = args.batch_size * cfg.seq_len
     try:
         for step in range(engine.step_count, args.steps):
             result = engine.step([next(batches) for _ in range(args.micro_batches)])
+            watchdog.progress(step + 1)
             record = step_record(step, result, step_tokens, model.flops_per_token(),
                                  predicted_h2d_bytes=result.predicted_h2d_bytes,
                                  predicted_d2h_bytes=result.predicted_d2h_bytes)
@@ -160,10 +153,46 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         progress.close()
         writer.close()
-    print(f"done: {args.steps} steps, final loss {result.loss:.4f}, "
-          f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(result.h2d_bytes)} h2d / "
-          f"{format_bytes(result.d2h_bytes)} d2h in the last step")
+    if main_process:
+        print(f"done: {args.steps} steps, final loss {result.loss:.4f}, "
+              f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(result.h2d_bytes)} h2d / "
+              f"{format_bytes(result.d2h_bytes)} d2h per device in the last step")
     return 0
+
+
+def _engine(args, model, mesh, make_tx, clip_norm):
+    """The chunked engine (planned for this machine), or the plain one."""
+    import jax
+    import jax.numpy as jnp
+
+    from pstar_jax.chunks import auto_chunk_numel
+    from pstar_jax.config import EngineConfig
+    from pstar_jax.executor import ChunkedEngine
+    from pstar_jax.machine import measure
+    from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes
+    from pstar_jax.optim import ChunkOptimizer
+    from pstar_jax.plain import PlainEngine
+
+    cfg = model.config
+    if args.engine == "plain":
+        return PlainEngine(model, args.precision, make_tx, args.micro_batches, args.seed, clip_norm, args.remat,
+                           mesh=mesh)
+    chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays, multiple=mesh.devices.size)
+                   if args.chunk_size == "auto" else parse_count(args.chunk_size, "--chunk-size"))
+    device = jax.local_devices()[0]
+    if args.device_memory == "auto":  # on a CPU: None, half the model data (the demo default)
+        budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
+    else:
+        budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
+    host = available_host_bytes() // max(1, jax.local_device_count())  # per device, like the plan
+    if args.host_memory is not None:
+        host = min(host, parse_bytes(args.host_memory, "--host-memory"))
+    placement = Placement(mesh)
+    machine = measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
+    micro = args.batch_size // args.micro_batches
+    return ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches,
+                                             args.adam_placement),
+                         make_tx, mesh, (micro, cfg.seq_len), machine, args.seed, clip_norm, host_bytes=host)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

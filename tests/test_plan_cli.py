@@ -51,3 +51,11 @@ def test_largest_is_a_monotone_search():
     assert largest(lambda n: n <= 37, 8) == 37
     assert largest(lambda n: n <= 1, 8) == 1
     assert largest(lambda n: False, 8) == 0
+
+
+def test_data_parallel_plan_is_per_device(capsys):
+    """W=8 shards the model data: the same device memory then holds everything."""
+    assert main([*TINY, "--batch-size", "8", "--device-memory", "1MiB", "--no-search"]) == 1
+    capsys.readouterr()
+    assert main([*TINY, "--batch-size", "8", "--device-memory", "1MiB", "--no-search", "--data-parallel", "8"]) == 0
+    assert "8 data-parallel device(s)" in capsys.readouterr().out

@@ -1,0 +1,137 @@
+"""ZeRO: sharded chunks over 8 fake devices and over 2 processes equal single-device training."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from models.gpt import StagedGPT, preset
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
+from pstar_jax.executor import ChunkedEngine
+from pstar_jax.machine import H200
+from pstar_jax.memory import Space
+from pstar_jax.optim import default_tx
+from pstar_jax.zero import data_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, clip_norm=1.0)
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
+
+
+def engine(W, adam="auto", budget=None):
+    mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
+    cfg = EngineConfig(8192, budget, "fp32", adam_placement=adam)
+    return ChunkedEngine(StagedGPT(preset("tiny")), cfg, default_tx(OPTIM), mesh, (8, 64), H200,
+                         clip_norm=OPTIM.clip_norm)
+
+
+def train(e, steps=3):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        tok = rng.integers(0, 256, (8, 65))
+        out.append(e.step([(tok[:, :-1], tok[:, 1:])]))
+    return out
+
+
+@needs_8
+@pytest.mark.parametrize("adam", ["host", "device"])
+def test_zero_over_8_devices_equals_one_device(adam):
+    """Same global batch: same losses and params; with host offload (chunks move) and without."""
+    single, sharded = engine(1, adam, None if adam == "host" else 10**8), engine(8, adam, None if adam == "host" else 10**8)
+    a, b = train(single), train(sharded)
+    np.testing.assert_allclose([r.loss for r in a], [r.loss for r in b], rtol=1e-5)
+    if adam == "host":
+        assert min(r.h2d_bytes for r in b) > 0
+    pa, pb = single.params(), sharded.params()
+    for name in pa:
+        np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@needs_8
+def test_per_device_chunk_bytes_are_one_eighth():
+    single, sharded = engine(1, "host"), engine(8, "host")
+    assert sharded.item_bytes * 8 == single.item_bytes
+    for key in single.store.keys("param") + single.store.keys("master") + single.store.keys("opt"):
+        a = single.placement.per_device_bytes(single.store.peek(key))
+        b = sharded.placement.per_device_bytes(sharded.store.peek(key))
+        scalars = sum(x.nbytes for x in jax.tree.leaves(single.store.peek(key)) if x.ndim == 0)  # step counts
+        assert (b - scalars) * 8 == a - scalars, key
+    chunk = sharded.store.peek(("master", 0))
+    assert len(chunk.addressable_shards) == 8 and chunk.addressable_shards[0].data.size == 8192 // 8
+    assert sharded.plan.item_bytes * 8 == single.plan.item_bytes
+
+
+def test_mesh_errors():
+    with pytest.raises(ConfigError, match="needs 64 devices"):
+        data_mesh(64)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(i, port, extra, log):
+    env = dict(os.environ, PSTAR_COORDINATOR=f"127.0.0.1:{port}", PSTAR_NUM_PROCESSES="2", PSTAR_PROCESS_ID=str(i),
+               PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # each process makes its own 2 devices
+    cmd = [sys.executable, "-m", "pstar_jax.train", "--local-devices", "2", "--quiet", "--precision", "fp32",
+           "--batch-size", "8", "--heartbeat-timeout", "5", *extra]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_two_processes_match_single_process(tmp_path):
+    """2 processes x 2 devices through jax.distributed train like 1 process x 4 devices."""
+    multi, single = tmp_path / "multi.jsonl", tmp_path / "single.jsonl"
+    port = free_port()
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [spawn(i, port, ["--steps", "4", "--metrics-out", str(multi)], logs[i]) for i in range(2)]
+    codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, 0], (tmp_path / "p0.log").read_text()[-2000:] + (tmp_path / "p1.log").read_text()[-2000:]
+    ref = subprocess.run([sys.executable, "-m", "pstar_jax.train", "--local-devices", "4", "--quiet", "--precision",
+                          "fp32", "--batch-size", "8", "--steps", "4", "--metrics-out", str(single)],
+                         cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                         capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    np.testing.assert_allclose(losses(multi), losses(single), rtol=1e-5)
+    assert len(losses(multi)) == 4  # only process 0 wrote metrics
+
+
+def test_killed_process_stops_the_other_with_a_clear_error(tmp_path):
+    """kill -9 one process: the survivor exits non-zero, saying a peer died, within a bounded time."""
+    port = free_port()
+    metrics = tmp_path / "m.jsonl"
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [spawn(i, port, ["--steps", "100000", "--metrics-out", str(metrics), "--step-timeout", "30"], logs[i])
+             for i in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline, (tmp_path / "p0.log").read_text()[-2000:]
+            assert procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-2000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=90)
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = (tmp_path / "p0.log").read_text()
+    assert code != 0 and waited < 90
+    assert "another task died" in log or "another process probably died" in log, log[-2000:]
