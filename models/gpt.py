@@ -280,3 +280,19 @@ def build_model(name: str, **overrides: Any) -> StagedGPT:
     """A preset with some fields replaced (None values are ignored): what a CLI builds."""
     config = dataclasses.replace(preset(name), **{k: v for k, v in overrides.items() if v is not None})
     return StagedGPT(config)
+
+
+def load_gpt(directory: str) -> GPT:
+    """A GPT from a plain export (config.json + an orbax pytree of the parameters under params/)."""
+    import json
+    import os
+
+    import orbax.checkpoint as ocp
+
+    with open(os.path.join(directory, "config.json")) as f:
+        config = GPTConfig(**json.load(f))
+    with ocp.StandardCheckpointer() as ckptr:
+        nested = ckptr.restore(os.path.abspath(os.path.join(directory, "params")))
+    flat = {".".join(str(getattr(k, "key", k)) for k in path): jnp.asarray(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(nested)[0]}
+    return gpt_from_params(config, flat)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.chunks import ChunkLayout, build_layout, pack, unpack
@@ -36,6 +36,13 @@ from pstar_jax.trace import trace_step
 from pstar_jax.zero import replicated_value, to_numpy
 
 
+class NonFiniteLoss(FloatingPointError):
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        super().__init__(f"the loss or gradient is not finite at step {step} (loss {loss:.4g}, gradient norm "
+                         f"{grad_norm:.4g}); lower --lr, or pass --skip-nonfinite to skip such steps")
+        self.step = step
+
+
 @dataclasses.dataclass
 class StepResult:
     loss: float
@@ -47,6 +54,7 @@ class StepResult:
     device_chunk_peak_bytes: int
     predicted_h2d_bytes: int = 0
     predicted_d2h_bytes: int = 0
+    skipped: bool = False  # a non-finite loss or gradient: no update was applied
 
 
 @dataclasses.dataclass
@@ -97,7 +105,7 @@ class ChunkedEngine:
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                  batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
                  clip_norm: float | None = 1.0, host_bytes: int | None = None,
-                 layout: ChunkLayout | None = None):
+                 layout: ChunkLayout | None = None, init_params: Any = None, skip_nonfinite: bool = False):
         """``cfg.device_budget_bytes`` is all the device memory the engine may use per device,
         chunks and working memory together; ``batch_shape`` is the global (micro-batch, seq_len).
         Raises ConfigError, before allocating model data, when the plan does not fit."""
@@ -119,7 +127,8 @@ class ChunkedEngine:
         self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
-        self._init_chunks(model.init_params(seed))
+        self.skip_nonfinite = skip_nonfinite
+        self._init_chunks(model.init_params(seed) if init_params is None else init_params)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
         self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
@@ -202,8 +211,13 @@ class ChunkedEngine:
         moments = plan.moments
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if access.phase == "adam" and opt_start is None:
-                jax.block_until_ready(run.sumsq)  # sync: optimizer_s measures the optimizer phase alone
+                # sync: optimizer_s measures the optimizer phase alone, and a bad step is caught
+                # before any state changes
+                loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
                 opt_start = time.perf_counter()
+                run.skip = not (np.isfinite(loss) and np.isfinite(sumsq))
+                if run.skip and not self.skip_nonfinite:
+                    raise NonFiniteLoss(self.step_count, loss, float(np.sqrt(sumsq)))
                 run.clip = clip_scale(sum(run.sumsq), self.clip_norm)
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
@@ -221,7 +235,8 @@ class ChunkedEngine:
                           step_s=end - start, optimizer_s=end - opt_start,
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
-                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes)
+                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes,
+                          skipped=run.skip)
 
     def _settle(self, planned: Planned) -> None:
         """Put the param chunks where the plan starts a step (its traffic counts in this step)."""
@@ -251,7 +266,7 @@ class ChunkedEngine:
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
         head = len(self.bound) - 1
         if a.phase == "adam":
-            self._adam(a.index, run.clip)
+            self._adam(a.index, run.clip, run.skip)
             return
         i = a.index
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
@@ -298,15 +313,62 @@ class ChunkedEngine:
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
 
-    def _adam(self, c: int, clip: jax.Array) -> None:
+    def _adam(self, c: int, clip: jax.Array, skip: bool) -> None:
         space = self.opt_space[c]
         grad = self.store.take(("grad", c), space)
         master = self.store.take(("master", c), space)
         state = self.store.take(("opt", c), space)
-        master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
+        if skip:  # same moves as a real update, so the plan still holds
+            master, state, params = self.optimizer.keep(space, grad, master, state)
+        else:
+            master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
         self.store.put(("master", c), master)
         self.store.put(("opt", c), state)
         self.store.put(("param", c), params)
+
+    # -- state for checkpoints -----------------------------------------------------------------
+    def state(self) -> dict:
+        """Every chunk list as stored (one copy each): {"param"|"master"|"opt": {"c": value}}."""
+        return {kind: {str(c): self.store.peek((kind, c)) for c in range(self.layout.n_chunks)}
+                for kind in ("param", "master", "opt")}
+
+    def abstract_state(self, layout: ChunkLayout | None = None) -> dict:
+        """Shapes and shardings ``state()`` has (for ``layout``, default ours): params on the host,
+        master and optimizer state where the plan keeps them."""
+        layout = layout or self.layout
+        numel = layout.chunk_numel
+        opt = jax.eval_shape(self.optimizer.make_tx(jnp.ones((), jnp.float32)).init,
+                             jax.ShapeDtypeStruct((numel,), jnp.float32))
+
+        def placed(x, space):
+            spec = self.placement.sharding(space, P("data") if x.ndim else P())
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
+
+        def space(c):
+            return self.opt_space[c] if c < len(self.opt_space) else Space.HOST
+        return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
+                          for c in range(layout.n_chunks)},
+                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c))
+                           for c in range(layout.n_chunks)},
+                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt) for c in range(layout.n_chunks)}}
+
+    def load_state(self, state: dict, step: int) -> None:
+        """Replace all chunk state (arrays or numpy in our layout) and set the step count."""
+        self.store.budget_bytes = self.device_budget_bytes
+        for c in range(self.layout.n_chunks):
+            for kind in ("param", "master", "opt"):
+                if (kind, c) in self.store:
+                    self.store.drop((kind, c))
+        for c in range(self.layout.n_chunks):
+            self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
+            self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
+            self.store.put(("param", c), self.placement.put(state["param"][str(c)], Space.HOST))
+        for key, dirty in self.plan.initial_device:  # where the plan starts a step
+            self.store.get(key, Space.DEVICE)
+            if dirty:
+                self.store.drop_copy(key, Space.HOST)
+        self.store.traffic.reset()
+        self.step_count = step
 
     # -- reading state ------------------------------------------------------------------------
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
@@ -328,6 +390,7 @@ class _StepState:
     g: Any = None
     targets: Any = None
     clip: Any = None
+    skip: bool = False
     stash: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     sumsq: list = dataclasses.field(default_factory=list)

@@ -63,6 +63,7 @@ class ChunkOptimizer:
         self.placement = placement
         self.param_dtype = param_dtype
         self._update = {space: self._build(space) for space in Space}
+        self._keep = {space: self._build_keep(space) for space in Space}
 
     def init(self, master: jax.Array) -> Any:
         """Optimizer state for one master chunk, placed in the master's space."""
@@ -84,6 +85,17 @@ class ChunkOptimizer:
         grad, master and state are donated: the update is in place."""
         scalars = self.placement.put((scale, np.int32(n_decay)), space)
         return self._update[space](grad, master, state, *scalars)
+
+    def keep(self, space: Space, grad: jax.Array, master: jax.Array, state: Any) -> tuple[jax.Array, Any, jax.Array]:
+        """A skipped step: the grad is dropped, master and state stay, params are cast again."""
+        return self._keep[space](grad, master, state)
+
+    def _build_keep(self, space: Space) -> Callable:
+        def keep(grad, master, state):
+            return master, state, master.astype(self.param_dtype)
+        fn = compat.on_host(keep) if space is Space.HOST else keep
+        shard = self.placement.sharding(space)
+        return jax.jit(fn, donate_argnums=(0,), out_shardings=(shard, None, shard))
 
     def _build(self, space: Space) -> Callable:
         host = space is Space.HOST

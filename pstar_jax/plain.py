@@ -34,14 +34,15 @@ REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
 class PlainEngine:
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
                  seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, init_params: Any = None):
         """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated."""
         if remat not in REMAT_POLICIES:
             raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
         loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
         self.mesh = mesh
-        self.params = {n: jnp.asarray(v, jnp.float32) for n, v in model.init_params(seed).items()}
+        init = model.init_params(seed) if init_params is None else init_params
+        self.params = {n: jnp.asarray(v, jnp.float32) for n, v in init.items()}
         if mesh is not None:
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
         labels = {n: "decay" if model.decays(n) else "no_decay" for n in self.params}

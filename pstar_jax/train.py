@@ -6,7 +6,10 @@ This module only wires parts together: flags -> configs -> data, model, engine -
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import os
+import signal
 import sys
 from typing import Sequence
 
@@ -67,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end with an error if a step makes no progress for this many seconds")
     d.add_argument("--local-devices", type=int, default=None,
                    help="CPU only: fake this many devices per process (for trying data parallelism)")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", default=None, help="orbax checkpoints of all chunk state")
+    c.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (and always at the end)")
+    c.add_argument("--keep-checkpoints", type=int, default=3)
+    c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint; --steps counts "
+                   "all steps, so a resumed run stops where a straight one would")
+    c.add_argument("--stop-after", type=int, default=None, metavar="K", help="stop (and save) after K steps of "
+                   "this run, e.g. to fit a job's time limit; --resume continues")
+    c.add_argument("--export-flax", default=None, metavar="DIR", help="at the end, write the parameters as a "
+                   "plain Flax pytree that models/ loads without pstar_jax")
+    c.add_argument("--init-from-flax", default=None, metavar="DIR", help="start from such an export")
+    c.add_argument("--skip-nonfinite", action="store_true", help="skip steps whose loss or grads are not finite "
+                   "(default: stop with an error naming the step)")
     o = p.add_argument_group("output")
     o.add_argument("--metrics-out", default=None, help="JSON lines, one per step")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -114,6 +130,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     zero.initialize(args.coordinator, args.num_processes, args.process_id,
                     heartbeat_timeout_s=args.heartbeat_timeout)
 
+    from pstar_jax.checkpoint import export_flax, import_flax, restore_engine, save_engine
     from pstar_jax.data import Batches
     from pstar_jax.metrics import MetricsWriter, Progress, step_record
     from pstar_jax.optim import default_tx
@@ -127,40 +144,117 @@ def run(argv: Sequence[str] | None = None) -> int:
     if micro % W:
         raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of --data-parallel {W}")
     zero.check_process_rows(micro)
-    batches = Batches(tokens, micro, cfg.seq_len, args.seed, process_index=jax.process_index(),
-                      process_count=jax.process_count())  # yields this process's rows
     optim = OptimConfig(lr=args.lr, total_steps=args.steps, weight_decay=args.weight_decay,
                         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                         clip_norm=args.clip_norm or None)
-    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm)
+    init = import_flax(args.init_from_flax, model.param_shapes()) if args.init_from_flax else None
+    ckpt = _checkpointer(args)
+    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init)
+    position = 0
+    if ckpt and args.resume:
+        meta = restore_engine(ckpt, engine)
+        position = meta["data_position"]
+    batches = Batches(tokens, micro, cfg.seq_len, args.seed, process_index=jax.process_index(),
+                      process_count=jax.process_count(), position=position)  # yields this process's rows
     main_process = zero.is_main_process()
     if main_process:
         print(engine.summary(), flush=True)
+        if engine.step_count:
+            print(f"resumed from {ckpt.directory} at step {engine.step_count}", flush=True)
+
+    def save(step: int) -> None:
+        save_engine(ckpt, engine, step, {"data_position": batches.state()["position"], "args": vars(args),
+                                          "seed": args.seed})
 
     writer = MetricsWriter(args.metrics_out if main_process else None)
-    progress = Progress(args.steps, enabled=main_process and not args.quiet)
+    progress = Progress(args.steps, initial=engine.step_count, enabled=main_process and not args.quiet)
     watchdog = zero.Watchdog(args.step_timeout)
+    stop = _StopSignal()
     step_tokens = args.batch_size * cfg.seq_len
+    result = record = None
+    first_step = engine.step_count
     try:
         for step in range(engine.step_count, args.steps):
             result = engine.step([next(batches) for _ in range(args.micro_batches)])
             watchdog.progress(step + 1)
             record = step_record(step, result, step_tokens, model.flops_per_token(),
                                  predicted_h2d_bytes=result.predicted_h2d_bytes,
-                                 predicted_d2h_bytes=result.predicted_d2h_bytes)
+                                 predicted_d2h_bytes=result.predicted_d2h_bytes, skipped=result.skipped)
             writer.write(record)
             progress.update(record)
+            last = step + 1 == args.steps or (args.stop_after and step + 1 - first_step >= args.stop_after)
+            if ckpt and (last or stop.signum or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                save(step + 1)
+            if stop.signum or last:
+                break
     finally:
         progress.close()
         writer.close()
-    if main_process:
-        print(f"done: {args.steps} steps, final loss {result.loss:.4f}, "
+        if ckpt:
+            ckpt.close()  # waits for the last asynchronous save
+        stop.restore()
+    if stop.signum and main_process:
+        where = f"; checkpoint saved in {ckpt.directory}" if ckpt else " (no --checkpoint-dir: nothing saved)"
+        print(f"pstar-train: stopped by {signal.Signals(stop.signum).name} after step {engine.step_count}{where}",
+              file=sys.stderr)
+        return 0
+    if args.export_flax:
+        params = engine.params_numpy() if args.engine == "plain" else engine.params()
+        export_flax(args.export_flax, params, dataclasses.asdict(cfg))
+    if main_process and result is not None:
+        print(f"done: {engine.step_count} of {args.steps} steps, loss {result.loss:.4f}, "
               f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(result.h2d_bytes)} h2d / "
               f"{format_bytes(result.d2h_bytes)} d2h per device in the last step")
     return 0
 
 
-def _engine(args, model, mesh, make_tx, clip_norm):
+def _checkpointer(args):
+    """The run's Checkpointer, refusing to overwrite another run's checkpoints."""
+    from pstar_jax.checkpoint import Checkpointer, CheckpointError
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if not args.checkpoint_dir:
+        return None
+    if args.engine == "plain":
+        raise ConfigError("--checkpoint-dir works with the chunked engine; drop it or --engine plain")
+    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
+    ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints)
+    latest = ckpt.latest_step()
+    if args.resume and latest is None:
+        raise CheckpointError(f"no checkpoint in {ckpt.directory} to resume from; drop --resume to start afresh")
+    if not args.resume and latest is not None:
+        raise CheckpointError(f"{ckpt.directory} already holds checkpoints up to step {latest}; pass --resume "
+                              "to continue them or choose another --checkpoint-dir")
+    if args.resume and latest >= args.steps:
+        raise CheckpointError(f"the checkpoint is at step {latest}, not before --steps {args.steps}; "
+                              "raise --steps to train further")
+    return ckpt
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM ask the loop to save and stop after the current step."""
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside some test runners)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _engine(args, model, mesh, make_tx, clip_norm, init_params=None):
     """The chunked engine (planned for this machine), or the plain one."""
     import jax
     import jax.numpy as jnp
@@ -176,7 +270,7 @@ def _engine(args, model, mesh, make_tx, clip_norm):
     cfg = model.config
     if args.engine == "plain":
         return PlainEngine(model, args.precision, make_tx, args.micro_batches, args.seed, clip_norm, args.remat,
-                           mesh=mesh)
+                           mesh=mesh, init_params=init_params)
     chunk_numel = (auto_chunk_numel(model.param_shapes(), model.decays, multiple=mesh.devices.size)
                    if args.chunk_size == "auto" else parse_count(args.chunk_size, "--chunk-size"))
     device = jax.local_devices()[0]
@@ -192,7 +286,8 @@ def _engine(args, model, mesh, make_tx, clip_norm):
     micro = args.batch_size // args.micro_batches
     return ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches,
                                              args.adam_placement),
-                         make_tx, mesh, (micro, cfg.seq_len), machine, args.seed, clip_norm, host_bytes=host)
+                         make_tx, mesh, (micro, cfg.seq_len), machine, args.seed, clip_norm, host_bytes=host,
+                         init_params=init_params, skip_nonfinite=args.skip_nonfinite)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"pstar-train: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # NonFiniteLoss: the state before the bad step is intact
+        print(f"pstar-train: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("pstar-train: interrupted", file=sys.stderr)
         return 130
