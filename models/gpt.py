@@ -224,6 +224,7 @@ class StagedGPT:
         shapes.update({f"blocks.{i}.{n}": shapes[f"blocks.0.{n}"]
                        for i in range(config.n_layer) for n in block_names})
         self._shapes = {n: shapes[n] for n in sorted(shapes, key=_order_key)}
+        self._index = {n: i for i, n in enumerate(self._shapes)}
 
         # Built once: every block stage shares this object, the engine's compile-cache key.
         def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array) -> jax.Array:
@@ -242,9 +243,26 @@ class StagedGPT:
     def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
         return dict(self._shapes)
 
+    def init_tensor(self, name: str, seed: int) -> jax.Array:
+        """One fp32 tensor, made alone (a 175B model is initialised a chunk at a time).
+
+        GPT-2's scheme, as GPT's own initialisers: normal(0.02) for matrices and embeddings,
+        0.02/sqrt(2*n_layer) for the two residual projections, zeros for biases, ones for norm
+        scales. Each tensor has its own key (the seed folded with the tensor's index), so values
+        do not depend on which other tensors are made."""
+        shape = self._shapes[name]
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "bias":
+            return jnp.zeros(shape, jnp.float32)
+        if leaf == "scale":
+            return jnp.ones(shape, jnp.float32)
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.kernel") else 0.02
+        key = jax.random.fold_in(jax.random.key(seed), self._index[name])
+        return std * jax.random.normal(key, shape, jnp.float32)
+
     def init_params(self, seed: int) -> dict[str, jax.Array]:
-        """fp32 values, equal to the parameters of GPT(config, rngs=nnx.Rngs(seed))."""
-        return _flat_state(nnx.state(GPT(self.config, rngs=nnx.Rngs(seed)), nnx.Param))
+        """All tensors by name, from ``init_tensor``."""
+        return {name: self.init_tensor(name, seed) for name in self._shapes}
 
     def stages(self, compute_dtype: Any) -> list[Stage]:
         dtype = jnp.dtype(compute_dtype)

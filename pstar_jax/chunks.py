@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -140,6 +140,22 @@ def pack(layout: ChunkLayout, params: Mapping[str, np.ndarray], dtype) -> list[n
             raise ConfigError(f"parameter {s.name} has shape {value.shape}, the layout expects {s.shape}")
         chunks[s.chunk][s.offset:s.offset + s.numel] = value.reshape(-1)
     return chunks
+
+
+def pack_chunk(layout: ChunkLayout, chunk: int, tensor: Callable[[str], Any]) -> Any:
+    """One fp32 chunk as a jax array, asking ``tensor(name)`` only for the tensors it holds."""
+    import jax.numpy as jnp  # chunks is otherwise numpy-only
+    pieces, end = [], 0
+    for s in sorted((s for s in layout.slots if s.chunk == chunk), key=lambda s: s.offset):
+        if s.offset > end:
+            pieces.append(jnp.zeros((s.offset - end,), jnp.float32))
+        value = jnp.asarray(tensor(s.name), jnp.float32)
+        if value.shape != s.shape:
+            raise ConfigError(f"parameter {s.name} has shape {value.shape}, the layout expects {s.shape}")
+        pieces.append(value.reshape(-1))
+        end = s.offset + s.numel
+    pieces.append(jnp.zeros((layout.chunk_numel - end,), jnp.float32))
+    return jnp.concatenate(pieces)
 
 
 def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:

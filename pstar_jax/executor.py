@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.chunks import ChunkLayout, build_layout, pack, unpack
+from pstar_jax.chunks import ChunkLayout, build_layout, pack_chunk, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
@@ -128,7 +128,8 @@ class ChunkedEngine:
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
         self.skip_nonfinite = skip_nonfinite
-        self._init_chunks(model.init_params(seed) if init_params is None else init_params)
+        self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
+                          else init_params.__getitem__)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
         self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
@@ -176,11 +177,16 @@ class ChunkedEngine:
             f"{on_device} chunks, on the host for {n - on_device}; per step {format_bytes(p.h2d_bytes)} h2d, "
             f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
 
-    def _init_chunks(self, params: Any) -> None:
-        """Master and optimizer state where the plan keeps them; params as at the plan's step start."""
+    def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
+        """Master and optimizer state where the plan keeps them; params as at the plan's step start.
+
+        One chunk at a time: the model's tensors are made (or read) for that chunk only, so a model
+        far larger than one device or than host memory never exists whole."""
         initial = dict(self.plan.initial_device)
-        host = {name: np.asarray(value, np.float32) for name, value in params.items()}
-        for c, chunk in enumerate(pack(self.layout, host, np.float32)):
+        for c in range(self.layout.n_chunks):
+            chunk = pack_chunk(self.layout, c, tensor)
+            if jax.process_count() > 1:  # each process cuts its own shards from the same values
+                chunk = to_numpy(chunk)
             master = self.placement.put(chunk, self.opt_space[c])
             self.store.put(("opt", c), self.optimizer.init(master))
             self.store.put(("master", c), master)

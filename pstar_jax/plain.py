@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pstar_jax import compat
 from pstar_jax.config import ConfigError
 from pstar_jax.executor import StepResult
 from pstar_jax.optim import TxFactory, clip_scale
@@ -28,26 +29,33 @@ REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
     "none": None,
     "dots": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "full": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable),
+    # XLA host offload (the MaxText recipe): matmul outputs go to pinned host memory in the
+    # forward and come back for the backward. On a CPU this runs but moves nothing.
+    "offload": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host")),
 }
 
 
 class PlainEngine:
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
                  seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
-                 mesh: jax.sharding.Mesh | None = None, init_params: Any = None):
-        """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated."""
+                 mesh: jax.sharding.Mesh | None = None, init_params: Any = None, opt_on_host: bool = False):
+        """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated.
+        ``opt_on_host`` keeps the optimizer state in pinned host memory and updates it on the
+        device: it comes down at the start of each step and goes back up at the end."""
         if remat not in REMAT_POLICIES:
             raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
         loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
-        self.mesh = mesh
+        self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        replicated = NamedSharding(self.mesh, P())
         init = model.init_params(seed) if init_params is None else init_params
-        self.params = {n: jnp.asarray(v, jnp.float32) for n, v in init.items()}
-        if mesh is not None:
-            self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
+        self.params = jax.device_put({n: np.asarray(v, np.float32) for n, v in init.items()}, replicated)
         labels = {n: "decay" if model.decays(n) else "no_decay" for n in self.params}
         tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
-        self.opt_state = tx.init(self.params)
+        self.opt_state = jax.jit(tx.init)(self.params)
+        opt_sharding = replicated.with_memory_kind("pinned_host" if opt_on_host else "device")
+        self.opt_state = jax.device_put(self.opt_state, opt_sharding)
         self.micro_batches = micro_batches
 
         def mean_loss(params, tokens_MxBxL, targets_MxBxL):
@@ -56,6 +64,8 @@ class PlainEngine:
             return sum(losses) / micro_batches
 
         def step(params, opt_state, tokens, targets):
+            if opt_on_host:
+                opt_state = jax.device_put(opt_state, compat.DEVICE_SPACE)
             loss, grads = jax.value_and_grad(mean_loss)(params, tokens, targets)
             sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
             scale = clip_scale(sumsq, clip_norm)
@@ -63,22 +73,27 @@ class PlainEngine:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss, jnp.sqrt(sumsq)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, opt_sharding, replicated, replicated))
         self.step_count = 0
 
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
         start = time.perf_counter()
         tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
         targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
-        if self.mesh is not None:  # this process's rows of each micro-batch
-            rows = NamedSharding(self.mesh, P(None, "data"))
-            tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
+        rows = NamedSharding(self.mesh, P(None, "data"))  # this process's rows of each micro-batch
+        tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
         self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens, targets)
         loss = replicated_value(loss)  # sync: the step's time includes all its work
         self.step_count += 1
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)))
         return StepResult(loss=loss, grad_norm=replicated_value(norm), step_s=time.perf_counter() - start,
                           optimizer_s=0.0, h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
+
+    def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
+        """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""
+        rows = NamedSharding(self.mesh, P(None, "data"))
+        batch = jax.ShapeDtypeStruct((self.micro_batches, micro_batch, seq_len), jnp.int32, sharding=rows)
+        return self._step.lower(self.params, self.opt_state, batch, batch).compile().memory_analysis()
 
     def params_numpy(self) -> dict[str, np.ndarray]:
         return {n: to_numpy(v) for n, v in self.params.items()}

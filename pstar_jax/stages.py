@@ -3,7 +3,8 @@
 pstar_jax never imports a model. A model hands over:
   * ``param_shapes()``: every parameter tensor by name, in model order (this order decides the
     chunk layout, so a stage's tensors land in consecutive chunks);
-  * ``init_params(seed)``: fp32 values for those names;
+  * ``init_tensor(name, seed)``: one fp32 tensor, made alone (so a huge model is initialised a
+    chunk at a time), and ``init_params(seed)``: all of them;
   * ``stages(compute_dtype)``: the chain. The first stage maps int32 tokens_BxL to h_BxLxD,
     middle stages map h to h, the last maps (h, targets_BxL) to the scalar mean loss;
   * ``decays(name)``: whether weight decay applies to a tensor (norms and biases usually not);
@@ -37,6 +38,8 @@ class Stage:
 
 class StagedModel(Protocol):
     def param_shapes(self) -> Mapping[str, tuple[int, ...]]: ...
+
+    def init_tensor(self, name: str, seed: int) -> jax.Array: ...
 
     def init_params(self, seed: int) -> Mapping[str, jax.Array]: ...
 

@@ -31,7 +31,7 @@ def test_stages_compose_to_gpt_loss(config):
     params = staged.init_params(0)
     tokens, targets = batch(config)
     staged_loss = compose_loss(stages)(params, tokens, targets)
-    np.testing.assert_array_equal(staged_loss, GPT(config, rngs=nnx.Rngs(0)).loss(tokens, targets))
+    np.testing.assert_array_equal(staged_loss, gpt_from_params(config, params).loss(tokens, targets))
 
     grads = jax.grad(compose_loss(stages))(params, tokens, targets)
     module_grads = jax.grad(lambda p: gpt_from_params(config, p).loss(tokens, targets))(params)
@@ -40,14 +40,23 @@ def test_stages_compose_to_gpt_loss(config):
 
 
 @pytest.mark.parametrize("config", [TINY, UNTIED], ids=["tied", "untied"])
-def test_init_params_equal_module_params(config):
+def test_init_params_match_module_names_and_gpt2_statistics(config):
+    """Tensor by tensor: the module's names and shapes, GPT-2's init, deterministic per seed."""
     staged = StagedGPT(config)
     params = staged.init_params(3)
     expected = module_params(GPT(config, rngs=nnx.Rngs(3)))
     assert set(params) == set(expected)
     for name, value in params.items():
-        assert value.dtype == jnp.float32
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+        assert value.dtype == jnp.float32 and value.shape == expected[name].shape, name
+        np.testing.assert_array_equal(value, staged.init_tensor(name, 3), err_msg=name)
+        if name.endswith("bias"):
+            assert not np.any(value)
+        elif name.endswith("scale"):
+            assert np.all(np.asarray(value) == 1)
+    big = StagedGPT(dataclasses.replace(config, vocab_size=4096))
+    wte = np.asarray(big.init_tensor("wte.embedding", 0))
+    assert abs(wte.std() - 0.02) < 1e-3 and abs(wte.mean()) < 1e-3
+    assert not np.array_equal(params["wpe"], staged.init_params(4)["wpe"])
 
     shapes = staged.param_shapes()
     assert list(shapes) == list(params)
@@ -60,10 +69,10 @@ def test_init_params_equal_module_params(config):
 
 
 def test_gpt_from_params_round_trips():
-    params = StagedGPT(UNTIED).init_params(0)
+    module = GPT(UNTIED, rngs=nnx.Rngs(0))
+    params = module_params(module)
     tokens, _ = batch(UNTIED)
-    np.testing.assert_array_equal(gpt_from_params(UNTIED, params)(tokens),
-                                  GPT(UNTIED, rngs=nnx.Rngs(0))(tokens))
+    np.testing.assert_array_equal(gpt_from_params(UNTIED, params)(tokens), module(tokens))
     with pytest.raises(ValueError, match="head.kernel"):
         gpt_from_params(TINY, params)
 

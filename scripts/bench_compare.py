@@ -1,0 +1,259 @@
+"""Memory-saving methods side by side: XLA remat, XLA host offload, pstar_jax chunk eviction.
+
+    python scripts/bench_compare.py --tiny --out runs/compare          # a CPU, under 5 minutes
+    python scripts/bench_compare.py --sizes GPT2_1B,GPT3_12B --batch-sizes 32 --out runs/gpu
+
+For every model size and batch size, each method trains the same model on the same data from
+the same seed, in this one process:
+  plain-none / plain-dots / plain-full   whole-model jit, everything on the device, XLA remat policy
+  xla-offload                           activations offloaded by XLA's checkpoint policy, optimizer
+                                        state in pinned host memory updated on the device
+  pstar                                 chunks placed by the warm-up plan
+A point that cannot fit is reported as such: plain and offload from XLA's compile-time memory
+analysis against the device capacity (or an out-of-memory error caught at run time), pstar from
+its plan. Output: results.json, results.md (a table) and two plots (throughput against model
+size, largest trainable size per method). On a CPU the device capacity is simulated
+(--device-memory) and memory kinds are labels, so offload saves nothing there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from models.gpt import build_model, preset  # noqa: E402
+from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes, parse_bytes  # noqa: E402
+from pstar_jax.executor import ChunkedEngine  # noqa: E402
+from pstar_jax.machine import H200, measure  # noqa: E402
+from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes  # noqa: E402
+from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
+from pstar_jax.plain import PlainEngine  # noqa: E402
+
+METHODS = ("plain-none", "plain-dots", "plain-full", "xla-offload", "pstar")
+TINY_SIZES = ("tiny", "tiny-4x64", "small", "small-8x128")
+
+
+def model_for(name: str):
+    """A preset, or PRESET-LxD: the preset with L layers of width D (heads kept)."""
+    base, _, dims = name.partition("-")
+    if not dims:
+        return build_model(base)
+    layers, width = (int(v) for v in dims.split("x"))
+    return build_model(base, n_layer=layers, d_model=width)
+
+
+@dataclasses.dataclass
+class Point:
+    model: str
+    params: int
+    batch: int
+    method: str
+    fits: bool
+    why: str = ""
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    model_tflops: float = 0.0
+    mfu: float = 0.0
+    peak_device_bytes: int = 0
+    host_bytes: int = 0
+    moved_bytes_per_step: int = 0
+    loss: float = 0.0
+
+
+def is_oom(err: Exception) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def batches_for(cfg, batch: int, steps: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tok = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+        out.append([(tok[:, :-1], tok[:, 1:])])
+    return out
+
+
+def timed(engine, steps, warmup):
+    times, last = [], None
+    for i, step in enumerate(steps):
+        last = engine.step(step)
+        if i >= warmup:
+            times.append(last.step_s)
+    return statistics.median(times), last
+
+
+def device_peak() -> int:
+    stats = jax.local_devices()[0].memory_stats()
+    return int(stats.get("peak_bytes_in_use", 0)) if stats else 0
+
+
+def run_plain(model, name, batch, method, capacity, args, steps) -> Point:
+    remat = {"plain-none": "none", "plain-dots": "dots", "plain-full": "full", "xla-offload": "offload"}[method]
+    point = Point(name, model.n_params(), batch, method, False)
+    try:
+        engine = PlainEngine(model, args.precision, default_tx(OptimConfig(total_steps=args.steps)), remat=remat,
+                             opt_on_host=(method == "xla-offload"))
+        mem = engine.memory_analysis(batch, model.config.seq_len)
+        need = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+        host = mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes + mem.host_temp_size_in_bytes
+        point.host_bytes = int(host)
+        if need > capacity:
+            point.why = f"predicted OOM: needs {format_bytes(need)}"
+            return point
+        t, last = timed(engine, steps, args.warmup)
+    except Exception as err:  # noqa: BLE001 - an OOM at any stage is a result, anything else is not
+        if not is_oom(err):
+            raise
+        point.why = "OOM at run time"
+        return point
+    finally:
+        engine = None  # noqa: F841 - free the device before the next method
+    point.fits, point.step_s, point.loss = True, t, last.loss
+    point.peak_device_bytes = device_peak() or int(need)
+    # The offload moves its opt state both ways every step, plus the offloaded activations.
+    opt_bytes = 2 * 8 * model.n_params() if method == "xla-offload" else 0
+    point.moved_bytes_per_step = opt_bytes + 2 * int(mem.host_temp_size_in_bytes)
+    return point
+
+
+def run_pstar(model, name, batch, capacity, host, machine, args, steps) -> Point:
+    point = Point(name, model.n_params(), batch, "pstar", False)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    chunk = auto_chunk_numel(model.param_shapes(), model.decays)
+    try:
+        engine = ChunkedEngine(model, EngineConfig(chunk, capacity, args.precision), default_tx(OptimConfig(total_steps=args.steps)),
+                               mesh, (batch, model.config.seq_len), machine, host_bytes=host)
+    except ConfigError as err:
+        point.why = str(err).split(";")[0].replace("the model does not fit: ", "plan: ")
+        return point
+    try:
+        t, last = timed(engine, steps, args.warmup)
+    except Exception as err:  # noqa: BLE001
+        if not is_oom(err):
+            raise
+        point.why = "OOM at run time"
+        return point
+    point.fits, point.step_s, point.loss = True, t, last.loss
+    point.peak_device_bytes = device_peak() or engine.plan.peak_device_bytes
+    point.host_bytes = engine.plan.peak_host_bytes
+    point.moved_bytes_per_step = last.h2d_bytes + last.d2h_bytes
+    return point
+
+
+def write_outputs(points: list[Point], out: str, header: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump([dataclasses.asdict(p) for p in points], f, indent=1)
+    lines = [header, "", "| model | params | batch | method | fits | step s | tokens/s | model TFLOPS | MFU | "
+             "peak device | host | moved/step |", "|" + " --- |" * 12]
+    for p in points:
+        if p.fits:
+            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | yes | {p.step_s:.4f} | "
+                         f"{p.tokens_per_s:,.0f} | {p.model_tflops:.3g} | {100 * p.mfu:.1f}% | "
+                         f"{format_bytes(p.peak_device_bytes)} | {format_bytes(p.host_bytes)} | "
+                         f"{format_bytes(p.moved_bytes_per_step)} |")
+        else:
+            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | no: {p.why} |  |  |  |  |  |  |  |")
+    largest = {m: max((p.params for p in points if p.method == m and p.fits), default=0) for m in METHODS}
+    lines += ["", "Largest trainable model per method: " +
+              ", ".join(f"{m} {v:,}" for m, v in largest.items())]
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(points, largest, out)
+
+
+def plot(points: list[Point], largest: dict, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in METHODS:
+        ok = sorted((p.params, p.tokens_per_s) for p in points if p.method == method and p.fits)
+        if ok:
+            ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("tokens/s (best batch)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "throughput.png"), dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(list(largest), [v for v in largest.values()])
+    ax.set_xlabel("largest trainable model (parameters)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "largest.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized models and a simulated 48 MiB device")
+    p.add_argument("--sizes", default=None, help="comma list of presets or PRESET-LAYERSxWIDTH")
+    p.add_argument("--batch-sizes", default=None, help="comma list of sequences per step")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--device-memory", default=None, help="device capacity (default: the device's, 48MiB with --tiny)")
+    p.add_argument("--host-memory", default=None)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: 989 on an H200, "
+                   "measured matmul rate on a CPU)")
+    p.add_argument("--out", default="runs/compare")
+    args = p.parse_args(argv)
+    sizes = (args.sizes or ",".join(TINY_SIZES if args.tiny else ("GPT2_1B",))).split(",")
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("8" if args.tiny else "16")).split(",")]
+    methods = args.methods.split(",")
+    device = jax.local_devices()[0]
+    capacity = parse_bytes(args.device_memory or ("48MiB" if args.tiny else str(int(0.95 * device_total_bytes(device)))),
+                           "--device-memory")
+    host = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else available_host_bytes()
+    placement = Placement(Mesh(np.array(jax.devices()[:1]), ("data",)))
+    machine = H200 if "H200" in device.device_kind else measure(placement, ChunkOptimizer(
+        default_tx(OptimConfig()), placement, jnp.bfloat16))
+    peak = (args.peak_tflops or (989.0 if "H200" in device.device_kind else machine.flops_per_s / 1e12)) * 1e12
+    header = (f"{time.strftime('%Y-%m-%d')} on {device.device_kind} ({device.platform}), jax {jax.__version__}; "
+              f"device capacity {format_bytes(capacity)}, host {format_bytes(host)}; {args.precision}; "
+              f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")
+    print(header, flush=True)
+    points = []
+    for name in sizes:
+        model = model_for(name)
+        for batch in batch_sizes:
+            steps = batches_for(model.config, batch, args.steps)
+            for method in methods:
+                start = time.perf_counter()
+                point = (run_pstar(model, name, batch, capacity, host, machine, args, steps) if method == "pstar"
+                         else run_plain(model, name, batch, method, capacity, args, steps))
+                if point.fits:
+                    tokens = batch * model.config.seq_len
+                    point.tokens_per_s = tokens / point.step_s
+                    point.model_tflops = model.flops_per_token() * tokens / point.step_s / 1e12
+                    point.mfu = point.model_tflops * 1e12 / peak
+                print(f"{name:>14} b{batch:<4} {method:<12} "
+                      + (f"{point.step_s:8.4f} s  {point.tokens_per_s:10,.0f} tok/s  loss {point.loss:.4f}  "
+                         f"moved {format_bytes(point.moved_bytes_per_step)}" if point.fits else f"no: {point.why}")
+                      + f"  ({time.perf_counter() - start:.1f} s)", flush=True)
+                points.append(point)
+    write_outputs(points, args.out, header)
+    print(f"wrote {args.out}/results.md, results.json, throughput.png, largest.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
