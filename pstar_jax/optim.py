@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.config import OptimConfig
@@ -66,10 +67,13 @@ class ChunkOptimizer:
         self._keep = {space: self._build_keep(space) for space in Space}
 
     def init(self, master: jax.Array) -> Any:
-        """Optimizer state for one master chunk, placed in the master's space."""
-        state = jax.jit(self.make_tx(jnp.ones((), jnp.float32)).init)(
-            jax.device_put(master, master.sharding.with_memory_kind(Space.DEVICE.value)))
-        return self.placement.put(state, Space(master.sharding.memory_kind))
+        """Optimizer state for one master chunk, made directly in the master's space and sharding."""
+        space = Space(master.sharding.memory_kind)
+        tx_init = self.make_tx(jnp.ones((), jnp.float32)).init
+        on_device = jax.device_put(master, master.sharding.with_memory_kind(Space.DEVICE.value))
+        shardings = jax.tree.map(lambda x: self.placement.sharding(space, P("data") if x.ndim else P()),
+                                 jax.eval_shape(tx_init, on_device))
+        return jax.jit(tx_init, out_shardings=shardings)(on_device)
 
     def state_bytes(self, chunk_numel: int) -> int:
         """Per-device bytes of one chunk's fp32 master plus its optimizer state (nothing allocated)."""

@@ -61,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                 code = 124
                 break
             time.sleep(0.2)
-        else:
-            code = next((proc.returncode for proc in procs if proc.returncode), 0)
+        else:  # all ended by themselves
+            failed = [(i, proc.returncode) for i, proc in enumerate(procs) if proc.returncode]
+            if failed:
+                i, code = failed[0]
+                print(f"launch_local: process {i} exited with code {code}", file=sys.stderr)
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -1,0 +1,86 @@
+"""Host<->device bandwidth: raw pinned-host copies, and pstar_jax's own streaming of chunks.
+
+    python scripts/bandwidth.py            # on the accelerator (1 GiB copies, a 1.3B GPT streaming)
+    python scripts/bandwidth.py --small    # a CPU dry run
+
+Streaming is measured on a chunked training step whose device budget forces every param chunk
+to be fetched at each use and whose batch is tiny, so the step is dominated by the copies:
+(h2d + d2h bytes) / step time, beside the raw figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from models.gpt import build_model  # noqa: E402
+from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
+from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
+from pstar_jax.executor import ChunkedEngine  # noqa: E402
+from pstar_jax.machine import H200  # noqa: E402
+from pstar_jax.memory import Placement, Space  # noqa: E402
+from pstar_jax.optim import default_tx  # noqa: E402
+
+
+def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float]:
+    x = placement.put(np.zeros(nbytes // 2, np.uint16), Space.DEVICE)
+    host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
+
+    def best(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())  # sync: timing the copy
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    h2d = nbytes / best(lambda: jax.device_put(host, x.sharding))
+    d2h = nbytes / best(lambda: jax.device_put(x, host.sharding))
+    return h2d, d2h
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--out", default=None, help="write the figures as JSON here too")
+    args = p.parse_args()
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    placement = Placement(mesh)
+    gib = 2**30
+    h2d, d2h = copy_rate(placement, (16 * 2**20) if args.small else gib)
+    model = build_model("tiny", n_layer=4) if args.small else build_model("GPT2_1B", n_layer=24)
+    cfg = model.config
+    chunk = auto_chunk_numel(model.param_shapes(), model.decays)
+    stage_bytes = 2 * 2 * chunk * 3  # a block's params and grads in up to 3 chunks, bf16
+    budget = (8 * 2**20 if args.small else gib // 2) + stage_bytes  # well below the 2.6 GB of bf16 params
+    engine = ChunkedEngine(model, EngineConfig(chunk, budget, "bf16", adam_placement="host"),
+                           default_tx(OptimConfig()), mesh, (1, cfg.seq_len), H200)
+    rng = np.random.default_rng(0)
+    rates = []
+    for _ in range(4):
+        tok = rng.integers(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+        r = engine.step([(tok[:, :-1], tok[:, 1:])])
+        rates.append(((r.h2d_bytes + r.d2h_bytes) / r.step_s, r.h2d_bytes, r.d2h_bytes, r.step_s))
+    stream, h2d_b, d2h_b, step_s = rates[-1]
+    result = {"device": jax.devices()[0].device_kind, "pinned_h2d_GiB_s": h2d / gib, "pinned_d2h_GiB_s": d2h / gib,
+              "pstar_stream_GiB_s": stream / gib, "pstar_step_h2d_GiB": h2d_b / gib, "pstar_step_d2h_GiB": d2h_b / gib,
+              "pstar_step_s": step_s, "stream_fraction_of_pinned": stream / ((h2d + d2h) / 2)}
+    for k, v in result.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The benchmark and launcher scripts still run (tiny settings; figures are not judged here)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def script(name, *args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_compare_writes_table_and_plots(tmp_path):
+    out = tmp_path / "cmp"
+    r = script("bench_compare.py", "--sizes", "tiny,small", "--methods", "plain-none,xla-offload,pstar",
+               "--device-memory", "48MiB", "--steps", "3", "--warmup", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert "| tiny |" in table and "| pstar | yes |" in table and "predicted OOM" in table
+    assert (out / "throughput.png").stat().st_size > 0 and (out / "largest.png").stat().st_size > 0
+
+
+def test_launch_local_runs_two_processes_and_reports_failures(tmp_path):
+    r = script("launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path), "--timeout", "200",
+               "--", "--steps", "2", "--quiet", "--batch-size", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: 2 of 2 steps" in r.stdout
+    bad = script("launch_local.py", "-n", "2", "--log-dir", str(tmp_path), "--timeout", "200", "--", "--model", "nope")
+    assert bad.returncode == 2 and "launch_local: process" in bad.stderr and "exited with code 2" in bad.stderr
