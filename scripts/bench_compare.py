@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -41,6 +40,7 @@ from pstar_jax.machine import H200, measure  # noqa: E402
 from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes  # noqa: E402
 from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
 from pstar_jax.plain import PlainEngine  # noqa: E402
+from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 METHODS = ("plain-none", "plain-dots", "plain-full", "xla-offload", "pstar")
 TINY_SIZES = ("tiny", "tiny-4x64", "small", "small-8x128")
@@ -78,24 +78,6 @@ def is_oom(err: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def batches_for(cfg, batch: int, steps: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        tok = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
-        out.append([(tok[:, :-1], tok[:, 1:])])
-    return out
-
-
-def timed(engine, steps, warmup):
-    times, last = [], None
-    for i, step in enumerate(steps):
-        last = engine.step(step)
-        if i >= warmup:
-            times.append(last.step_s)
-    return statistics.median(times), last
-
-
 def device_peak() -> int:
     stats = jax.local_devices()[0].memory_stats()
     return int(stats.get("peak_bytes_in_use", 0)) if stats else 0
@@ -114,7 +96,7 @@ def run_plain(model, name, batch, method, capacity, args, steps) -> Point:
         if need > capacity:
             point.why = f"predicted OOM: needs {format_bytes(need)}"
             return point
-        t, last = timed(engine, steps, args.warmup)
+        t, last = median_step_s(engine, steps, args.warmup)
     except Exception as err:  # noqa: BLE001 - an OOM at any stage is a result, anything else is not
         if not is_oom(err):
             raise
@@ -141,7 +123,7 @@ def run_pstar(model, name, batch, capacity, host, machine, args, steps) -> Point
         point.why = str(err).split(";")[0].replace("the model does not fit: ", "plan: ")
         return point
     try:
-        t, last = timed(engine, steps, args.warmup)
+        t, last = median_step_s(engine, steps, args.warmup)
     except Exception as err:  # noqa: BLE001
         if not is_oom(err):
             raise
@@ -235,7 +217,7 @@ def main(argv=None) -> int:
     for name in sizes:
         model = model_for(name)
         for batch in batch_sizes:
-            steps = batches_for(model.config, batch, args.steps)
+            steps = random_batches(model.config.vocab_size, batch, model.config.seq_len, args.steps)
             for method in methods:
                 start = time.perf_counter()
                 point = (run_pstar(model, name, batch, capacity, host, machine, args, steps) if method == "pstar"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,15 +27,7 @@ from pstar_jax.executor import ChunkedEngine  # noqa: E402
 from pstar_jax.machine import H200  # noqa: E402
 from pstar_jax.optim import default_tx  # noqa: E402
 from pstar_jax.plain import PlainEngine  # noqa: E402
-
-
-def median_step_s(engine, steps, warmup: int) -> tuple[float, object]:
-    times, last = [], None
-    for i, step in enumerate(steps):
-        last = engine.step(step)
-        if i >= warmup:
-            times.append(last.step_s)
-    return statistics.median(times), last
+from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 
 def main() -> None:
@@ -51,11 +42,7 @@ def main() -> None:
 
     model = build_model(args.model, n_layer=args.n_layer)
     cfg = model.config
-    rng = np.random.default_rng(0)
-    steps = []
-    for _ in range(args.steps):
-        tok = rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1))
-        steps.append([(tok[:, :-1], tok[:, 1:])])
+    steps = random_batches(cfg.vocab_size, args.batch_size, cfg.seq_len, args.steps)
     make_tx = default_tx(OptimConfig(total_steps=args.steps))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     chunk_numel = auto_chunk_numel(model.param_shapes(), model.decays)
