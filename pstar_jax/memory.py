@@ -205,11 +205,25 @@ def device_total_bytes(device: jax.Device) -> int:
     return total_host_bytes()
 
 
-def configure_backend(device_memory: str, host_memory: str | None) -> None:
+def host_budget_bytes(host_memory: str | None) -> int:
+    """Pinned host memory this process may fill with chunks: --host-memory, else 85% of what
+    the machine has available now (room stays for Python, data and the page cache); never more
+    than a pool limit the user set in XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB."""
+    from pstar_jax.config import parse_bytes
+    size = parse_bytes(host_memory, "--host-memory") if host_memory else int(0.85 * available_host_bytes())
+    user_limit = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    if user_limit:
+        size = min(size, int(float(user_limit) * 10**9))
+    return size
+
+
+def configure_backend(device_memory: str, host_bytes: int) -> None:
     """Set the GPU client's memory fraction and pinned-host pool before the backend starts.
 
     Both are read once when the backend initialises, so this must run before any JAX
-    operation. A user's own setting of either variable wins. On a CPU both are ignored."""
+    operation: without the pool setting the client keeps a fixed 64 GB of pinned memory,
+    whatever the plan needs. A user's own setting of either variable wins. On a CPU both are
+    ignored."""
     if jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query exists
         return
     text = device_memory.strip()
@@ -220,7 +234,4 @@ def configure_backend(device_memory: str, host_memory: str | None) -> None:
     if not 0 < fraction <= 1:
         raise ConfigError(f"--device-memory fraction must be in (0, 1], got {device_memory!r}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{min(fraction, 0.95):.3f}")
-    if host_memory:
-        from pstar_jax.config import parse_bytes
-        size = parse_bytes(host_memory, "--host-memory")
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(1, -(-size // 10**9))))
+    os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(1, -(-host_bytes // 10**9))))

@@ -121,8 +121,9 @@ def _validate(args) -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
-    from pstar_jax.memory import configure_backend
-    configure_backend("0.9" if args.device_memory == "auto" else args.device_memory, args.host_memory)
+    from pstar_jax.memory import configure_backend, host_budget_bytes
+    host_bytes = host_budget_bytes(args.host_memory)
+    configure_backend("0.9" if args.device_memory == "auto" else args.device_memory, host_bytes)
     import jax
     if args.local_devices:  # CPU only: fake devices, to try data parallelism on one machine
         jax.config.update("jax_num_cpu_devices", args.local_devices)
@@ -149,7 +150,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                         clip_norm=args.clip_norm or None)
     init = import_flax(args.init_from_flax, model.param_shapes()) if args.init_from_flax else None
     ckpt = _checkpointer(args)
-    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init)
+    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init, host_bytes)
     position = 0
     if ckpt and args.resume:
         meta = restore_engine(ckpt, engine)
@@ -254,7 +255,7 @@ class _StopSignal:
             signal.signal(sig, old)
 
 
-def _engine(args, model, mesh, make_tx, clip_norm, init_params=None):
+def _engine(args, model, mesh, make_tx, clip_norm, init_params, host_bytes: int):
     """The chunked engine (planned for this machine), or the plain one."""
     import jax
     import jax.numpy as jnp
@@ -263,7 +264,7 @@ def _engine(args, model, mesh, make_tx, clip_norm, init_params=None):
     from pstar_jax.config import EngineConfig
     from pstar_jax.executor import ChunkedEngine
     from pstar_jax.machine import measure
-    from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes
+    from pstar_jax.memory import Placement, device_total_bytes
     from pstar_jax.optim import ChunkOptimizer
     from pstar_jax.plain import PlainEngine
 
@@ -278,9 +279,7 @@ def _engine(args, model, mesh, make_tx, clip_norm, init_params=None):
         budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
     else:
         budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
-    host = available_host_bytes() // max(1, jax.local_device_count())  # per device, like the plan
-    if args.host_memory is not None:
-        host = min(host, parse_bytes(args.host_memory, "--host-memory"))
+    host = host_bytes // max(1, jax.local_device_count())  # per device, like the plan
     placement = Placement(mesh)
     machine = measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
     micro = args.batch_size // args.micro_batches

@@ -1,3 +1,4 @@
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +151,22 @@ def test_per_device_bytes_over_eight_devices():
     store.get(("param", 0), Space.DEVICE)
     assert store.bytes == {Space.DEVICE: CHUNK_BYTES // 8, Space.HOST: CHUNK_BYTES // 8}
     assert store.traffic.h2d_bytes == CHUNK_BYTES // 8
+
+
+def test_host_budget_and_backend_settings(monkeypatch):
+    """--host-memory sets the pinned pool; a user's own pool limit caps it; both reach the env first."""
+    import subprocess
+    import sys
+
+    from pstar_jax.memory import host_budget_bytes
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    assert host_budget_bytes("2GiB") == 2 * 2**30
+    assert 0 < host_budget_bytes(None)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "1")
+    assert host_budget_bytes("2GiB") == 10**9
+    code = ("import os\nfrom pstar_jax.memory import configure_backend\nconfigure_backend('0.5', 3 * 10**9)\n"
+            "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_P")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.split() == ["0.500", "3"], out.stderr
