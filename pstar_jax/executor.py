@@ -27,9 +27,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from pstar_jax import compat
 from pstar_jax.chunks import ChunkLayout, build_layout, pack_chunk, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
+from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.machine import Machine
 from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step

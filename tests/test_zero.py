@@ -135,3 +135,24 @@ def test_killed_process_stops_the_other_with_a_clear_error(tmp_path):
     log = (tmp_path / "p0.log").read_text()
     assert code != 0 and waited < 90
     assert "another task died" in log or "another process probably died" in log, log[-2000:]
+
+
+def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
+    """Saved by 2 processes x 2 devices (W=4), resumed by 1 process with 1 device: same losses."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    port = free_port()
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [spawn(i, port, ["--steps", "4", "--stop-after", "2", "--checkpoint-dir", str(ck),
+                             "--metrics-out", str(metrics)], logs[i]) for i in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    base = [sys.executable, "-m", "pstar_jax.train", "--quiet", "--precision", "fp32", "--batch-size", "8",
+            "--steps", "4"]
+    resumed = subprocess.run([*base, "--resume", "--checkpoint-dir", str(ck), "--metrics-out", str(metrics)],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    straight = tmp_path / "s.jsonl"
+    ref = subprocess.run([*base, "--metrics-out", str(straight)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    np.testing.assert_allclose(losses(metrics), losses(straight), rtol=1e-5)
