@@ -49,13 +49,22 @@ class PlainEngine:
         loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(self.mesh, P())
-        init = model.init_params(seed) if init_params is None else init_params
-        self.params = jax.device_put({n: np.asarray(v, np.float32) for n, v in init.items()}, replicated)
-        labels = {n: "decay" if model.decays(n) else "no_decay" for n in self.params}
+        shapes = model.param_shapes()
+        labels = {n: "decay" if model.decays(n) else "no_decay" for n in shapes}
         tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
-        self.opt_state = jax.jit(tx.init)(self.params)
         opt_sharding = replicated.with_memory_kind("pinned_host" if opt_on_host else "device")
-        self.opt_state = jax.device_put(self.opt_state, opt_sharding)
+        # Abstract first: memory_analysis() answers before anything is allocated.
+        self._abstract_params = {n: jax.ShapeDtypeStruct(tuple(s), jnp.float32, sharding=replicated)
+                                 for n, s in shapes.items()}
+        self._abstract_opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=opt_sharding),
+                                          jax.eval_shape(tx.init, self._abstract_params))
+
+        def allocate() -> None:
+            tensor = (lambda n: model.init_tensor(n, seed)) if init_params is None else init_params.__getitem__
+            self.params = {n: jax.device_put(jnp.asarray(tensor(n), jnp.float32), replicated) for n in shapes}
+            self.opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(self.params)
+        self._allocate = allocate
+        self.params = self.opt_state = None  # made at the first step (or by params_numpy)
         self.micro_batches = micro_batches
 
         def mean_loss(params, tokens_MxBxL, targets_MxBxL):
@@ -77,6 +86,8 @@ class PlainEngine:
         self.step_count = 0
 
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        if self.params is None:
+            self._allocate()
         start = time.perf_counter()
         tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
         targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
@@ -93,10 +104,12 @@ class PlainEngine:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""
         rows = NamedSharding(self.mesh, P(None, "data"))
         batch = jax.ShapeDtypeStruct((self.micro_batches, micro_batch, seq_len), jnp.int32, sharding=rows)
-        return self._step.lower(self.params, self.opt_state, batch, batch).compile().memory_analysis()
+        return self._step.lower(self._abstract_params, self._abstract_opt, batch, batch).compile().memory_analysis()
 
     def params_numpy(self) -> dict[str, np.ndarray]:
+        if self.params is None:
+            self._allocate()
         return {n: to_numpy(v) for n, v in self.params.items()}
 
     def summary(self) -> str:
-        return f"plain engine: {sum(v.size for v in self.params.values()):,} params, all on the device"
+        return f"plain engine: {sum(v.size for v in self._abstract_params.values()):,} params, all on the device"
