@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from typing import Any
 
 import jax
@@ -163,6 +164,46 @@ def relayout(state: dict, saved: ChunkLayout, ours: ChunkLayout) -> dict:
             columns.append([leaf] * ours.n_chunks)
     out["opt"] = {c: jax.tree.unflatten(treedef, [col[c] for col in columns]) for c in range(ours.n_chunks)}
     return {kind: {str(c): v for c, v in chunks.items()} for kind, chunks in out.items()}
+
+
+def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int) -> Checkpointer:
+    """A run's Checkpointer; refuses to overwrite another run's checkpoints or resume from none."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"--checkpoint-dir {directory} is a file, not a directory")
+    ckpt = Checkpointer(directory, keep)
+    latest = ckpt.latest_step()
+    if resume and latest is None:
+        raise CheckpointError(f"no checkpoint in {ckpt.directory} to resume from; drop --resume to start afresh")
+    if not resume and latest is not None:
+        raise CheckpointError(f"{ckpt.directory} already holds checkpoints up to step {latest}; pass --resume "
+                              "to continue them or choose another --checkpoint-dir")
+    if resume and latest >= steps:
+        raise CheckpointError(f"the checkpoint is at step {latest}, not before --steps {steps}; "
+                              "raise --steps to train further")
+    return ckpt
+
+
+class StopSignal:
+    """SIGINT/SIGTERM ask the training loop to save and stop after the current step; a second
+    signal stops at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside some test runners)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 # -- plain Flax interchange ---------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import signal
 import sys
 from typing import Sequence
@@ -131,7 +130,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     zero.initialize(args.coordinator, args.num_processes, args.process_id,
                     heartbeat_timeout_s=args.heartbeat_timeout)
 
-    from pstar_jax.checkpoint import export_flax, import_flax, restore_engine, save_engine
+    from pstar_jax.checkpoint import (StopSignal, export_flax, import_flax, open_run_checkpoints, restore_engine,
+                                      save_engine)
     from pstar_jax.data import Batches
     from pstar_jax.metrics import MetricsWriter, Progress, step_record
     from pstar_jax.optim import default_tx
@@ -149,7 +149,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                         warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                         clip_norm=args.clip_norm or None)
     init = import_flax(args.init_from_flax, model.param_shapes()) if args.init_from_flax else None
-    ckpt = _checkpointer(args)
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir")
+    if args.checkpoint_dir and args.engine == "plain":
+        raise ConfigError("--checkpoint-dir works with the chunked engine; drop it or --engine plain")
+    ckpt = (open_run_checkpoints(args.checkpoint_dir, args.resume, args.steps, args.keep_checkpoints)
+            if args.checkpoint_dir else None)
     engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init, host_bytes)
     position = 0
     if ckpt and args.resume:
@@ -170,7 +175,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     writer = MetricsWriter(args.metrics_out if main_process else None)
     progress = Progress(args.steps, initial=engine.step_count, enabled=main_process and not args.quiet)
     watchdog = zero.Watchdog(args.step_timeout)
-    stop = _StopSignal()
+    stop = StopSignal()
     step_tokens = args.batch_size * cfg.seq_len
     result = record = None
     first_step = engine.step_count
@@ -207,52 +212,6 @@ def run(argv: Sequence[str] | None = None) -> int:
               f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(result.h2d_bytes)} h2d / "
               f"{format_bytes(result.d2h_bytes)} d2h per device in the last step")
     return 0
-
-
-def _checkpointer(args):
-    """The run's Checkpointer, refusing to overwrite another run's checkpoints."""
-    from pstar_jax.checkpoint import Checkpointer, CheckpointError
-    if args.resume and not args.checkpoint_dir:
-        raise ConfigError("--resume needs --checkpoint-dir")
-    if not args.checkpoint_dir:
-        return None
-    if args.engine == "plain":
-        raise ConfigError("--checkpoint-dir works with the chunked engine; drop it or --engine plain")
-    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        raise CheckpointError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
-    ckpt = Checkpointer(args.checkpoint_dir, args.keep_checkpoints)
-    latest = ckpt.latest_step()
-    if args.resume and latest is None:
-        raise CheckpointError(f"no checkpoint in {ckpt.directory} to resume from; drop --resume to start afresh")
-    if not args.resume and latest is not None:
-        raise CheckpointError(f"{ckpt.directory} already holds checkpoints up to step {latest}; pass --resume "
-                              "to continue them or choose another --checkpoint-dir")
-    if args.resume and latest >= args.steps:
-        raise CheckpointError(f"the checkpoint is at step {latest}, not before --steps {args.steps}; "
-                              "raise --steps to train further")
-    return ckpt
-
-
-class _StopSignal:
-    """SIGINT/SIGTERM ask the loop to save and stop after the current step."""
-
-    def __init__(self):
-        self.signum = 0
-        self._old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. inside some test runners)
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def _engine(args, model, mesh, make_tx, clip_norm, init_params, host_bytes: int):
