@@ -24,10 +24,12 @@ class Machine:
     flops_per_s: float  # sustained model FLOP/s of stage compute
     device_adam_params_per_s: float
     host_adam_params_per_s: float
+    call_s: float = 0.0  # fixed cost of one stage or optimizer call (dispatch, launch, sync)
 
 
 # One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, plain GPT 1.3B at 326 TFLOPS,
 # Adam on the device and with compute_on('device_host') over 16 cores.
+# The fixed cost per call was not measured there: 0.
 H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 326e12, 119e9, 0.88e9)
 MACHINES = {"h200": H200}
 
@@ -52,7 +54,7 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     h2d = nbytes / _best_time(lambda: jax.device_put(on_host, x.sharding))
     d2h = nbytes / _best_time(lambda: jax.device_put(x, on_host.sharding))
     n = 1024
-    a = jnp.ones((n, n), jnp.float32)
+    a = jnp.ones((n, n), optimizer.param_dtype)  # the compute dtype: bf16 is far slower on some CPUs
     matmul = jax.jit(lambda a: a @ a)
     flops = 2 * n**3 / _best_time(lambda: matmul(a))
     adam = {}
@@ -67,4 +69,8 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
                                                                 state["opt"], clip, 0)
             return state["master"]
         adam[space] = numel / placement.n_devices / _best_time(update)
-    return Machine(f"{jax.devices()[0].platform} (measured)", h2d, d2h, flops, adam[Space.DEVICE], adam[Space.HOST])
+    tiny = jnp.ones((8,), jnp.float32)
+    call = jax.jit(lambda x: x + 1)
+    call_s = _best_time(lambda: call(tiny), repeats=20)
+    return Machine(f"{jax.devices()[0].platform} (measured)", h2d, d2h, flops, adam[Space.DEVICE], adam[Space.HOST],
+                   call_s)

@@ -314,7 +314,8 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
 def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], shape: StepShape,
                    machine: Machine) -> float:
-    """Compute and transfers per moment; a prefetched moment's copies hide under the previous compute."""
+    """Compute and transfers per moment, plus a fixed cost per call; a prefetched moment's copies
+    hide under the previous moment's compute."""
     def transfer(m: PlanMoment) -> float:
         return m.h2d_bytes / machine.h2d_bytes_per_s + m.d2h_bytes / machine.d2h_bytes_per_s
 
@@ -326,7 +327,7 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
         else:
             compute = a.flops / machine.flops_per_s
         ahead = transfer(moments[t + 1]) if t + 1 < len(moments) and moments[t + 1].prefetch else 0.0
-        total += max(compute, ahead) + (0.0 if m.prefetch else transfer(m))
+        total += max(compute, ahead) + (0.0 if m.prefetch else transfer(m)) + machine.call_s
     return total
 
 

@@ -240,7 +240,8 @@ def _engine(args, model, mesh, make_tx, clip_norm, init_params, host_bytes: int)
         budget = parse_memory(args.device_memory, device_total_bytes(device), "--device-memory")
     host = host_bytes // max(1, jax.local_device_count())  # per device, like the plan
     placement = Placement(mesh)
-    machine = measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
+    compute_dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
+    machine = measure(placement, ChunkOptimizer(make_tx, placement, compute_dtype))
     micro = args.batch_size // args.micro_batches
     return ChunkedEngine(model, EngineConfig(chunk_numel, budget, args.precision, args.micro_batches,
                                              args.adam_placement),
