@@ -88,7 +88,7 @@ class OptimConfig:
 
 
 PRECISIONS = ("bf16", "fp32")
-ADAM_PLACEMENTS = ("auto", "device", "host")
+ADAM_PLACEMENTS = ("auto", "device", "host", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,8 @@ class EngineConfig:
     device_budget_bytes: int | None
     precision: str = "bf16"
     micro_batches: int = 1
-    adam_placement: str = "auto"  # where fp32 master and optimizer state live: auto, device, host
+    adam_placement: str = "auto"  # where fp32 master and optimizer state live and update: auto, device,
+    #                               host, or stream (live on the host, update on the device)
 
     def __post_init__(self) -> None:
         if self.adam_placement not in ADAM_PLACEMENTS:

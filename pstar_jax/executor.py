@@ -90,7 +90,8 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
         budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
     plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
-    return Planned(layout, bound, fns, shape, plan, step_accesses(shape, plan.opt_on_device), budget)
+    return Planned(layout, bound, fns, shape, plan, step_accesses(shape, plan.opt_on_device, plan.opt_streamed),
+                   budget)
 
 
 def require_fit(planned: Planned, host_bytes: int) -> None:
@@ -155,18 +156,19 @@ class ChunkedEngine:
             planned = plan_model(self.model, self.cfg, self.placement.mesh, batch_shape, self.machine,
                                  self.host_bytes, self.make_tx, self.layout, self.fns)
             require_fit(planned, self.host_bytes)
-            if planned.plan.opt_on_device != self.plan.opt_on_device:  # state is placed once, at init
+            placement = (self.plan.opt_on_device, self.plan.opt_streamed)
+            if (planned.plan.opt_on_device, planned.plan.opt_streamed) != placement:  # state is placed once
                 planned = dataclasses.replace(planned, plan=plan_step(
-                    planned.shape, planned.device_budget_bytes, self.host_bytes, self.machine,
-                    self.plan.opt_on_device))
+                    planned.shape, planned.device_budget_bytes, self.host_bytes, self.machine, placement[0],
+                    streamed=placement[1]))
                 require_fit(planned, self.host_bytes)
-                planned.accesses = step_accesses(planned.shape, planned.plan.opt_on_device)
+                planned.accesses = step_accesses(planned.shape, *placement)
             self._plans[batch_shape] = planned
         return self._plans[batch_shape]
 
     def summary(self) -> str:
         p, n = self.plan, self.layout.n_chunks
-        on_device = sum(p.opt_on_device)
+        on_device, streamed = sum(p.opt_on_device), sum(p.opt_streamed)
         return "\n".join([
             f"chunked engine: {self.layout.numel:,} params in {n} chunks of {self.layout.chunk_numel:,} "
             f"elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used), {self.n_devices} device(s)",
@@ -174,7 +176,8 @@ class ChunkedEngine:
             f"host {format_bytes(p.peak_host_bytes)} of {format_bytes(self.host_bytes)}; model data "
             f"{format_bytes(self.model_data_bytes)}",
             f"plan: {100 * p.resident_fraction:.0f}% of param chunks stay on the device; Adam on the device for "
-            f"{on_device} chunks, on the host for {n - on_device}; per step {format_bytes(p.h2d_bytes)} h2d, "
+            f"{on_device} chunks, on the host for {n - on_device - streamed}, streamed through the device for "
+            f"{streamed}; per step {format_bytes(p.h2d_bytes)} h2d, "
             f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
@@ -320,14 +323,21 @@ class ChunkedEngine:
         return tuple(out)
 
     def _adam(self, c: int, clip: jax.Array, skip: bool) -> None:
-        space = self.opt_space[c]
+        home = self.opt_space[c]  # where master and state live
+        space = Space.DEVICE if self.plan.opt_streamed[c] else home  # where they are updated
         grad = self.store.take(("grad", c), space)
-        master = self.store.take(("master", c), space)
-        state = self.store.take(("opt", c), space)
+        master = self.store.take(("master", c), home)
+        state = self.store.take(("opt", c), home)
+        if space is not home:  # streamed: down now, back up after the update (the plan counts both)
+            master, state = self.placement.put((master, state), space)
+            self.store.traffic.h2d_bytes += self.plan.opt_state_bytes
         if skip:  # same moves as a real update, so the plan still holds
             master, state, params = self.optimizer.keep(space, grad, master, state)
         else:
             master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
+        if space is not home:
+            master, state = self.placement.put((master, state), home)
+            self.store.traffic.d2h_bytes += self.plan.opt_state_bytes
         self.store.put(("master", c), master)
         self.store.put(("opt", c), state)
         self.store.put(("param", c), params)

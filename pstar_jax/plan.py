@@ -41,6 +41,7 @@ class Access:
     consumes: tuple[Item, ...] = ()  # used up by the moment (grads by Adam)
     creates_host: tuple[Item, ...] = ()  # made on the host by the moment (params from host Adam)
     creates_device: tuple[Item, ...] = ()  # made on the device, dirty (params from device Adam)
+    state_bytes_each_way: int = 0  # optimizer state streamed down and back up (streamed Adam)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Plan:
     moments: tuple[PlanMoment, ...]
     initial_device: tuple[tuple[Item, bool], ...]  # (item, dirty) on the device at step start
     opt_on_device: tuple[bool, ...]
+    opt_streamed: tuple[bool, ...]  # host-resident state updated on the device (streamed down and up)
     item_bytes: int
     opt_state_bytes: int  # per chunk
     device_capacity_bytes: int
@@ -154,6 +156,7 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: in
         if not early:
             evicted, fetched = _actions(a, set(a.needs), capacity[t], item_bytes, t, state, victim)
         h2d, d2h = _apply(a, evicted, fetched, state, item_bytes)
+        h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
                                   capacity[t], len(state.device) * item_bytes, h2d, d2h))
         for item in a.to_host:  # host Adam: the grad goes down (it is dirty), then is used up
@@ -245,8 +248,15 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
                                head_flops=shape.head_flops * factor, bwd_flops=f(shape.bwd_flops))
 
 
-def step_accesses(shape: StepShape, opt_on_device: Sequence[bool]) -> list[Access]:
-    """The moments of one step in the executor's order, with what each needs."""
+def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
+                  streamed: Sequence[bool] | None = None) -> list[Access]:
+    """The moments of one step in the executor's order, with what each needs.
+
+    Each chunk's optimizer update is one of three: state resident on the device; state on the
+    host, updated there (compute_on host: the grad goes down to it); or state on the host,
+    streamed to the device, updated there and streamed back (the grad stays, the new params
+    stay on the device, and the state's device copy is non-model memory of that moment)."""
+    streamed = streamed or [False] * shape.n_chunks
     head = len(shape.stage_chunks) - 1
     last_bwd = {c: min(i for i, cs in enumerate(shape.stage_chunks) if c in cs) for c in range(shape.n_chunks)}
     out: list[Access] = []
@@ -273,6 +283,9 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool]) -> list[Acces
         g, p = ("grad", c), ("param", c)
         if opt_on_device[c]:
             out.append(Access("adam", c, shape.micro_batches - 1, (g,), 0, consumes=(g,), creates_device=(p,)))
+        elif streamed[c]:
+            out.append(Access("adam", c, shape.micro_batches - 1, (g,), shape.opt_state_bytes, consumes=(g,),
+                              creates_device=(p,), state_bytes_each_way=shape.opt_state_bytes))
         else:
             out.append(Access("adam", c, shape.micro_batches - 1, (), 0, to_host=(g,), consumes=(g,),
                               creates_host=(p,)))
@@ -280,9 +293,11 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool]) -> list[Acces
 
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
-              opt_on_device: Sequence[bool], victim_rule: str = "belady") -> Plan:
+              opt_on_device: Sequence[bool], victim_rule: str = "belady",
+              streamed: Sequence[bool] | None = None) -> Plan:
     """The plan for a given optimizer placement (see ``make_plan`` for choosing one)."""
-    accesses = step_accesses(shape, opt_on_device)
+    streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
+    accesses = step_accesses(shape, opt_on_device, streamed)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     victim = victim_for(victim_rule, accesses)
@@ -299,14 +314,14 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     except Infeasible as err:
         problem = (f"device memory runs out at {err} by {format_bytes(err.shortfall)}" if err.shortfall
                    else str(err))
-        return Plan((), (), tuple(opt_on_device), shape.item_bytes, shape.opt_state_bytes, device_bytes,
+        return Plan((), (), tuple(opt_on_device), streamed, shape.item_bytes, shape.opt_state_bytes, device_bytes,
                     0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
     host_opt = (len(opt_on_device) - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {format_bytes(peak_host - host_bytes)}"
-    return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), shape.item_bytes,
+    return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, shape.item_bytes,
                 shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
@@ -321,7 +336,7 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
 
     total = 0.0
     for t, (m, a) in enumerate(zip(moments, accesses)):
-        if a.phase == "adam":
+        if a.phase == "adam":  # on the device when the grad stays there (resident or streamed state)
             rate = machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s
             compute = shape.chunk_numel / rate
         else:
@@ -333,32 +348,34 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               adam_placement: str = "auto") -> Plan:
-    """Choose how many chunks keep their optimizer state on the device (PatrickStar's margin),
-    by the predicted step time of the resulting plan; then return that plan. ``adam_placement``
-    "device" or "host" forces one place for all chunks."""
+    """Choose the optimizer placement by the predicted step time of the resulting plan.
+
+    How many chunks keep their state on the device (PatrickStar's margin), and whether the
+    others update on the host or stream their state through the device. ``adam_placement``
+    "device", "host" or "stream" forces one way for all chunks."""
     n = shape.n_chunks
     if adam_placement != "auto":
-        return plan_step(shape, device_bytes, host_bytes, machine, [adam_placement == "device"] * n)
-    grid = sorted({n, 0, *range(0, n, max(1, n // 12))}, reverse=True)
-    best = None
-
-    def better(p: Plan, q: Plan | None) -> bool:
-        return q is None or (p.fits and not q.fits) or (p.fits == q.fits and p.predicted_step_s < q.predicted_step_s)
-
-    def at(k: int) -> Plan:
-        return plan_step(shape, device_bytes, host_bytes, machine, [c < k for c in range(n)])
-
-    scores = {}
-    for k in grid:
-        scores[k] = at(k)
-        if better(scores[k], best):
-            best, best_k = scores[k], k
+        return plan_step(shape, device_bytes, host_bytes, machine, [adam_placement == "device"] * n,
+                         streamed=[adam_placement == "stream"] * n)
     step = max(1, n // 12)
-    for k in range(max(0, best_k - step + 1), min(n, best_k + step)):  # refine around the best
-        if k not in scores:
-            scores[k] = at(k)
-            if better(scores[k], best):
-                best, best_k = scores[k], k
+    best, best_key, scores = None, None, {}
+
+    def consider(k: int, stream: bool) -> None:
+        nonlocal best, best_key
+        if (k, stream) in scores:
+            return
+        plan = plan_step(shape, device_bytes, host_bytes, machine, [c < k for c in range(n)],
+                         streamed=[stream] * n)
+        scores[k, stream] = plan
+        if best is None or (plan.fits, -plan.predicted_step_s) > (best.fits, -best.predicted_step_s):
+            best, best_key = plan, (k, stream)
+
+    for k in sorted({n, 0, *range(0, n, step)}, reverse=True):
+        for stream in (False, True):
+            consider(k, stream)
+    k0, stream0 = best_key
+    for k in range(max(0, k0 - step + 1), min(n, k0 + step) + 1):  # refine around the best
+        consider(k, stream0)
     return best
 
 

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's memory "
                    "(default: W up to 8)")
     p.add_argument("--chunk-size", default="auto")
-    p.add_argument("--adam-placement", choices=("auto", "device", "host"), default="auto")
+    p.add_argument("--adam-placement", choices=("auto", "device", "host", "stream"), default="auto")
     p.add_argument("--machine", choices=("h200",), default="h200", help="rates for the predicted step time")
     p.add_argument("--no-search", action="store_true", help="skip the largest depth and batch searches")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -109,7 +109,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                           "n_chunks": planned.layout.n_chunks, "plan": plan.to_json()}))
     else:
         n = planned.layout.n_chunks
-        on_device = sum(plan.opt_on_device)
+        on_device, streamed = sum(plan.opt_on_device), sum(plan.opt_streamed)
         tokens = args.batch_size * cfg.seq_len
         print(f"model {args.model}: {model.n_params():,} params ({format_bytes(14 * model.n_params())} of "
               f"model data at 14 B/param), batch {args.batch_size}x{cfg.seq_len} in {args.micro_batches} "
@@ -123,7 +123,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"fits: peak device {format_bytes(plan.peak_device_bytes)}, peak host "
                   f"{format_bytes(plan.peak_host_bytes)}")
             print(f"resident: {100 * plan.resident_fraction:.0f}% of param chunks never leave the device")
-            print(f"adam: on the device for {on_device} chunks, on the host for {n - on_device}")
+            print(f"adam: on the device for {on_device} chunks, on the host for {n - on_device - streamed}, "
+                  f"state streamed through the device for {streamed}")
             print(f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                   f"device->host")
             tflops = model.flops_per_token() * tokens / step_s / 1e12

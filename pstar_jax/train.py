@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "so chunks move)")
     e.add_argument("--host-memory", default=None, help="pinned host memory pool (bytes); default: "
                    "what the machine has available")
-    e.add_argument("--adam-placement", choices=("auto", "device", "host"), default="auto",
-                   help="where fp32 master and Adam state live; auto: as many chunks on the device as "
-                        "make the predicted step fastest")
+    e.add_argument("--adam-placement", choices=("auto", "device", "host", "stream"), default="auto",
+                   help="where fp32 master and Adam state live: device, host (updated there), stream "
+                        "(kept on the host, updated on the device); auto: what the plan predicts fastest")
     e.add_argument("--chunk-size", default="auto", help="elements per chunk (4M, 65536) or auto")
     d = p.add_argument_group("data parallelism (ZeRO) and multi-host")
     d.add_argument("--data-parallel", type=int, default=None, help="devices W to shard chunks and the batch "

@@ -48,24 +48,27 @@ def main() -> None:
         tok = rng.integers(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1))
         r = engine.step([(tok[:, :-1], tok[:, 1:])])
         measured.append((r.h2d_bytes, r.d2h_bytes))
-    opt = plan.opt_on_device
+    opt, streamed = plan.opt_on_device, plan.opt_streamed
     rows = [("plan (Belady), predicted", plan.h2d_bytes, plan.d2h_bytes),
             ("plan (Belady), measured step 2", *measured[-1])]
     for rule in ("lru", "fifo"):
-        other = plan_step(shape, engine.device_budget_bytes, engine.host_bytes, H200, opt, victim_rule=rule)
+        other = plan_step(shape, engine.device_budget_bytes, engine.host_bytes, H200, opt, victim_rule=rule,
+                          streamed=streamed)
         rows.append((f"{rule.upper()} at the same capacity", other.h2d_bytes, other.d2h_bytes)
                     if other.fits else (f"{rule.upper()}: {other.problem}", 0, 0))
     # Streaming: each moment's device room is exactly what it needs, so nothing stays.
-    accesses = step_accesses(shape, opt)
+    accesses = step_accesses(shape, opt, streamed)
     tight = max(len(set(a.needs)) for a in accesses) * shape.item_bytes
     stream_shape = dataclasses.replace(shape, fwd_non_model=tuple(0 for _ in shape.fwd_non_model),
                                        bwd_non_model=tuple(0 for _ in shape.bwd_non_model), head_non_model=0)
     opt_bytes = sum(opt) * shape.opt_state_bytes
-    stream = plan_step(stream_shape, tight + opt_bytes, engine.host_bytes, H200, opt, victim_rule="fifo")
+    stream = plan_step(stream_shape, tight + opt_bytes + shape.opt_state_bytes * any(streamed), engine.host_bytes,
+                       H200, opt, victim_rule="fifo", streamed=streamed)
     rows.append(("streaming every chunk at every use", stream.h2d_bytes, stream.d2h_bytes))
     print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {chunk_numel:,}, "
           f"batch {args.batch_size}x{cfg.seq_len}, device budget {format_bytes(engine.device_budget_bytes)} "
-          f"for model data {format_bytes(engine.model_data_bytes)}, Adam on the device for {sum(opt)} chunks")
+          f"for model data {format_bytes(engine.model_data_bytes)}, Adam state on the device for {sum(opt)} chunks, "
+          f"streamed through it for {sum(streamed)}, on the host for {len(opt) - sum(opt) - sum(streamed)}")
     print(f"{'placement':<40}{'h2d/step':>14}{'d2h/step':>14}{'total':>14}")
     for name, h2d, d2h in rows:
         print(f"{name:<40}{format_bytes(h2d):>14}{format_bytes(d2h):>14}{format_bytes(h2d + d2h):>14}")

@@ -162,6 +162,23 @@ def test_host_and_device_adam_agree():
         np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
 
 
+def test_streamed_adam_equals_device_adam_and_moves_as_planned():
+    """State kept on the host but updated on the device: the same numbers as device-resident
+    state, and the state's trips down and up are in the plan's bytes, step by step."""
+    m = model()
+    streamed = chunked(m, adam="stream")
+    device = chunked(m, budget=10**8, adam="device")
+    assert all(streamed.plan.opt_streamed) and not any(streamed.plan.opt_on_device)
+    for step in batches(3):
+        a, b = streamed.step(step), device.step(step)
+        assert a.loss == b.loss
+        assert (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
+        assert a.h2d_bytes >= streamed.layout.n_chunks * streamed.plan.opt_state_bytes
+    for name, value in streamed.params().items():
+        np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
+    assert all(streamed.store.spaces(("master", c)) == (Space.HOST,) for c in range(streamed.layout.n_chunks))
+
+
 def test_params_and_grads_never_both_alive_after_last_use():
     """After a step the store holds params, master and opt state per chunk, and no grads."""
     engine = chunked(model())

@@ -113,7 +113,7 @@ def test_plan_is_periodic_and_counts_traffic():
     shape = gpt_like_shape(4, 2)
     plan = make_plan(shape, 300 + 900, 10**9, H200)
     assert plan.fits and plan.h2d_bytes > 0
-    accesses = step_accesses(shape, plan.opt_on_device)
+    accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed)
     start = _State(dict(plan.initial_device),
                    {("param", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
     moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_bytes, start,
@@ -137,3 +137,15 @@ def test_too_small_device_names_the_moment():
 def test_host_memory_shortfall_is_reported():
     plan = make_plan(gpt_like_shape(3, 2), 1200, 1000, H200)
     assert not plan.fits and "host memory runs out" in plan.problem
+
+
+def test_slow_host_adam_makes_the_plan_stream_state_through_the_device():
+    """When host Adam is slow and the copies are fast, auto picks streamed updates for host state."""
+    import dataclasses as dc
+    shape = gpt_like_shape(4, 2)
+    slow_host = dc.replace(H200, host_adam_params_per_s=1e3)
+    plan = make_plan(shape, 300 + 900 + 600, 10**9, slow_host)
+    assert plan.fits and any(plan.opt_streamed)
+    assert not any(s and d for s, d in zip(plan.opt_streamed, plan.opt_on_device))
+    host_only = plan_step(shape, 300 + 900 + 600, 10**9, slow_host, plan.opt_on_device)
+    assert plan.predicted_step_s < host_only.predicted_step_s
