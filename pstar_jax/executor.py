@@ -71,8 +71,12 @@ class Planned:
 
 def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
                machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
-               fns: StageFunctions | None = None, trace_cache: dict | None = None) -> Planned:
-    """Lay out, trace and plan without allocating model data (what pstar-plan and the engine share)."""
+               fns: StageFunctions | None = None, trace_cache: dict | None = None,
+               adam: tuple[Sequence[bool], Sequence[bool]] | None = None) -> Planned:
+    """Lay out, trace and plan without allocating model data (what pstar-plan and the engine share).
+
+    ``adam`` fixes the optimizer placement (per chunk: state on the device, state streamed)
+    instead of choosing it: an engine places its optimizer state once, for every batch shape."""
     placement = Placement(mesh)
     param_dtype = cfg.compute_dtype
     stages = list(model.stages(param_dtype))
@@ -89,7 +93,8 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
         working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
         budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
-    plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    plan = (make_plan(shape, budget, host_bytes, machine, cfg.adam_placement) if adam is None
+            else plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1]))
     return Planned(layout, bound, fns, shape, plan, step_accesses(shape, plan.opt_on_device, plan.opt_streamed),
                    budget)
 
@@ -124,7 +129,7 @@ class ChunkedEngine:
         self.layout, self.bound, self.fns = planned.layout, planned.bound, planned.fns
         self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
         self._plans: dict[tuple[int, int], Planned] = {tuple(batch_shape): planned}
-        self.plan, self.accesses = planned.plan, planned.accesses
+        self.plan = planned.plan
         self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
@@ -154,15 +159,9 @@ class ChunkedEngine:
         """The plan for a micro-batch shape (cached: a new shape makes a new plan)."""
         if batch_shape not in self._plans:
             planned = plan_model(self.model, self.cfg, self.placement.mesh, batch_shape, self.machine,
-                                 self.host_bytes, self.make_tx, self.layout, self.fns)
+                                 self.host_bytes, self.make_tx, self.layout, self.fns,
+                                 adam=(self.plan.opt_on_device, self.plan.opt_streamed))
             require_fit(planned, self.host_bytes)
-            placement = (self.plan.opt_on_device, self.plan.opt_streamed)
-            if (planned.plan.opt_on_device, planned.plan.opt_streamed) != placement:  # state is placed once
-                planned = dataclasses.replace(planned, plan=plan_step(
-                    planned.shape, planned.device_budget_bytes, self.host_bytes, self.machine, placement[0],
-                    streamed=placement[1]))
-                require_fit(planned, self.host_bytes)
-                planned.accesses = step_accesses(planned.shape, *placement)
             self._plans[batch_shape] = planned
         return self._plans[batch_shape]
 
@@ -261,7 +260,7 @@ class ChunkedEngine:
                 self.store.drop_copy(key, Space.HOST)
             else:
                 self.store.get(key, Space.HOST)
-        self.plan, self.accesses = plan, planned.accesses
+        self.plan = plan
 
     def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
         """The plan's evictions, then its fetches, under the moment's device budget."""
