@@ -272,7 +272,6 @@ class ChunkedEngine:
             self.store.get(key, Space.DEVICE)
 
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
-        head = len(self.bound) - 1
         if a.phase == "adam":
             self._adam(a.index, run.clip, run.skip)
             return

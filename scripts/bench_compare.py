@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model, preset  # noqa: E402
+from models.gpt import build_model  # noqa: E402
 from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes, parse_bytes  # noqa: E402
 from pstar_jax.executor import ChunkedEngine  # noqa: E402

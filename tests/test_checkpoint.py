@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from models.gpt import load_gpt
 from pstar_jax.checkpoint import Checkpointer

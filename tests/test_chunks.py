@@ -3,7 +3,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, example, given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from pstar_jax.chunks import ChunkLayout, auto_chunk_numel, build_layout, pack, unpack
 from pstar_jax.config import ConfigError

@@ -2,8 +2,6 @@
 
 import itertools
 
-import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200

@@ -17,7 +17,6 @@ from models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
 from pstar_jax.machine import H200
-from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
 from pstar_jax.zero import data_mesh
 
