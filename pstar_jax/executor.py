@@ -4,8 +4,14 @@ Per micro-batch: forward through the stages, keeping only each stage's input (ac
 checkpointing at stage boundaries); the last stage computes loss and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
-are dropped and its grad takes their place (14 bytes per parameter in all). Then the optimizer
-updates each chunk where its fp32 state lives and yields the next bf16 params.
+are dropped and its grad takes their place (14 bytes per parameter in all).
+
+The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
+first forward stage that reads c, where its copies hide under the forward's compute (see
+plan.py). The math is unchanged: the update uses step k's gradient and clip scale. Between
+steps each chunk's bf16 slot (the store key ("grad", c)) holds its pending gradient, or its
+current params when no update is pending; ``flush`` applies a pending update at once, and
+everything that reads or saves state calls it.
 
 Placement is the plan's: before each moment (or during the previous one, when the plan says
 prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +36,7 @@ from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, step_accesses
+from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, staged_after, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step
 from pstar_jax.zero import replicated_value, to_numpy
@@ -48,7 +54,6 @@ class StepResult:
     loss: float
     grad_norm: float
     step_s: float
-    optimizer_s: float
     h2d_bytes: int
     d2h_bytes: int
     device_chunk_peak_bytes: int
@@ -93,10 +98,14 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
         working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
         budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
-    plan = (make_plan(shape, budget, host_bytes, machine, cfg.adam_placement) if adam is None
-            else plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1]))
-    return Planned(layout, bound, fns, shape, plan, step_accesses(shape, plan.opt_on_device, plan.opt_streamed),
-                   budget)
+    if adam is None:
+        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    else:
+        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
+        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
+            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
+    return Planned(layout, bound, fns, shape, plan,
+                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget)
 
 
 def require_fit(planned: Planned, host_bytes: int) -> None:
@@ -134,6 +143,9 @@ class ChunkedEngine:
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
         self.skip_nonfinite = skip_nonfinite
+        # The clip scale of the update pending in the slots; None: the slots hold params (no update).
+        self._pending_clip: jax.Array | None = None
+        self._staged: set[int] = set()  # chunks whose streamed state is on the device
         self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
                           else init_params.__getitem__)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
@@ -180,7 +192,8 @@ class ChunkedEngine:
             f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
-        """Master and optimizer state where the plan keeps them; params as at the plan's step start.
+        """Master and optimizer state where the plan keeps them; params in the slots, placed as at
+        the plan's step start.
 
         One chunk at a time: the model's tensors are made (or read) for that chunk only, so a model
         far larger than one device or than host memory never exists whole."""
@@ -192,7 +205,7 @@ class ChunkedEngine:
             master = self.placement.put(chunk, self.opt_space[c])
             self.store.put(("opt", c), self.optimizer.init(master))
             self.store.put(("master", c), master)
-            key = ("param", c)
+            key = ("grad", c)
             dirty = initial.get(key)
             self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
                                                    Space.DEVICE if dirty else Space.HOST))
@@ -202,7 +215,10 @@ class ChunkedEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
-        """One optimizer step over (tokens, targets) micro-batches: this process's rows of each."""
+        """One optimizer step over (tokens, targets) micro-batches: this process's rows of each.
+
+        Runs the previous step's update and this step's forward and backward; this step's update
+        is left pending (``flush`` applies it)."""
         if len(micro_batches) != self.cfg.micro_batches:
             raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
         rows, seq_len = np.shape(micro_batches[0][0])  # this process's rows of the global micro-batch
@@ -212,46 +228,73 @@ class ChunkedEngine:
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
         if plan is not self.plan:  # another batch shape: move to the new plan's starting state
-            self._settle(planned)
+            self._place_slots(plan)
+            self.plan = plan
         run = _StepState(scale=self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))),
                                                   Space.DEVICE))
-        opt_start = None
+        clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
+        staging = staged_after(accesses)
+        self._stage(accesses[u].index for u in staging.get(-1, ()))
         for t, (moment, access) in enumerate(zip(moments, accesses)):
-            if access.phase == "adam" and opt_start is None:
-                # sync: optimizer_s measures the optimizer phase alone, and a bad step is caught
-                # before any state changes
-                loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
-                opt_start = time.perf_counter()
-                run.skip = not (np.isfinite(loss) and np.isfinite(sumsq))
-                if run.skip and not self.skip_nonfinite:
-                    raise NonFiniteLoss(self.step_count, loss, float(np.sqrt(sumsq)))
-                run.clip = clip_scale(sum(run.sumsq), self.clip_norm)
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
-            self._run(access, run, micro_batches)
+            if access.phase == "adam":
+                self._adam(access.index, clip)
+            else:
+                self._run(access, run, micro_batches)
             if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
                 self._measure_moment(run)
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(moments[t + 1], min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+            self._stage(accesses[u].index for u in staging.get(t, ()))
             for key in access.drops:
                 self.store.drop(key)
-        jax.block_until_ready([self.store.peek(k) for k in self.store.keys("param")])
+        # sync: the step's time covers its work, and a bad step is caught before its update
+        loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
         end = time.perf_counter()
+        skip = not (np.isfinite(loss) and np.isfinite(sumsq))
+        if skip and not self.skip_nonfinite:  # the slots' grads are dropped: params stay as they were
+            raise NonFiniteLoss(self.step_count, loss, float(np.sqrt(sumsq)))
         self.step_count += 1
-        return StepResult(loss=replicated_value(sum(run.losses)), grad_norm=replicated_value(jnp.sqrt(sum(run.sumsq))),
-                          step_s=end - start, optimizer_s=end - opt_start,
+        self._pending_clip = None if skip else clip_scale(sum(run.sumsq), self.clip_norm)
+        return StepResult(loss=loss, grad_norm=float(np.sqrt(sumsq)), step_s=end - start,
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
-                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes,
-                          skipped=run.skip)
+                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip)
 
-    def _settle(self, planned: Planned) -> None:
-        """Put the param chunks where the plan starts a step (its traffic counts in this step)."""
-        plan = planned.plan
-        self._act(dataclasses.replace(plan.moments[-1], evict=(), fetch=()), plan.moments[-1].capacity_bytes)
+    def flush(self) -> None:
+        """Apply the pending update now; afterwards the slots hold the current params, placed where
+        the plan starts a step. Between steps no activations are live, so the whole device budget
+        is room for it."""
+        clip, self._pending_clip = self._pending_clip, None
+        if clip is None:
+            return
+        self.store.budget_bytes = self.device_budget_bytes
+        for c in range(self.layout.n_chunks):
+            streamed = self.plan.opt_streamed[c]
+            if self.opt_space[c] is Space.DEVICE or streamed:
+                self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if streamed else 0))
+            if streamed:
+                self._stage([c])
+            self._adam(c, clip)
+            space = Space.HOST if self.opt_space[c] is Space.HOST and not streamed else Space.DEVICE
+            self.store.put(("grad", c), self.store.take(("param", c), space))
+        self._place_slots(self.plan)
+
+    def _make_room(self, c: int, nbytes: int) -> None:
+        """Evict other slots until ``nbytes`` more fit on the device (flush only)."""
+        for key in self.store.device_resident(("grad",)):
+            if self.store.bytes[Space.DEVICE] + nbytes <= self.store.budget_bytes:
+                return
+            if key != ("grad", c):
+                self.store.evict(key)
+
+    def _place_slots(self, plan: Plan) -> None:
+        """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
+        self.store.budget_bytes = self.device_budget_bytes
         initial = dict(plan.initial_device)
-        for key in self.store.device_resident(("param",)):
+        for key in self.store.device_resident(("grad",)):
             if key not in initial:
                 self.store.evict(key)
         for key, dirty in initial.items():
@@ -260,21 +303,26 @@ class ChunkedEngine:
                 self.store.drop_copy(key, Space.HOST)
             else:
                 self.store.get(key, Space.HOST)
-        self.plan = plan
 
     def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
         """The plan's evictions, then its fetches, under the moment's device budget."""
         opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes  # same in every plan
-        self.store.budget_bytes = capacity_bytes + opt_device
+        self.store.budget_bytes = capacity_bytes + opt_device + len(self._staged) * self.plan.opt_state_bytes
         for key in moment.evict:
             self.store.evict(key)
         for key in moment.fetch:
             self.store.get(key, Space.DEVICE)
 
+    def _stage(self, chunks: Iterable[int]) -> None:
+        """Send these chunks' streamed optimizer state down ahead of their updates; the plan counts
+        it as device memory of the moments in between."""
+        for c in chunks:
+            self._staged.add(c)
+            self.store.budget_bytes += self.plan.opt_state_bytes
+            for kind in ("master", "opt"):
+                self.store.get((kind, c), Space.DEVICE)
+
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
-        if a.phase == "adam":
-            self._adam(a.index, run.clip, run.skip)
-            return
         i = a.index
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
         if a.phase == "fwd":
@@ -320,31 +368,35 @@ class ChunkedEngine:
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
 
-    def _adam(self, c: int, clip: jax.Array, skip: bool) -> None:
+    def _adam(self, c: int, clip: jax.Array | None) -> None:
+        """Chunk c's update from the grad in its slot; with ``clip`` None nothing is pending (the
+        slot holds params): the same moves, and the params are cast from the master again."""
         home = self.opt_space[c]  # where master and state live
         space = Space.DEVICE if self.plan.opt_streamed[c] else home  # where they are updated
         grad = self.store.take(("grad", c), space)
-        master = self.store.take(("master", c), home)
-        state = self.store.take(("opt", c), home)
-        if space is not home:  # streamed: down now, back up after the update (the plan counts both)
-            master, state = self.placement.put((master, state), space)
-            self.store.traffic.h2d_bytes += self.plan.opt_state_bytes
-        if skip:  # same moves as a real update, so the plan still holds
+        master = self.store.take(("master", c), space)  # streamed: staged already
+        state = self.store.take(("opt", c), space)
+        if clip is None:
             master, state, params = self.optimizer.keep(space, grad, master, state)
         else:
             master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
-        if space is not home:
-            master, state = self.placement.put((master, state), home)
-            self.store.traffic.d2h_bytes += self.plan.opt_state_bytes
-        self.store.put(("master", c), master)
-        self.store.put(("opt", c), state)
+        for key, value in ((("master", c), master), (("opt", c), state)):
+            self.store.put(key, value)
+            if space is not home:  # streamed: back up at once (the plan counts both trips)
+                self.store.evict(key)
+        if c in self._staged:
+            self._staged.discard(c)
+            self.store.budget_bytes -= self.plan.opt_state_bytes
         self.store.put(("param", c), params)
 
     # -- state for checkpoints -----------------------------------------------------------------
     def state(self) -> dict:
-        """Every chunk list as stored (one copy each): {"param"|"master"|"opt": {"c": value}}."""
-        return {kind: {str(c): self.store.peek((kind, c)) for c in range(self.layout.n_chunks)}
-                for kind in ("param", "master", "opt")}
+        """Every chunk list as stored (one copy each), the pending update applied first:
+        {"param"|"master"|"opt": {"c": value}}."""
+        self.flush()
+        keys = {"param": "grad", "master": "master", "opt": "opt"}  # after a flush the slots hold params
+        return {kind: {str(c): self.store.peek((key, c)) for c in range(self.layout.n_chunks)}
+                for kind, key in keys.items()}
 
     def abstract_state(self, layout: ChunkLayout | None = None) -> dict:
         """Shapes and shardings ``state()`` has (for ``layout``, default ours): params on the host,
@@ -367,27 +419,29 @@ class ChunkedEngine:
                 "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt) for c in range(layout.n_chunks)}}
 
     def load_state(self, state: dict, step: int) -> None:
-        """Replace all chunk state (arrays or numpy in our layout) and set the step count."""
+        """Replace all chunk state (arrays or numpy in our layout) and set the step count; a pending
+        update is discarded."""
         self.store.budget_bytes = self.device_budget_bytes
+        self._pending_clip = None
         for c in range(self.layout.n_chunks):
-            for kind in ("param", "master", "opt"):
+            for kind in ("param", "grad", "master", "opt"):
                 if (kind, c) in self.store:
                     self.store.drop((kind, c))
         for c in range(self.layout.n_chunks):
             self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
             self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
-            self.store.put(("param", c), self.placement.put(state["param"][str(c)], Space.HOST))
-        for key, dirty in self.plan.initial_device:  # where the plan starts a step
-            self.store.get(key, Space.DEVICE)
-            if dirty:
-                self.store.drop_copy(key, Space.HOST)
+            self.store.put(("grad", c), self.placement.put(state["param"][str(c)], Space.HOST))
+        self._place_slots(self.plan)
         self.store.traffic.reset()
         self.step_count = step
 
     # -- reading state ------------------------------------------------------------------------
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
-        """Current tensors by name (fp32 master, or the compute-dtype params), as numpy."""
-        chunks = [to_numpy(self.store.peek((kind, c))) for c in range(self.layout.n_chunks)]
+        """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
+        pending update is applied first."""
+        self.flush()
+        key = "grad" if kind == "param" else kind  # after a flush the slots hold params
+        chunks = [to_numpy(self.store.peek((key, c))) for c in range(self.layout.n_chunks)]
         return unpack(self.layout, chunks)
 
     def device_memory_in_use(self) -> int | None:
@@ -403,8 +457,6 @@ class _StepState:
     x: Any = None
     g: Any = None
     targets: Any = None
-    clip: Any = None
-    skip: bool = False
     stash: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     sumsq: list = dataclasses.field(default_factory=list)

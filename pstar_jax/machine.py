@@ -21,17 +21,24 @@ class Machine:
     name: str
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
-    flops_per_s: float  # sustained model FLOP/s of stage compute
+    flops_per_s: float  # sustained FLOP/s of stage compute, as XLA's cost analysis counts FLOPs
     device_adam_params_per_s: float
     host_adam_params_per_s: float
     call_s: float = 0.0  # fixed cost of one stage or optimizer call (dispatch, launch, sync)
+    duplex: bool = False  # host->device and device->host copies run at full rate at once
 
 
-# One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, plain GPT 1.3B at 326 TFLOPS,
-# Adam on the device and with compute_on('device_host') over 16 cores.
-# The fixed cost per call was not measured there: 0.
-H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 326e12, 119e9, 0.88e9)
-MACHINES = {"h200": H200}
+# One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, Adam on the device and with
+# compute_on('device_host') over 16 cores. The compute rate is in FLOPs as XLA's cost analysis
+# counts them (what the trace records, recompute included): plain GPT 1.3B with full remat took
+# 0.426 s/step there, and its compiled step counts 1.692e14 FLOPs (scripts/calibrate_flops.py),
+# so 397e12/s. Not measured there: the fixed cost per call (0) and whether the two copy
+# directions overlap (assumed not).
+H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 397e12, 119e9, 0.88e9)
+
+
+# The same if the two copy directions overlap fully (scripts/bandwidth.py says whether they do).
+MACHINES = {"h200": H200, "h200-duplex": dataclasses.replace(H200, name="h200-duplex", duplex=True)}
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -45,14 +52,17 @@ def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
 
 
 def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
-    """Time a chunk's copies both ways, a matmul and a chunk's optimizer update in each space."""
+    """Time a chunk's copies each way and both at once, a matmul and a chunk's optimizer update in
+    each space."""
     from pstar_jax.memory import Space  # memory imports nothing of ours but config; keep machine light
 
     x = placement.put(np.zeros((numel,), np.float32), Space.DEVICE)
     on_host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
     nbytes = numel * 4 // placement.n_devices
-    h2d = nbytes / _best_time(lambda: jax.device_put(on_host, x.sharding))
-    d2h = nbytes / _best_time(lambda: jax.device_put(x, on_host.sharding))
+    h2d_s = _best_time(lambda: jax.device_put(on_host, x.sharding))
+    d2h_s = _best_time(lambda: jax.device_put(x, on_host.sharding))
+    y = placement.put(np.ones((numel,), np.float32), Space.DEVICE)
+    both_s = _best_time(lambda: (jax.device_put(on_host, x.sharding), jax.device_put(y, on_host.sharding)))
     n = 1024
     a = jnp.ones((n, n), optimizer.param_dtype)  # the compute dtype: bf16 is far slower on some CPUs
     matmul = jax.jit(lambda a: a @ a)
@@ -72,5 +82,5 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     tiny = jnp.ones((8,), jnp.float32)
     call = jax.jit(lambda x: x + 1)
     call_s = _best_time(lambda: call(tiny), repeats=20)
-    return Machine(f"{jax.devices()[0].platform} (measured)", h2d, d2h, flops, adam[Space.DEVICE], adam[Space.HOST],
-                   call_s)
+    return Machine(f"{jax.devices()[0].platform} (measured)", nbytes / h2d_s, nbytes / d2h_s, flops, adam[Space.DEVICE],
+                   adam[Space.HOST], call_s, duplex=both_s < 0.75 * (h2d_s + d2h_s))

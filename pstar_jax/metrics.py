@@ -17,8 +17,7 @@ def step_record(step: int, result: Any, tokens: int, flops_per_token: float, **e
               "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
               "model_tflops": flops_per_token * tokens / result.step_s / 1e12,
               "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-              "device_chunk_peak_bytes": result.device_chunk_peak_bytes,
-              "optimizer_s": result.optimizer_s}
+              "device_chunk_peak_bytes": result.device_chunk_peak_bytes}
     record.update(extra)
     return record
 

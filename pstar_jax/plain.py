@@ -98,7 +98,7 @@ class PlainEngine:
         self.step_count += 1
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)))
         return StepResult(loss=loss, grad_norm=replicated_value(norm), step_s=time.perf_counter() - start,
-                          optimizer_s=0.0, h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
+                          h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
 
     def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""

@@ -7,6 +7,14 @@ fetched; when the device would overflow, the resident chunk whose next use is fu
 evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy is still
 valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
 
+A step's optimizer update is deferred into the next step's forward: the update of chunk c runs
+right before the first forward stage that reads c. The update needs the global gradient norm,
+known only when the backward ends, so updating during the backward would change the math;
+updating during the next forward does not, and it gives the optimizer's copies (streamed state,
+grads going to host Adam) the forward's compute to hide under instead of a phase of their own.
+Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
+params (none is: after initialisation, a restore or a flush).
+
 A moment's fetches and evictions may run during the previous moment (prefetch distance 1)
 when both moments' chunks fit beside the larger of their non-model data; otherwise they run
 right before it. The plan starts each step in the state the step ends in (iterated to a fixed
@@ -42,6 +50,7 @@ class Access:
     creates_host: tuple[Item, ...] = ()  # made on the host by the moment (params from host Adam)
     creates_device: tuple[Item, ...] = ()  # made on the device, dirty (params from device Adam)
     state_bytes_each_way: int = 0  # optimizer state streamed down and back up (streamed Adam)
+    state_lead: int = 0  # the state is sent down right after this many earlier moments are issued
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Plan:
     initial_device: tuple[tuple[Item, bool], ...]  # (item, dirty) on the device at step start
     opt_on_device: tuple[bool, ...]
     opt_streamed: tuple[bool, ...]  # host-resident state updated on the device (streamed down and up)
+    state_leads: tuple[int, ...]  # per chunk: moments ahead its streamed state is sent down
     item_bytes: int
     opt_state_bytes: int  # per chunk
     device_capacity_bytes: int
@@ -249,16 +259,21 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
 
 
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
-                  streamed: Sequence[bool] | None = None) -> list[Access]:
+                  streamed: Sequence[bool] | None = None, state_leads: Sequence[int] | None = None) -> list[Access]:
     """The moments of one step in the executor's order, with what each needs.
 
-    Each chunk's optimizer update is one of three: state resident on the device; state on the
-    host, updated there (compute_on host: the grad goes down to it); or state on the host,
-    streamed to the device, updated there and streamed back (the grad stays, the new params
-    stay on the device, and the state's device copy is non-model memory of that moment)."""
+    The previous step's update of chunk c (its "adam" moment) comes right before the first
+    forward stage of the first micro-batch that reads c. It is one of three: state resident on
+    the device; state on the host, updated there (compute_on host: the grad goes down to it); or
+    state on the host, streamed to the device, updated there and streamed back (the grad stays,
+    the new params stay on the device). Streamed state is sent down ``state_leads[c]`` moments
+    ahead (default 1), so its copy hides under their compute, and goes back up during the next moment: its
+    device copy is non-model memory of all those moments."""
     streamed = streamed or [False] * shape.n_chunks
+    state_leads = state_leads or [1] * shape.n_chunks
     head = len(shape.stage_chunks) - 1
-    last_bwd = {c: min(i for i, cs in enumerate(shape.stage_chunks) if c in cs) for c in range(shape.n_chunks)}
+    first_use = {c: min(i for i, cs in enumerate(shape.stage_chunks) if c in cs) for c in range(shape.n_chunks)}
+    last_bwd = first_use  # the backward visits stages in reverse
     out: list[Access] = []
 
     def params(i):
@@ -270,38 +285,53 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     def drops(i, last):
         return tuple(("param", c) for c in shape.stage_chunks[i] if last and last_bwd[c] == i)
 
+    def updates(i):
+        for c in sorted(c for c in range(shape.n_chunks) if first_use[c] == i):
+            g, p = ("grad", c), ("param", c)
+            if opt_on_device[c]:
+                yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
+            elif streamed[c]:
+                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
+                             state_bytes_each_way=shape.opt_state_bytes, state_lead=state_leads[c])
+            else:
+                yield Access("adam", c, 0, (), 0, to_host=(g,), consumes=(g,), creates_host=(p,))
+
     for m in range(shape.micro_batches):
         last = m == shape.micro_batches - 1
         for i in range(head):
+            if m == 0:
+                out.extend(updates(i))
             out.append(Access("fwd", i, m, params(i), shape.fwd_non_model[i], shape.fwd_flops[i]))
+        if m == 0:
+            out.extend(updates(head))
         out.append(Access("head", head, m, params(head) + grads(head), shape.head_non_model,
                           shape.head_flops, drops(head, last)))
         for i in reversed(range(head)):
             out.append(Access("bwd", i, m, params(i) + grads(i), shape.bwd_non_model[i],
                               shape.bwd_flops[i], drops(i, last)))
-    for c in range(shape.n_chunks):
-        g, p = ("grad", c), ("param", c)
-        if opt_on_device[c]:
-            out.append(Access("adam", c, shape.micro_batches - 1, (g,), 0, consumes=(g,), creates_device=(p,)))
-        elif streamed[c]:
-            out.append(Access("adam", c, shape.micro_batches - 1, (g,), shape.opt_state_bytes, consumes=(g,),
-                              creates_device=(p,), state_bytes_each_way=shape.opt_state_bytes))
-        else:
-            out.append(Access("adam", c, shape.micro_batches - 1, (), 0, to_host=(g,), consumes=(g,),
-                              creates_host=(p,)))
-    return out
+    extra = [0] * len(out)  # streamed state on the device beside other moments' own data
+    for u, a in enumerate(out):
+        for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
+            if t != u:
+                extra[t] += a.state_bytes_each_way
+    return [dataclasses.replace(a, non_model_bytes=a.non_model_bytes + x) if x else a for a, x in zip(out, extra)]
 
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
-              streamed: Sequence[bool] | None = None) -> Plan:
-    """The plan for a given optimizer placement (see ``make_plan`` for choosing one)."""
+              streamed: Sequence[bool] | None = None, hide_state: bool = True) -> Plan:
+    """The plan for a given optimizer placement (see ``make_plan`` for choosing one).
+
+    ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
+    else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
-    accesses = step_accesses(shape, opt_on_device, streamed)
+    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine) if hide_state
+                  else [1] * shape.n_chunks)
+    accesses = step_accesses(shape, opt_on_device, streamed, leads)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     victim = victim_for(victim_rule, accesses)
-    state = _State({}, {("param", c) for c in range(shape.n_chunks)})
+    state = _State({}, {("grad", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
     try:
         for _ in range(8):  # to the fixed point: the step ends where it started
@@ -314,36 +344,101 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     except Infeasible as err:
         problem = (f"device memory runs out at {err} by {format_bytes(err.shortfall)}" if err.shortfall
                    else str(err))
-        return Plan((), (), tuple(opt_on_device), streamed, shape.item_bytes, shape.opt_state_bytes, device_bytes,
-                    0, 0, 0, 0, float("inf"), False, problem)
+        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+                    device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
     host_opt = (len(opt_on_device) - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {format_bytes(peak_host - host_bytes)}"
-    return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, shape.item_bytes,
+    return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
+                shape.item_bytes,
                 shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
 
+def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
+    """A moment's predicted compute time (an update runs on the device when its grad stays there)."""
+    if a.phase == "adam":
+        return shape.chunk_numel / (machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s)
+    return a.flops / machine.flops_per_s
+
+
+def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) -> list[int]:
+    """Per chunk: how many moments ahead its streamed state must be sent down for the copy to hide
+    under their compute (at least 1; the step's start at most)."""
+    leads = [1] * shape.n_chunks
+    copy_s = shape.opt_state_bytes / machine.h2d_bytes_per_s
+    for u, a in enumerate(accesses):
+        if a.state_bytes_each_way:
+            covered, lead = 0.0, 0
+            while lead < u and (lead == 0 or covered < copy_s):
+                lead += 1
+                covered += compute_s(accesses[u - lead], shape, machine)
+            leads[a.index] = max(lead, 1)
+    return leads
+
+
+def staged_after(accesses: Sequence[Access]) -> dict[int, list[int]]:
+    """Moment t -> the streamed updates whose state is sent down right after t is issued (-1: at
+    the step's start)."""
+    out: dict[int, list[int]] = {}
+    for u, a in enumerate(accesses):
+        if a.state_bytes_each_way:
+            out.setdefault(max(u - a.state_lead, -1), []).append(u)
+    return out
+
+
 def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], shape: StepShape,
                    machine: Machine) -> float:
-    """Compute and transfers per moment, plus a fixed cost per call; a prefetched moment's copies
-    hide under the previous moment's compute."""
-    def transfer(m: PlanMoment) -> float:
-        return m.h2d_bytes / machine.h2d_bytes_per_s + m.d2h_bytes / machine.d2h_bytes_per_s
+    """Replay the step on the device's compute stream and its copy engines, in the executor's order.
 
-    total = 0.0
+    Each moment computes after the previous one and after its own inputs have arrived. Copies
+    are issued when the executor issues them: a moment's evictions and fetches during the
+    previous moment when the plan prefetches it, else after it (evictions and grads bound for
+    host Adam go up first, then fetches come down into the room they freed); streamed state
+    ``state_lead`` moments ahead, and back up after its update. A copy waits for the copy engine
+    of its direction; with ``machine.duplex`` False both directions share one, so a step never
+    looks faster than one serial PCIe link allows."""
+    free = {"up": 0.0, "down": 0.0}  # when each copy engine is next free
+
+    def copy(direction: str, after: float, seconds: float) -> float:
+        start = max(after, free[direction] if machine.duplex else max(free.values()))
+        for d in ((direction,) if machine.duplex else tuple(free)):
+            free[d] = start + seconds
+        return start + seconds
+
+    def own_copies(t: int, at: float) -> float:
+        m, a = moments[t], accesses[t]
+        up = m.d2h_bytes - a.state_bytes_each_way
+        if up:
+            at = copy("up", at, up / machine.d2h_bytes_per_s)
+        fetch = m.h2d_bytes - a.state_bytes_each_way
+        return copy("down", at, fetch / machine.h2d_bytes_per_s) if fetch else at
+
+    staging = staged_after(accesses)
+    state_ready: dict[int, float] = {}
+
+    def stage(t: int, at: float) -> None:
+        for u in staging.get(t, ()):
+            state_ready[u] = copy("down", at, accesses[u].state_bytes_each_way / machine.h2d_bytes_per_s)
+
+    stage(-1, 0.0)
+    compute_start = compute_end = 0.0
+    ready = 0.0  # when the current moment's own copies are done
     for t, (m, a) in enumerate(zip(moments, accesses)):
-        if a.phase == "adam":  # on the device when the grad stays there (resident or streamed state)
-            rate = machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s
-            compute = shape.chunk_numel / rate
-        else:
-            compute = a.flops / machine.flops_per_s
-        ahead = transfer(moments[t + 1]) if t + 1 < len(moments) and moments[t + 1].prefetch else 0.0
-        total += max(compute, ahead) + (0.0 if m.prefetch else transfer(m)) + machine.call_s
-    return total
+        compute = compute_s(a, shape, machine)
+        if not m.prefetch:
+            ready = own_copies(t, compute_end)
+        compute_start = max(compute_end, ready, state_ready.get(t, 0.0))
+        compute_end = compute_start + compute + machine.call_s
+        if a.state_bytes_each_way:
+            copy("up", compute_end, a.state_bytes_each_way / machine.d2h_bytes_per_s)
+        if t + 1 < len(moments) and moments[t + 1].prefetch:
+            ready = own_copies(t + 1, compute_start)
+        stage(t, compute_start)
+    return max(compute_end, *free.values())
 
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
@@ -352,11 +447,19 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     How many chunks keep their state on the device (PatrickStar's margin), and whether the
     others update on the host or stream their state through the device. ``adam_placement``
-    "device", "host" or "stream" forces one way for all chunks."""
+    "device", "host" or "stream" forces one way for all chunks. Streamed state is sent down far
+    enough ahead to hide its copy, or, when no such plan fits, one moment ahead."""
     n = shape.n_chunks
+
+    def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
+        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
+        if plan.fits or not stream:
+            return plan
+        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n,
+                         hide_state=False)
+
     if adam_placement != "auto":
-        return plan_step(shape, device_bytes, host_bytes, machine, [adam_placement == "device"] * n,
-                         streamed=[adam_placement == "stream"] * n)
+        return planned([adam_placement == "device"] * n, adam_placement == "stream")
     step = max(1, n // 12)
     best, best_key, scores = None, None, {}
 
@@ -364,8 +467,7 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         nonlocal best, best_key
         if (k, stream) in scores:
             return
-        plan = plan_step(shape, device_bytes, host_bytes, machine, [c < k for c in range(n)],
-                         streamed=[stream] * n)
+        plan = planned([c < k for c in range(n)], stream)
         scores[k, stream] = plan
         if best is None or (plan.fits, -plan.predicted_step_s) > (best.fits, -best.predicted_step_s):
             best, best_key = plan, (k, stream)

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: W up to 8)")
     p.add_argument("--chunk-size", default="auto")
     p.add_argument("--adam-placement", choices=("auto", "device", "host", "stream"), default="auto")
-    p.add_argument("--machine", choices=("h200",), default="h200", help="rates for the predicted step time")
+    p.add_argument("--machine", choices=("h200", "h200-duplex"), default="h200",
+                   help="rates for the predicted step time (h200-duplex: copies both ways at once at full rate)")
     p.add_argument("--no-search", action="store_true", help="skip the largest depth and batch searches")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the memory timeline")

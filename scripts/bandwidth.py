@@ -3,6 +3,9 @@
     python scripts/bandwidth.py            # on the accelerator (1 GiB copies, a 1.3B GPT streaming)
     python scripts/bandwidth.py --small    # a CPU dry run
 
+Raw copies are timed one way at a time and both ways at once: the planner assumes the two
+directions share the link (Machine.duplex False) until this says they do not.
+
 Streaming is measured on a chunked training step whose device budget forces every param chunk
 to be fetched at each use and whose batch is tiny, so the step is dominated by the copies:
 (h2d + d2h bytes) / step time, beside the raw figure.
@@ -32,9 +35,12 @@ from pstar_jax.memory import Placement, Space  # noqa: E402
 from pstar_jax.optim import default_tx  # noqa: E402
 
 
-def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float]:
+def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float, float]:
+    """Pinned host->device and device->host rates, each alone, and each while the other runs
+    (equal to alone when the two directions overlap fully: Machine.duplex)."""
     x = placement.put(np.zeros(nbytes // 2, np.uint16), Space.DEVICE)
     host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
+    y = placement.put(np.ones(nbytes // 2, np.uint16), Space.DEVICE)
 
     def best(fn):
         jax.block_until_ready(fn())
@@ -46,7 +52,8 @@ def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float]:
         return statistics.median(times)
     h2d = nbytes / best(lambda: jax.device_put(host, x.sharding))
     d2h = nbytes / best(lambda: jax.device_put(x, host.sharding))
-    return h2d, d2h
+    both = nbytes / best(lambda: (jax.device_put(host, x.sharding), jax.device_put(y, host.sharding)))
+    return h2d, d2h, both
 
 
 def main() -> None:
@@ -57,7 +64,7 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     placement = Placement(mesh)
     gib = 2**30
-    h2d, d2h = copy_rate(placement, (16 * 2**20) if args.small else gib)
+    h2d, d2h, both = copy_rate(placement, (16 * 2**20) if args.small else gib)
     model = build_model("tiny", n_layer=4) if args.small else build_model("GPT2_1B", n_layer=24)
     cfg = model.config
     chunk = auto_chunk_numel(model.param_shapes(), model.decays)
@@ -73,6 +80,7 @@ def main() -> None:
         rates.append(((r.h2d_bytes + r.d2h_bytes) / r.step_s, r.h2d_bytes, r.d2h_bytes, r.step_s))
     stream, h2d_b, d2h_b, step_s = rates[-1]
     result = {"device": jax.devices()[0].device_kind, "pinned_h2d_GiB_s": h2d / gib, "pinned_d2h_GiB_s": d2h / gib,
+              "pinned_each_way_at_once_GiB_s": both / gib, "duplex": both > 0.8 * min(h2d, d2h),
               "pstar_stream_GiB_s": stream / gib, "pstar_step_h2d_GiB": h2d_b / gib, "pstar_step_d2h_GiB": d2h_b / gib,
               "pstar_step_s": step_s, "stream_fraction_of_pinned": stream / ((h2d + d2h) / 2)}
     for k, v in result.items():

@@ -57,13 +57,14 @@ def main() -> None:
         rows.append((f"{rule.upper()} at the same capacity", other.h2d_bytes, other.d2h_bytes)
                     if other.fits else (f"{rule.upper()}: {other.problem}", 0, 0))
     # Streaming: each moment's device room is exactly what it needs, so nothing stays.
-    accesses = step_accesses(shape, opt, streamed)
+    accesses = step_accesses(shape, opt, streamed, plan.state_leads)
     tight = max(len(set(a.needs)) for a in accesses) * shape.item_bytes
     stream_shape = dataclasses.replace(shape, fwd_non_model=tuple(0 for _ in shape.fwd_non_model),
                                        bwd_non_model=tuple(0 for _ in shape.bwd_non_model), head_non_model=0)
     opt_bytes = sum(opt) * shape.opt_state_bytes
-    stream = plan_step(stream_shape, tight + opt_bytes + shape.opt_state_bytes * any(streamed), engine.host_bytes,
-                       H200, opt, victim_rule="fifo", streamed=streamed)
+    # streamed state one moment ahead: at most three chunks' state on the device at once
+    stream = plan_step(stream_shape, tight + opt_bytes + 3 * shape.opt_state_bytes * any(streamed), engine.host_bytes,
+                       H200, opt, victim_rule="fifo", streamed=streamed, hide_state=False)
     rows.append(("streaming every chunk at every use", stream.h2d_bytes, stream.d2h_bytes))
     print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {chunk_numel:,}, "
           f"batch {args.batch_size}x{cfg.seq_len}, device budget {format_bytes(engine.device_budget_bytes)} "

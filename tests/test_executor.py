@@ -181,13 +181,19 @@ def test_streamed_adam_equals_device_adam_and_moves_as_planned():
 
 
 def test_params_and_grads_never_both_alive_after_last_use():
-    """After a step the store holds params, master and opt state per chunk, and no grads."""
-    engine = chunked(model())
+    """Between steps each chunk has one bf16 slot (its pending grad), master and opt state, and no
+    separate params; after a flush the slots hold the params, equal to the master cast down."""
+    engine = chunked(model(), precision="bf16")
     engine.step(batches(1)[0])
     n = engine.layout.n_chunks
-    for kind in ("param", "master", "opt"):
+    for kind in ("grad", "master", "opt"):
         assert len(engine.store.keys(kind)) == n
-    assert engine.store.keys("grad") == []
+    assert engine.store.keys("param") == []
+    engine.flush()
+    assert engine.store.keys("param") == [] and len(engine.store.keys("grad")) == n
+    master, params = engine.params("master"), engine.params("param")
+    for name in master:
+        np.testing.assert_array_equal(params[name], master[name].astype(params[name].dtype), err_msg=name)
 
 
 def test_budget_too_small_is_a_config_error_before_allocating():
@@ -219,3 +225,46 @@ def test_new_batch_shape_makes_a_new_plan():
     assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
     assert set(engine._plans) == {(4, 64), (2, 64)}
     assert engine.plan_for((2, 64)).plan.opt_on_device == engine.plan.opt_on_device
+
+
+def test_update_is_deferred_into_the_next_step_and_flush_applies_it():
+    """A step leaves its update pending (the params read after it include it: reading flushes);
+    flushing between steps changes nothing in the numbers, and the next step moves as planned."""
+    m = model()
+    flushed, straight, reference = chunked(m), chunked(m), plain(m)
+    for step in batches(3):
+        a, b, c = flushed.step(step), straight.step(step), reference.step(step)
+        assert a.loss == b.loss
+        np.testing.assert_allclose(a.loss, c.loss, rtol=1e-5)
+        assert_params_close(flushed, reference, rtol=1e-5, atol=1e-6)  # params() flushes
+        assert (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
+    for name, value in straight.params().items():
+        np.testing.assert_array_equal(value, flushed.params()[name], err_msg=name)
+
+
+def test_nonfinite_step_is_skipped_without_changing_anything():
+    """A batch whose loss is NaN (targets out of range): with skip_nonfinite the step reports it
+    and applies no update, so training goes on as if it had not happened; without, it raises."""
+    m = model()
+    skipping, reference = chunked(m), chunked(m)
+    skipping.skip_nonfinite = True
+    good = batches(2)
+    tokens, targets = good[0][0]
+    bad = [(tokens, np.full_like(targets, 10**6))]  # gathered out of bounds: NaN
+    skipping.step(good[0])
+    reference.step(good[0])
+    r = skipping.step(bad)
+    assert r.skipped and not np.isfinite(r.loss)
+    assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
+    a, b = skipping.step(good[1]), reference.step(good[1])
+    assert a.loss == b.loss and not a.skipped
+    for name, value in skipping.params().items():
+        np.testing.assert_array_equal(value, reference.params()[name], err_msg=name)
+    raising = chunked(m)
+    raising.step(good[0])
+    with pytest.raises(FloatingPointError, match="not finite at step 1"):
+        raising.step(bad)
+    once = chunked(m)  # the state is the one before the bad step: the first step's update applied
+    once.step(good[0])
+    for name, value in raising.params().items():
+        np.testing.assert_array_equal(value, once.params()[name], err_msg=name)

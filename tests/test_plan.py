@@ -111,9 +111,9 @@ def test_plan_is_periodic_and_counts_traffic():
     shape = gpt_like_shape(4, 2)
     plan = make_plan(shape, 300 + 900, 10**9, H200)
     assert plan.fits and plan.h2d_bytes > 0
-    accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed)
+    accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads)
     start = _State(dict(plan.initial_device),
-                   {("param", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
+                   {("grad", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
     moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_bytes, start,
                             victim_for("belady", accesses))
     assert sum(m.h2d_bytes for m in moments) == plan.h2d_bytes
@@ -147,3 +147,54 @@ def test_slow_host_adam_makes_the_plan_stream_state_through_the_device():
     assert not any(s and d for s, d in zip(plan.opt_streamed, plan.opt_on_device))
     host_only = plan_step(shape, 300 + 900 + 600, 10**9, slow_host, plan.opt_on_device)
     assert plan.predicted_step_s < host_only.predicted_step_s
+
+
+def test_each_update_comes_right_before_the_first_forward_that_reads_its_chunk():
+    shape = gpt_like_shape(3, 2, micro_batches=2)
+    accesses = step_accesses(shape, [True] * shape.n_chunks)
+    adam = [t for t, a in enumerate(accesses) if a.phase == "adam"]
+    assert sorted(accesses[t].index for t in adam) == list(range(shape.n_chunks))
+    for t in adam:
+        c = accesses[t].index
+        reader = next(u for u in range(t, len(accesses)) if accesses[u].phase != "adam")
+        assert ("param", c) in accesses[reader].needs and accesses[reader].micro == 0
+        assert all(("param", c) not in a.needs for a in accesses[:t])  # nothing reads it earlier
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 3000), st.integers(0, 30), st.booleans())
+def test_predicted_time_lies_between_full_overlap_and_none(n_blocks, per_block, extra, k, stream):
+    """Never faster than the compute alone or the link alone, never slower than both in series;
+    a link that copies both ways at once is never slower."""
+    import dataclasses as dc
+
+    from pstar_jax.plan import compute_s, predict_step_s
+    shape = gpt_like_shape(n_blocks, per_block)
+    slow_link = dc.replace(H200, h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3, flops_per_s=1e12)
+    opt = [c < k for c in range(shape.n_chunks)]
+    plan = plan_step(shape, 300 + 2 * (per_block + 1) * 100 + extra, 10**9, slow_link, opt,
+                     streamed=[stream] * shape.n_chunks)
+    if not plan.fits:
+        return
+    accesses = step_accesses(shape, opt, plan.opt_streamed, plan.state_leads)
+    compute = sum(compute_s(a, shape, slow_link) for a in accesses)
+    link = plan.h2d_bytes / 1e3 + plan.d2h_bytes / 1e3
+    eps = 1e-9 * (compute + link)
+    assert max(compute, link) - eps <= plan.predicted_step_s <= compute + link + eps
+    duplex = predict_step_s(plan.moments, accesses, shape, dc.replace(slow_link, duplex=True))
+    assert max(compute, plan.h2d_bytes / 1e3, plan.d2h_bytes / 1e3) - eps <= duplex <= plan.predicted_step_s + eps
+
+
+def test_streamed_state_goes_down_ahead_far_enough_to_hide_its_copy():
+    """When one moment's compute is shorter than a state copy, the state is sent several moments
+    ahead: faster than one moment ahead, for more device memory."""
+    import dataclasses as dc
+    shape = gpt_like_shape(6, 1)
+    machine = dc.replace(H200, h2d_bytes_per_s=600 / 3e-6, d2h_bytes_per_s=600 / 3e-6, flops_per_s=1e15)  # copy 3 us, stage 1-2 us
+    n = shape.n_chunks
+    hidden = plan_step(shape, 10**5, 10**9, machine, [False] * n, streamed=[True] * n)
+    near = plan_step(shape, 10**5, 10**9, machine, [False] * n, streamed=[True] * n, hide_state=False)
+    assert hidden.fits and near.fits and max(hidden.state_leads) > 1 and set(near.state_leads) == {1}
+    assert hidden.predicted_step_s < near.predicted_step_s
+    assert hidden.peak_device_bytes > near.peak_device_bytes
+    assert (hidden.h2d_bytes, hidden.d2h_bytes) == (near.h2d_bytes, near.d2h_bytes)

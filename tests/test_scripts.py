@@ -30,3 +30,17 @@ def test_launch_local_runs_two_processes_and_reports_failures(tmp_path):
     assert "done: 2 of 2 steps" in r.stdout
     bad = script("launch_local.py", "-n", "2", "--log-dir", str(tmp_path), "--timeout", "200", "--", "--model", "nope")
     assert bad.returncode == 2 and "launch_local: process" in bad.stderr and "exited with code 2" in bad.stderr
+
+
+def test_bandwidth_and_flops_calibration_report_their_figures(tmp_path):
+    import json
+    r = script("bandwidth.py", "--small", "--out", str(tmp_path / "bw.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads((tmp_path / "bw.json").read_text())
+    assert figures["pinned_h2d_GiB_s"] > 0 and figures["pinned_each_way_at_once_GiB_s"] > 0
+    assert isinstance(figures["duplex"], bool) and figures["pstar_step_h2d_GiB"] > 0
+    r = script("calibrate_flops.py", "--model", "tiny", "--n-layer", "2", "--batch-size", "2", "--step-s", "0.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    counted = float(r.stdout.split("counted FLOPs per step ")[1].split(",")[0])
+    rate = float(r.stdout.split("flops_per_s = ")[1].split()[0])
+    assert counted > 0 and abs(rate * 0.5 / counted - 1) < 1e-3
