@@ -169,9 +169,8 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: in
         h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
                                   capacity[t], len(state.device) * item_bytes, h2d, d2h))
-        for item in a.to_host:  # host Adam: the grad goes down (it is dirty), then is used up
-            if item in state.device:
-                del state.device[item]
+        for item in a.to_host:  # host Adam: the grad goes down unless a host copy is valid, then is used up
+            if state.device.pop(item, False):
                 d2h += item_bytes
                 moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
         for item in a.consumes + a.drops:
@@ -217,9 +216,10 @@ def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, i
             state.host.add(it)
     for it in fetched:
         state.device[it] = False
-    for it in a.needs:  # created here: a grad at its first use
-        if it not in state.device:
+    for it in a.needs:  # grads are created at their first use and written at every use
+        if it[0] == "grad":
             state.device[it] = True
+            state.host.discard(it)
     return len(fetched) * item_bytes, d2h
 
 

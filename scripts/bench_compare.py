@@ -43,7 +43,7 @@ from pstar_jax.plain import PlainEngine  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 METHODS = ("plain-none", "plain-dots", "plain-full", "xla-offload", "pstar")
-TINY_SIZES = ("tiny", "tiny-4x64", "small", "small-8x128")
+TINY_SIZES = ("tiny", "tiny-4x64", "small", "small-8x128", "small-16x128")
 
 
 def model_for(name: str):

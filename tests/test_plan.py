@@ -198,3 +198,16 @@ def test_streamed_state_goes_down_ahead_far_enough_to_hide_its_copy():
     assert hidden.predicted_step_s < near.predicted_step_s
     assert hidden.peak_device_bytes > near.peak_device_bytes
     assert (hidden.h2d_bytes, hidden.d2h_bytes) == (near.h2d_bytes, near.d2h_bytes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.integers(0, 3000), st.integers(0, 40))
+def test_a_grad_written_after_a_fetch_is_dirty_again(n_blocks, per_block, micro, extra, k):
+    """A grad evicted, fetched back and accumulated into has no valid host copy: evicting it or
+    sending it to host Adam must cost a copy (the executor pays one). So no grad is ever clean on
+    the device where a step starts, and moving it is counted."""
+    shape = gpt_like_shape(n_blocks, per_block, micro)
+    opt = [c < k for c in range(shape.n_chunks)]
+    plan = plan_step(shape, 300 + 2 * (per_block + 1) * 100 + extra, 10**9, H200, opt)
+    if plan.fits:
+        assert all(dirty for (kind, _), dirty in plan.initial_device if kind == "grad")
