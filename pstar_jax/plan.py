@@ -259,18 +259,18 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
 
 
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
-                  streamed: Sequence[bool] | None = None, state_leads: Sequence[int] | None = None) -> list[Access]:
+                  streamed: Sequence[bool] | None = None, leads: Sequence[int] | None = None) -> list[Access]:
     """The moments of one step in the executor's order, with what each needs.
 
     The previous step's update of chunk c (its "adam" moment) comes right before the first
     forward stage of the first micro-batch that reads c. It is one of three: state resident on
     the device; state on the host, updated there (compute_on host: the grad goes down to it); or
     state on the host, streamed to the device, updated there and streamed back (the grad stays,
-    the new params stay on the device). Streamed state is sent down ``state_leads[c]`` moments
-    ahead (default 1), so its copy hides under their compute, and goes back up during the next moment: its
-    device copy is non-model memory of all those moments."""
+    the new params stay on the device). Streamed state is sent down ``leads[c]`` moments ahead
+    (default 1), so its copy hides under their compute, and goes back up during the next moment:
+    its device copy is non-model memory of all those moments."""
     streamed = streamed or [False] * shape.n_chunks
-    state_leads = state_leads or [1] * shape.n_chunks
+    leads = leads or [1] * shape.n_chunks
     head = len(shape.stage_chunks) - 1
     first_use = {c: min(i for i, cs in enumerate(shape.stage_chunks) if c in cs) for c in range(shape.n_chunks)}
     last_bwd = first_use  # the backward visits stages in reverse
@@ -292,7 +292,7 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
                 yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
             elif streamed[c]:
                 yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
-                             state_bytes_each_way=shape.opt_state_bytes, state_lead=state_leads[c])
+                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
             else:
                 yield Access("adam", c, 0, (), 0, to_host=(g,), consumes=(g,), creates_host=(p,))
 
