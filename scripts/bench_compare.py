@@ -11,8 +11,10 @@ the same seed, in this one process:
   pstar                                 chunks placed by the warm-up plan
 A point that cannot fit is reported as such: plain and offload from XLA's compile-time memory
 analysis against the device capacity (or an out-of-memory error caught at run time), pstar from
-its plan. Output: results.json, results.md (a table) and two plots (throughput against model
-size, largest trainable size per method). On a CPU the device capacity is simulated
+its plan. pstar's rows also give the plan's predicted step time, with copies sharing the link
+and with both directions at once (checks the planner's time model where it matters: on the GPU).
+Output: results.json, results.md (a table) and two plots (throughput against model size,
+largest trainable size per method). On a CPU the device capacity is simulated
 (--device-memory) and memory kinds are labels, so offload saves nothing there.
 """
 
@@ -39,6 +41,7 @@ from pstar_jax.executor import ChunkedEngine  # noqa: E402
 from pstar_jax.machine import H200, measure  # noqa: E402
 from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes  # noqa: E402
 from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
+from pstar_jax.plan import predict_step_s  # noqa: E402
 from pstar_jax.plain import PlainEngine  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
@@ -71,6 +74,7 @@ class Point:
     host_bytes: int = 0
     moved_bytes_per_step: int = 0
     loss: float = 0.0
+    predicted_step_s: tuple[float, float] = (0.0, 0.0)  # pstar: copies sharing the link, both ways at once
 
 
 def is_oom(err: Exception) -> bool:
@@ -133,6 +137,10 @@ def run_pstar(model, name, batch, capacity, host, machine, args, steps) -> Point
     point.peak_device_bytes = device_peak() or engine.plan.peak_device_bytes
     point.host_bytes = engine.plan.peak_host_bytes
     point.moved_bytes_per_step = last.h2d_bytes + last.d2h_bytes
+    planned = engine.plan_for((batch, model.config.seq_len))
+    point.predicted_step_s = tuple(predict_step_s(planned.plan.moments, planned.accesses, planned.shape,
+                                                  dataclasses.replace(machine, duplex=duplex))
+                                   for duplex in (False, True))
     return point
 
 
@@ -140,16 +148,18 @@ def write_outputs(points: list[Point], out: str, header: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump([dataclasses.asdict(p) for p in points], f, indent=1)
-    lines = [header, "", "| model | params | batch | method | fits | step s | tokens/s | model TFLOPS | MFU | "
-             "peak device | host | moved/step |", "|" + " --- |" * 12]
+    lines = [header, "", "| model | params | batch | method | fits | step s | predicted s (shared / duplex copies) | "
+             "tokens/s | model TFLOPS | MFU | peak device | host | moved/step |", "|" + " --- |" * 13]
     for p in points:
         if p.fits:
-            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | yes | {p.step_s:.4f} | "
+            predicted = (f"{p.predicted_step_s[0]:.4f} / {p.predicted_step_s[1]:.4f}" if p.method == "pstar"
+                         else "")
+            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | yes | {p.step_s:.4f} | {predicted} | "
                          f"{p.tokens_per_s:,.0f} | {p.model_tflops:.3g} | {100 * p.mfu:.1f}% | "
                          f"{format_bytes(p.peak_device_bytes)} | {format_bytes(p.host_bytes)} | "
                          f"{format_bytes(p.moved_bytes_per_step)} |")
         else:
-            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | no: {p.why} |  |  |  |  |  |  |  |")
+            lines.append(f"| {p.model} | {p.params:,} | {p.batch} | {p.method} | no: {p.why} |" + "  |" * 8)
     largest = {m: max((p.params for p in points if p.method == m and p.fits), default=0) for m in METHODS}
     lines += ["", "Largest trainable model per method: " +
               ", ".join(f"{m} {v:,}" for m, v in largest.items())]
