@@ -235,6 +235,7 @@ class ChunkedEngine:
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
+        self._set_budget(moments[0].capacity_bytes)
         self._stage(accesses[u].index for u in staging.get(-1, ()))
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
@@ -273,10 +274,8 @@ class ChunkedEngine:
         self.store.budget_bytes = self.device_budget_bytes
         for c in range(self.layout.n_chunks):
             streamed = self.plan.opt_streamed[c]
-            if self.opt_space[c] is Space.DEVICE or streamed:
+            if self.opt_space[c] is Space.DEVICE or streamed:  # the grad (and streamed state) come down
                 self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if streamed else 0))
-            if streamed:
-                self._stage([c])
             self._adam(c, clip)
             space = Space.HOST if self.opt_space[c] is Space.HOST and not streamed else Space.DEVICE
             self.store.put(("grad", c), self.store.take(("param", c), space))
@@ -304,10 +303,15 @@ class ChunkedEngine:
             else:
                 self.store.get(key, Space.HOST)
 
-    def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
-        """The plan's evictions, then its fetches, under the moment's device budget."""
+    def _set_budget(self, capacity_bytes: int) -> None:
+        """The store's device budget for a moment: its chunk capacity, the resident optimizer state
+        and the streamed state staged so far."""
         opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes  # same in every plan
         self.store.budget_bytes = capacity_bytes + opt_device + len(self._staged) * self.plan.opt_state_bytes
+
+    def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
+        """The plan's evictions, then its fetches, under the moment's device budget."""
+        self._set_budget(capacity_bytes)
         for key in moment.evict:
             self.store.evict(key)
         for key in moment.fetch:
