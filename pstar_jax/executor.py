@@ -273,11 +273,10 @@ class ChunkedEngine:
             return
         self.store.budget_bytes = self.device_budget_bytes
         for c in range(self.layout.n_chunks):
-            streamed = self.plan.opt_streamed[c]
-            if self.opt_space[c] is Space.DEVICE or streamed:  # the grad (and streamed state) come down
-                self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if streamed else 0))
+            space = self._update_space(c)
+            if space is Space.DEVICE:  # the grad (and streamed state) come down
+                self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if self.plan.opt_streamed[c] else 0))
             self._adam(c, clip)
-            space = Space.HOST if self.opt_space[c] is Space.HOST and not streamed else Space.DEVICE
             self.store.put(("grad", c), self.store.take(("param", c), space))
         self._place_slots(self.plan)
 
@@ -372,11 +371,14 @@ class ChunkedEngine:
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
 
+    def _update_space(self, c: int) -> Space:
+        """Where chunk c's update runs: where its state lives, or the device when it is streamed."""
+        return Space.DEVICE if self.plan.opt_streamed[c] else self.opt_space[c]
+
     def _adam(self, c: int, clip: jax.Array | None) -> None:
         """Chunk c's update from the grad in its slot; with ``clip`` None nothing is pending (the
         slot holds params): the same moves, and the params are cast from the master again."""
-        home = self.opt_space[c]  # where master and state live
-        space = Space.DEVICE if self.plan.opt_streamed[c] else home  # where they are updated
+        home, space = self.opt_space[c], self._update_space(c)
         grad = self.store.take(("grad", c), space)
         master = self.store.take(("master", c), space)  # streamed: staged already
         state = self.store.take(("opt", c), space)
@@ -398,9 +400,8 @@ class ChunkedEngine:
         """Every chunk list as stored (one copy each), the pending update applied first:
         {"param"|"master"|"opt": {"c": value}}."""
         self.flush()
-        keys = {"param": "grad", "master": "master", "opt": "opt"}  # after a flush the slots hold params
         return {kind: {str(c): self.store.peek((key, c)) for c in range(self.layout.n_chunks)}
-                for kind, key in keys.items()}
+                for kind, key in _FLUSHED_KEYS.items()}
 
     def abstract_state(self, layout: ChunkLayout | None = None) -> dict:
         """Shapes and shardings ``state()`` has (for ``layout``, default ours): params on the host,
@@ -444,7 +445,7 @@ class ChunkedEngine:
         """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
         pending update is applied first."""
         self.flush()
-        key = "grad" if kind == "param" else kind  # after a flush the slots hold params
+        key = _FLUSHED_KEYS[kind]
         chunks = [to_numpy(self.store.peek((key, c))) for c in range(self.layout.n_chunks)]
         return unpack(self.layout, chunks)
 
@@ -452,6 +453,10 @@ class ChunkedEngine:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""
         stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
         return stats.get("bytes_in_use") if stats else None
+
+
+# State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).
+_FLUSHED_KEYS = {"param": "grad", "master": "master", "opt": "opt"}
 
 
 @dataclasses.dataclass
