@@ -30,7 +30,7 @@ from models.gpt import build_model  # noqa: E402
 from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
 from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
 from pstar_jax.executor import ChunkedEngine  # noqa: E402
-from pstar_jax.machine import H200  # noqa: E402
+from pstar_jax.machine import H200, copies_overlap  # noqa: E402
 from pstar_jax.memory import Placement, Space  # noqa: E402
 from pstar_jax.optim import default_tx  # noqa: E402
 
@@ -64,7 +64,8 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     placement = Placement(mesh)
     gib = 2**30
-    h2d, d2h, both = copy_rate(placement, (16 * 2**20) if args.small else gib)
+    nbytes = (16 * 2**20) if args.small else gib
+    h2d, d2h, both = copy_rate(placement, nbytes)
     model = build_model("tiny", n_layer=4) if args.small else build_model("GPT2_1B", n_layer=24)
     cfg = model.config
     chunk = auto_chunk_numel(model.param_shapes(), model.decays)
@@ -80,7 +81,8 @@ def main() -> None:
         rates.append(((r.h2d_bytes + r.d2h_bytes) / r.step_s, r.h2d_bytes, r.d2h_bytes, r.step_s))
     stream, h2d_b, d2h_b, step_s = rates[-1]
     result = {"device": jax.devices()[0].device_kind, "pinned_h2d_GiB_s": h2d / gib, "pinned_d2h_GiB_s": d2h / gib,
-              "pinned_each_way_at_once_GiB_s": both / gib, "duplex": both > 0.8 * min(h2d, d2h),
+              "pinned_each_way_at_once_GiB_s": both / gib,
+              "duplex": copies_overlap(nbytes / h2d, nbytes / d2h, nbytes / both),
               "pstar_stream_GiB_s": stream / gib, "pstar_step_h2d_GiB": h2d_b / gib, "pstar_step_d2h_GiB": d2h_b / gib,
               "pstar_step_s": step_s, "stream_fraction_of_pinned": stream / ((h2d + d2h) / 2)}
     for k, v in result.items():
