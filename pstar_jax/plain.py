@@ -100,11 +100,15 @@ class PlainEngine:
         return StepResult(loss=loss, grad_norm=replicated_value(norm), step_s=time.perf_counter() - start,
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
 
-    def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
-        """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""
+    def compiled(self, micro_batch: int, seq_len: int) -> Any:
+        """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
         rows = NamedSharding(self.mesh, P(None, "data"))
         batch = jax.ShapeDtypeStruct((self.micro_batches, micro_batch, seq_len), jnp.int32, sharding=rows)
-        return self._step.lower(self._abstract_params, self._abstract_opt, batch, batch).compile().memory_analysis()
+        return self._step.lower(self._abstract_params, self._abstract_opt, batch, batch).compile()
+
+    def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
+        """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""
+        return self.compiled(micro_batch, seq_len).memory_analysis()
 
     def params_numpy(self) -> dict[str, np.ndarray]:
         if self.params is None:

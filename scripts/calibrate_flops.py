@@ -19,8 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from models.gpt import build_model  # noqa: E402
 from pstar_jax import compat  # noqa: E402
@@ -45,10 +43,7 @@ def main() -> None:
     model = build_model(args.model, n_layer=args.n_layer)
     cfg = model.config
     engine = PlainEngine(model, "bf16", default_tx(OptimConfig()), remat=args.remat)
-    rows = NamedSharding(engine.mesh, P(None, "data"))
-    batch = jax.ShapeDtypeStruct((1, args.batch_size, cfg.seq_len), jnp.int32, sharding=rows)
-    compiled = engine._step.lower(engine._abstract_params, engine._abstract_opt, batch, batch).compile()
-    counted = compat.cost_flops(compiled)
+    counted = compat.cost_flops(engine.compiled(args.batch_size, cfg.seq_len))
     model_flops = model.flops_per_token() * args.batch_size * cfg.seq_len
     step_s = args.step_s
     if args.run:
