@@ -352,8 +352,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     if peak_host > host_bytes:
         problem = f"host memory runs out by {format_bytes(peak_host - host_bytes)}"
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
-                shape.item_bytes,
-                shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
+                shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
