@@ -1,9 +1,8 @@
 """A GPT-2 style decoder in Flax NNX, and its split into stages for a chunked training engine.
 
 ``GPT`` is the ordinary module. ``StagedGPT`` hands the same model over as a chain of pure
-stages (embed, one per block, head) over flat name->tensor parameters, the names being the
-module's state paths joined with '.' ('blocks.0.attn.qkv.kernel'). It satisfies the staged
-model protocol structurally; this package imports no training engine.
+stages (embed, one per block, head) through pstar_jax's generic NNX adapter, the tensor names
+being the module's state paths joined with '.' ('blocks.0.attn.qkv.kernel').
 
 Shapes use nanodo's suffixes: B batch, L sequence, D model width, H heads, V vocabulary.
 """
@@ -13,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pstar_jax.model import NNXStaged, cross_entropy
 
 LN_EPS = 1e-5
 
@@ -81,12 +82,6 @@ def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     return h_BxLxD @ (head.T if tied else head)
 
 
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-    """Mean token cross entropy, in float32 whatever the logits' dtype."""
-    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
-
-
 class LayerNorm(nnx.Module):
     def __init__(self, d: int):
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
@@ -144,154 +139,60 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    """``n_blocks`` builds fewer blocks than ``config.n_layer`` (the staged adapter builds one, or
+    none, to read shapes and initialise tensors); init scales always follow ``config.n_layer``."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
         self.config = config
         d, normal = config.d_model, nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(config.vocab_size, d, embedding_init=normal, rngs=rngs)
         self.wpe = nnx.Param(normal(rngs.params(), (config.seq_len, d), jnp.float32))
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        n_blocks = config.n_layer if n_blocks is None else n_blocks
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(n_blocks)])
         self.ln_f = LayerNorm(d)
         if not config.tie_embeddings:
             self.head = _linear(d, config.vocab_size, rngs, bias=False)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        h_BxLxD = embed(self.wte.embedding[...], self.wpe[...], tokens_BxL)
-        for block in self.blocks:
-            h_BxLxD = block(h_BxLxD)
+    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
+        return embed(self.wte.embedding[...], self.wpe[...], tokens_BxL)
+
+    def logits(self, h_BxLxD: jax.Array) -> jax.Array:
         tied = self.config.tie_embeddings
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
         return logits(self.ln_f(h_BxLxD), head, tied)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        h_BxLxD = self.embed(tokens_BxL)
+        for block in self.blocks:
+            h_BxLxD = block(h_BxLxD)
+        return self.logits(h_BxLxD)
 
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens_BxL), targets_BxL)
 
 
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """Same fields as pstar_jax.stages.Stage; the engine reads only the attributes."""
-    name: str
-    param_names: tuple[str, ...]
-    apply: Callable[..., jax.Array]
-
-
-# Forward order of tensors within their module: the chunk layout follows this order, and a
-# stage's tensors should sit together in the order they are used.
-_RANK = {"wte": 0, "wpe": 1, "blocks": 2, "ln_f": 3, "head": 4, "ln1": 0, "attn": 1, "ln2": 2,
-         "mlp": 3, "qkv": 0, "fc": 0, "proj": 1, "embedding": 0, "kernel": 0, "scale": 0, "bias": 1}
-
-
-def _order_key(name: str) -> list[int]:
-    return [int(k) if k.isdigit() else _RANK[k] for k in name.split(".")]
-
-
-def _flat_state(state: nnx.State) -> dict[str, Any]:
-    """State leaves by dotted path, in forward order."""
-    flat = {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
-    return {name: flat[name] for name in sorted(flat, key=_order_key)}
-
-
-def _state_of(names: tuple[str, ...], values: tuple[jax.Array, ...]) -> nnx.State:
-    paths = [tuple(int(k) if k.isdigit() else k for k in n.split(".")) for n in names]
-    return nnx.from_flat_state(list(zip(paths, values)))
-
-
-def _abstract_gpt(config: GPTConfig) -> GPT:
-    return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-
-
-def gpt_from_params(config: GPTConfig, params: Mapping[str, jax.Array]) -> GPT:
-    """A GPT holding exactly ``params`` (names as in StagedGPT.param_shapes), in their dtypes."""
-    model = _abstract_gpt(config)
-    expected = set(_flat_state(nnx.state(model, nnx.Param)))
-    if set(params) != expected:
-        raise ValueError(f"params do not match the model: missing {sorted(expected - set(params))}, "
-                         f"unexpected {sorted(set(params) - expected)}")
-    names = tuple(params)
-    nnx.update(model, _state_of(names, tuple(params[n] for n in names)))
-    return model
-
-
-class StagedGPT:
+class StagedGPT(NNXStaged):
     """GPT as a chain of stages: embed, block_0..block_{n-1}, head (final LayerNorm and loss)."""
 
     def __init__(self, config: GPTConfig):
         self.config = config
-        # One traced block stands for all: tracing GPT3_175B's 96 blocks takes seconds.
-        one_block = _abstract_gpt(dataclasses.replace(config, n_layer=1))
-        shapes = {n: tuple(v.shape) for n, v in _flat_state(nnx.state(one_block, nnx.Param)).items()}
-        block_graph, block_state = nnx.split(one_block.blocks[0])
-        self._block_names = block_names = tuple(_flat_state(block_state))
-        shapes.update({f"blocks.{i}.{n}": shapes[f"blocks.0.{n}"]
-                       for i in range(config.n_layer) for n in block_names})
-        self._shapes = {n: shapes[n] for n in sorted(shapes, key=_order_key)}
-        self._index = {n: i for i, n in enumerate(self._shapes)}
-
-        # Built once: every block stage shares this object, the engine's compile-cache key.
-        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array) -> jax.Array:
-            return nnx.merge(block_graph, _state_of(block_names, params))(h_BxLxD)
-
-        tied = config.tie_embeddings
-
-        def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array,
-                       targets_BxL: jax.Array) -> jax.Array:
-            scale, bias, head = params
-            return cross_entropy(logits(layer_norm(h_BxLxD, scale, bias), head, tied), targets_BxL)
-
-        self._block_apply, self._head_apply = block_apply, head_apply
-        self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
-
-    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
-        return dict(self._shapes)
-
-    def init_tensor(self, name: str, seed: int) -> jax.Array:
-        """One fp32 tensor, made alone (a 175B model is initialised a chunk at a time).
-
-        GPT-2's scheme, as GPT's own initialisers: normal(0.02) for matrices and embeddings,
-        0.02/sqrt(2*n_layer) for the two residual projections, zeros for biases, ones for norm
-        scales. Each tensor has its own key (the seed folded with the tensor's index), so values
-        do not depend on which other tensors are made."""
-        shape = self._shapes[name]
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
-            return jnp.zeros(shape, jnp.float32)
-        if leaf == "scale":
-            return jnp.ones(shape, jnp.float32)
-        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.kernel") else 0.02
-        key = jax.random.fold_in(jax.random.key(seed), self._index[name])
-        return std * jax.random.normal(key, shape, jnp.float32)
-
-    def init_params(self, seed: int) -> dict[str, jax.Array]:
-        """All tensors by name, from ``init_tensor``."""
-        return {name: self.init_tensor(name, seed) for name in self._shapes}
-
-    def stages(self, compute_dtype: Any) -> list[Stage]:
-        dtype = jnp.dtype(compute_dtype)
-        if dtype not in self._embed_applies:
-            def embed_apply(params: tuple[jax.Array, jax.Array], tokens_BxL: jax.Array) -> jax.Array:
-                return embed(*params, tokens_BxL).astype(dtype)
-            self._embed_applies[dtype] = embed_apply
-        head_weight = "wte.embedding" if self.config.tie_embeddings else "head.kernel"
-        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names),
-                        self._block_apply) for i in range(self.config.n_layer)]
-        return [Stage("embed", ("wte.embedding", "wpe"), self._embed_applies[dtype]), *blocks,
-                Stage("head", ("ln_f.scale", "ln_f.bias", head_weight), self._head_apply)]
-
-    def decays(self, name: str) -> bool:
-        """nanoGPT's rule: matrices (kernels, embeddings) decay, vectors (norms, biases) do not."""
-        return len(self._shapes[name]) >= 2
-
-    def n_params(self) -> int:
-        return sum(math.prod(shape) for shape in self._shapes.values())
+        super().__init__(lambda rngs, n_blocks: GPT(config, rngs=rngs, n_blocks=n_blocks), config.n_layer,
+                         seq_len=config.seq_len, vocab_size=config.vocab_size)
 
     def flops_per_token(self) -> float:
         """Forward+backward FLOPs per token: 6*N + 6*n_layer*seq_len*d_model.
 
         N counts the parameters used in matmuls: all but the lookup tables, which are wpe, and wte
-        unless it doubles as the tied head. The second term is attention's two L x L matmuls (12*n_layer*seq_len*d_model),
-        halved because the causal mask skips the upper triangle."""
+        unless it doubles as the tied head. The second term is attention's two L x L matmuls
+        (12*n_layer*seq_len*d_model), halved because the causal mask skips the upper triangle."""
         c = self.config
         lookup = c.seq_len * c.d_model + (0 if c.tie_embeddings else c.vocab_size * c.d_model)
         return 6.0 * (self.n_params() - lookup) + 6.0 * c.n_layer * c.seq_len * c.d_model
+
+
+def gpt_from_params(config: GPTConfig, params: Mapping[str, jax.Array]) -> GPT:
+    """A GPT holding exactly ``params`` (names as in StagedGPT.param_shapes), in their dtypes."""
+    return StagedGPT(config).module(params)
 
 
 def build_model(name: str, **overrides: Any) -> StagedGPT:

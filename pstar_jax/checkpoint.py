@@ -209,11 +209,28 @@ class StopSignal:
 # -- plain Flax interchange ---------------------------------------------------------------------
 
 
+def check_export_dir(directory: str) -> None:
+    """Refuse, before training, an export directory that is a file, unwritable, or holds anything
+    but an earlier export (whose files a new export would overwrite)."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"export directory {directory} is a file; choose a directory")
+    if os.path.isdir(directory):
+        if os.path.exists(os.path.join(directory, "params")):
+            raise CheckpointError(f"{directory} already holds an export; choose another export directory")
+        if os.listdir(directory):
+            raise CheckpointError(f"export directory {directory} is not empty; choose an empty or new directory")
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise CheckpointError(f"export directory {directory} cannot be created under {existing}; choose another")
+
+
 def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dict) -> None:
     """Write parameters as a plain nested dict (names split at '.'), restorable with orbax alone."""
     directory = os.path.abspath(directory)
-    if os.path.exists(os.path.join(directory, "params")):
-        raise CheckpointError(f"{directory} already holds an export; choose another --export-flax directory")
+    check_export_dir(directory)
     nested: dict = {}
     for name, value in params.items():
         node = nested

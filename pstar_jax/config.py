@@ -1,14 +1,19 @@
-"""Frozen, validated configuration and the parsing of sizes a user types.
+"""The run configuration: one tree of frozen, validated dataclasses, and the parsing of sizes.
 
-Every user mistake that can be seen before allocating anything is raised here as a
-``ConfigError``: one sentence that names the problem and what to change. The CLIs print it
-as one line and exit 2.
+``RunConfig`` holds everything a run needs (model, training, optimizer, engine, data,
+checkpoints, distribution, output); each field carries its default, its help text and, where a
+string needs parsing, its parser, so the command-line flags are derived from it in one place
+(pstar_jax.cli). Every user mistake that can be seen before allocating anything is raised as a
+``ConfigError``: one sentence naming the field (``OptimConfig.lr``) and what to change; the CLIs
+print it with the field replaced by its flag, as one line, and exit 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from typing import Any, Callable
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
@@ -20,6 +25,10 @@ class ConfigError(ValueError):
     """A user error: one sentence naming what is wrong and what to change."""
 
 
+MAX_STEPS = 2**31 - 1  # step counters live in int32 arrays (optax schedules, checkpoints)
+MAX_SEED = 2**32 - 1  # jax.random.key takes a uint32 seed
+
+
 def parse_bytes(text: str | int, what: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes. KiB/MiB/GiB (and K/M/G) are binary."""
     if isinstance(text, int):
@@ -28,19 +37,6 @@ def parse_bytes(text: str | int, what: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what}: {text!r} is not a size; write bytes like 2GiB, 512MiB or 1000000")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def parse_memory(text: str | int, total_bytes: int, what: str) -> int:
-    """A size, or a fraction of ``total_bytes`` written as a number in (0, 1]."""
-    if isinstance(text, str) and re.fullmatch(r"\s*(0?\.[0-9]+|1(\.0*)?)\s*", text):
-        fraction = float(text)
-        if fraction <= 0:
-            raise ConfigError(f"{what}: a fraction must be above 0, got {text!r}")
-        return int(fraction * total_bytes)
-    size = parse_bytes(text, what)
-    if size <= 0:
-        raise ConfigError(f"{what}: the size must be positive, got {text!r}")
-    return size
 
 
 def parse_count(text: str | int, what: str) -> int:
@@ -65,59 +61,335 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def parse_device_memory(text: str | int | float | None) -> int | float | None:
+    """'auto' -> None; a plain number in (0, 1] -> a fraction of the device; anything else a size
+    in bytes ('2GiB', '1e9', '1000000'). A plain number above 1 is bytes."""
+    if text is None or isinstance(text, (int, float)):
+        return text
+    text = text.strip()
+    if text.lower() == "auto":
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and 0 < number <= 1:
+        return number
+    return parse_bytes(text, "EngineConfig.device_memory")
+
+
+def parse_optional_bytes(text: str | int | None) -> int | None:
+    return None if text is None or str(text).strip().lower() in ("", "auto") else parse_bytes(text, "size")
+
+
+def parse_chunk_numel(text: str | int | None) -> int | None:
+    return None if text is None or str(text).strip().lower() == "auto" else parse_count(text, "EngineConfig.chunk_numel")
+
+
+def parse_clip_norm(text: str | float | None) -> float | None:
+    value = None if text is None else float(text)
+    return None if value == 0 else value
+
+
+def option(default: Any, help: str, *, flag: str | None = None, parse: Callable[[str], Any] | None = None,
+           choices: tuple[str, ...] | None = None, metavar: str | None = None, math_changing: bool = False,
+           cli: bool = True) -> Any:
+    """A config field with what its flag needs: help text, parser, choices. ``math_changing``:
+    resuming with another value changes the training math (refused unless overridden)."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, flag=flag, parse=parse, choices=choices, metavar=metavar, math_changing=math_changing, cli=cli))
+
+
+def _positive_int(obj: Any, *names: str, allow_none: bool = False, upper: int | None = None) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper and value > upper):
+            bound = f" and at most {upper}" if upper else ""
+            raise ConfigError(f"{type(obj).__name__}.{name} must be a whole number of at least 1{bound}, got {value!r}")
+
+
+def _finite(obj: Any, name: str, low: float, high: float = math.inf, low_open: bool = True,
+            high_open: bool = True) -> None:
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > low if low_open else value >= low) \
+        and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+        raise ConfigError(f"{type(obj).__name__}.{name} must be a finite number in {lo}{low:g}, {high:g}{hi}, "
+                          f"got {value!r}")
+
+
+MODEL_SHAPE = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which model: a preset of a model module, with some fields replaced, and its initial weights."""
+    name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B)", flag="--model",
+                       math_changing=True)
+    module: str = option("models.gpt", "module with build_model(name, **overrides) returning a staged model",
+                         flag="--model-module")
+    n_layer: int | None = option(None, "override the preset's depth", math_changing=True)
+    d_model: int | None = option(None, "override the preset's width", math_changing=True)
+    n_head: int | None = option(None, "override the preset's attention heads", math_changing=True)
+    vocab_size: int | None = option(None, "override the preset's vocabulary size", math_changing=True)
+    seq_len: int | None = option(None, "override the preset's sequence length", math_changing=True)
+    tie_embeddings: bool | None = option(None, "share the token embedding with the output head",
+                                         math_changing=True)
+    init_from_flax: str | None = option(None, "start from a plain Flax export (--export-flax)", metavar="DIR")
+
+    def __post_init__(self) -> None:
+        _positive_int(self, *MODEL_SHAPE, allow_none=True, upper=MAX_STEPS)
+
+    def overrides(self) -> dict[str, Any]:
+        """The preset fields this config replaces (None: keep the preset's)."""
+        fields = (*MODEL_SHAPE, "tie_embeddings")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = option(300, "optimizer steps in all (also when resuming)", math_changing=True)
+    batch_size: int = option(16, "sequences per step, over all micro-batches", math_changing=True)
+    seed: int = option(0, "seed of the initial weights and the data order", math_changing=True)
+    skip_nonfinite: bool = option(False, "skip steps whose loss or grads are not finite (default: stop with "
+                                  "an error naming the step)")
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "steps", "batch_size", upper=MAX_STEPS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"TrainConfig.seed must be a whole number in [0, {MAX_SEED}], got {self.seed!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with warmup + cosine decay to ``lr * final_lr_fraction`` and global-norm clipping."""
-    lr: float = 3e-4
-    warmup_steps: int = 10
-    total_steps: int = 100
-    final_lr_fraction: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float | None = 1.0
+    lr: float = option(1e-3, "peak learning rate", math_changing=True)
+    warmup_steps: int | None = option(None, "linear warmup steps (default: 5%% of the steps)", math_changing=True)
+    total_steps: int | None = option(None, "steps of the cosine schedule (default: the run's steps)", cli=False,
+                                     math_changing=True)
+    final_lr_fraction: float = option(0.1, "the cosine decay ends at lr times this", math_changing=True)
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices (norms and biases: none)",
+                                 math_changing=True)
+    b1: float = option(0.9, "Adam beta1", flag="--adam-b1", math_changing=True)
+    b2: float = option(0.95, "Adam beta2", flag="--adam-b2", math_changing=True)
+    eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps", math_changing=True)
+    clip_norm: float | None = option(1.0, "global gradient-norm clip; 0 disables", parse=parse_clip_norm,
+                                     math_changing=True)
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ConfigError("--steps must be at least 1 and warmup steps non-negative")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"--clip-norm must be positive (or 0 to disable), got {self.clip_norm}")
+        _finite(self, "lr", 0)
+        _finite(self, "weight_decay", 0, low_open=False)
+        _finite(self, "final_lr_fraction", 0, 1, low_open=False, high_open=False)
+        _finite(self, "b1", 0, 1, low_open=False)
+        _finite(self, "b2", 0, 1, low_open=False)
+        _finite(self, "eps", 0)
+        if self.clip_norm is not None:
+            _finite(self, "clip_norm", 0)
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(
+                self.warmup_steps, int) or not 0 <= self.warmup_steps <= MAX_STEPS):
+            raise ConfigError(f"OptimConfig.warmup_steps must be a whole number of at least 0, got {self.warmup_steps!r}")
+        _positive_int(self, "total_steps", allow_none=True, upper=MAX_STEPS)
+
+    def schedule_steps(self) -> tuple[int, int | None]:
+        """(warmup, total) steps of the schedule. Without ``total_steps`` (a RunConfig sets it to
+        the run's steps) the learning rate stays at its peak after the warmup."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps, self.total_steps
+        return (max(1, self.total_steps // 20) if self.total_steps else 0), self.total_steps
 
 
 PRECISIONS = ("bf16", "fp32")
 ADAM_PLACEMENTS = ("auto", "device", "host", "stream")
+ENGINES = ("chunked", "plain")
+REMATS = ("none", "dots", "full", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the chunked engine runs: sizes are per device, in bytes or elements as named.
+    """How the model is run. Sizes are per device.
 
-    ``device_budget_bytes`` None means half the model's chunk bytes plus the working memory:
-    the CPU demo default, where 'device' memory is host RAM and the point is to see chunks move."""
-    chunk_numel: int
-    device_budget_bytes: int | None
-    precision: str = "bf16"
-    micro_batches: int = 1
-    adam_placement: str = "auto"  # where fp32 master and optimizer state live and update: auto, device,
-    #                               host, or stream (live on the host, update on the device)
+    ``device_memory``: all the device memory the engine may use, chunks and working memory
+    together: bytes (int), a fraction of the device (float in (0, 1]), or None for automatic
+    (0.9 of an accelerator; on a CPU half the model data beside the working memory, so that
+    chunks move). ``chunk_numel`` None picks the size that wastes least."""
+    chunk_numel: int | None = option(None, "elements per chunk (4M, 65536) or auto", flag="--chunk-size",
+                                     parse=parse_chunk_numel)
+    device_memory: int | float | None = option(
+        None, "device memory for chunks and activations: bytes (2GiB, 1e9), a fraction of the device "
+        "(0.8), or auto (0.9 on an accelerator; on a CPU half the model data, so chunks move)",
+        parse=parse_device_memory)
+    precision: str = option("bf16", "compute dtype of params, activations and grads (master and Adam: fp32)",
+                            choices=PRECISIONS, math_changing=True)
+    micro_batches: int = option(1, "gradient accumulation steps per optimizer step")
+    adam_placement: str = option("auto", "where fp32 master and Adam state live: device, host (updated there), "
+                                 "stream (kept on the host, updated on the device); auto: the fastest the plan "
+                                 "predicts", choices=ADAM_PLACEMENTS)
+    kind: str = option("chunked", "chunked (pstar) or plain (one whole-model jit, the baseline)", flag="--engine",
+                       choices=ENGINES)
+    remat: str = option("none", "plain engine: XLA rematerialisation of the blocks", choices=REMATS)
+    host_memory: int | None = option(None, "pinned host memory pool for chunks (bytes; default: 85%% of what "
+                                     "the machine has available)", parse=parse_optional_bytes)
 
     def __post_init__(self) -> None:
-        if self.adam_placement not in ADAM_PLACEMENTS:
-            raise ConfigError(f"--adam-placement must be one of {', '.join(ADAM_PLACEMENTS)}, "
-                              f"got {self.adam_placement!r}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.chunk_numel < 1:
-            raise ConfigError(f"--chunk-size must be positive, got {self.chunk_numel}")
-        if self.micro_batches < 1:
-            raise ConfigError(f"--micro-batches must be at least 1, got {self.micro_batches}")
-        if self.device_budget_bytes is not None and self.device_budget_bytes < 1:
-            raise ConfigError("--device-memory must be positive")
+        for name, choices in (("precision", PRECISIONS), ("adam_placement", ADAM_PLACEMENTS), ("kind", ENGINES),
+                              ("remat", REMATS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got "
+                                  f"{getattr(self, name)!r}")
+        _positive_int(self, "chunk_numel", "host_memory", allow_none=True, upper=2**62)
+        _positive_int(self, "micro_batches", upper=MAX_STEPS)
+        memory = self.device_memory
+        if isinstance(memory, float):
+            _finite(self, "device_memory", 0, 1, high_open=False)
+        elif memory is not None:
+            _positive_int(self, "device_memory", upper=2**62)
 
     @property
     def compute_dtype(self):
         import jax.numpy as jnp
         return jnp.bfloat16 if self.precision == "bf16" else jnp.float32
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The resolved device budget (an engine's config holds bytes or None, never a fraction)."""
+        if isinstance(self.device_memory, float):
+            raise ConfigError("EngineConfig.device_memory is a fraction; resolve it against the device first "
+                              "(pstar_jax.build_engine does)")
+        return self.device_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str | None = option(None, "token file from pstar-tokens; default: the Python standard library's "
+                              "sources as bytes", flag="--data", metavar="FILE")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    directory: str | None = option(None, "orbax checkpoints of all engine state", flag="--checkpoint-dir",
+                                   metavar="DIR")
+    every: int = option(0, "save every K steps (and always at the end); 0: only at the end",
+                        flag="--checkpoint-every", metavar="K")
+    keep: int = option(3, "checkpoints to keep (the latest is always kept)", flag="--keep-checkpoints")
+    resume: bool = option(False, "continue from the latest checkpoint; --steps counts all steps, so a resumed "
+                          "run stops where a straight one would")
+    allow_changes: bool = option(False, "resume even when a setting that changes the training math (model "
+                                 "shape, steps, learning rate, precision...) differs from the checkpoint's",
+                                 flag="--allow-config-change")
+    stop_after: int | None = option(None, "stop (and save) after K steps of this run, e.g. to fit a job's time "
+                                    "limit; --resume continues", metavar="K")
+    export_flax: str | None = option(None, "at the end, write the parameters as a plain Flax pytree that "
+                                     "models/ loads without pstar_jax", metavar="DIR")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or not 0 <= self.every <= MAX_STEPS:
+            raise ConfigError(f"CheckpointConfig.every must be a whole number of at least 0, got {self.every!r}")
+        _positive_int(self, "keep", upper=MAX_STEPS)
+        _positive_int(self, "stop_after", allow_none=True, upper=MAX_STEPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    data_parallel: int | None = option(None, "devices W to shard chunks and the batch over (default: all "
+                                       "devices of all processes)")
+    coordinator: str | None = option(None, "HOST:PORT of process 0 (or PSTAR_COORDINATOR)")
+    num_processes: int | None = option(None, "processes in the run (or PSTAR_NUM_PROCESSES)")
+    process_id: int | None = option(None, "this process's index (or PSTAR_PROCESS_ID)")
+    heartbeat_timeout: int = option(60, "seconds before a silent process counts as dead and the others stop")
+    step_timeout: float | None = option(None, "end with an error if a step makes no progress for this many "
+                                        "seconds")
+    local_devices: int | None = option(None, "CPU only: fake this many devices per process (for trying data "
+                                       "parallelism)")
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "data_parallel", "num_processes", "local_devices", allow_none=True, upper=1 << 20)
+        _positive_int(self, "heartbeat_timeout", upper=10**6)
+        if self.step_timeout is not None:
+            _finite(self, "step_timeout", 0)
+        if self.process_id is not None and (isinstance(self.process_id, bool) or not isinstance(self.process_id, int)
+                                            or self.process_id < 0):
+            raise ConfigError(f"DistributedConfig.process_id must be a whole number of at least 0, "
+                              f"got {self.process_id!r}")
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ConfigError(f"DistributedConfig.process_id must be below DistributedConfig.num_processes "
+                              f"({self.num_processes}), got {self.process_id}")
+        if self.coordinator is not None and not re.fullmatch(r"[^\s:]+:[0-9]{1,5}", self.coordinator):
+            raise ConfigError(f"DistributedConfig.coordinator must be HOST:PORT, got {self.coordinator!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    metrics_out: str | None = option(None, "JSON lines, one per step", metavar="FILE")
+    tensorboard: str | None = option(None, "TensorBoard event files of the same metrics (needs tensorboardX: "
+                                     "pip install 'pstar_jax[tensorboard]')", metavar="DIR")
+    quiet: bool = option(False, "no progress bar")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs; pstar-train's flags are derived from it."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        if self.optim.total_steps is None:  # the schedule spans the run unless told otherwise
+            object.__setattr__(self, "optim", dataclasses.replace(self.optim, total_steps=self.train.steps))
+        if self.train.batch_size % self.engine.micro_batches:
+            raise ConfigError(f"TrainConfig.batch_size {self.train.batch_size} must be a multiple of "
+                              f"EngineConfig.micro_batches {self.engine.micro_batches}")
+        if self.checkpoint.resume and not self.checkpoint.directory:
+            raise ConfigError("CheckpointConfig.resume needs CheckpointConfig.directory")
+        if self.checkpoint.resume and self.model.init_from_flax:
+            raise ConfigError("ModelConfig.init_from_flax and CheckpointConfig.resume conflict: a resumed run "
+                              "continues from its checkpoint; drop one of them")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.batch_size // self.engine.micro_batches
+
+
+def to_dict(config: Any) -> dict:
+    """A config tree as plain JSON-able dicts (what checkpoints store)."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """The inverse of ``to_dict``; unknown keys (from a newer version) are ignored."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if isinstance(value, dict):  # a section
+            value = from_dict(SECTIONS[f.name], value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "engine": EngineConfig,
+             "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
+             "output": OutputConfig}
+
+
+def math_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+    """'Section.field: saved -> current' for each setting that changes the training math."""
+    out = []
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("math_changing"):
+                continue
+            old, new = getattr(getattr(saved, name), f.name), getattr(getattr(current, name), f.name)
+            derived = name == "optim" and f.name == "total_steps" and (old, new) == (saved.train.steps,
+                                                                                  current.train.steps)
+            if old != new and not derived:  # (the schedule following --steps is reported as steps)
+                out.append(f"{cls.__name__}.{f.name} was {old!r}, now {new!r}")
+    return out

@@ -31,92 +31,22 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.chunks import ChunkLayout, build_layout, pack_chunk, unpack
-from pstar_jax.config import ConfigError, EngineConfig, format_bytes
+from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
+from pstar_jax.config import EngineConfig, format_bytes
+from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
+from pstar_jax.model import StagedModel
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, staged_after, step_accesses
-from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
-from pstar_jax.trace import trace_step
+from pstar_jax.plan import Access, Plan, PlanMoment, staged_after
+from pstar_jax.planning import Planned, plan_model, require_fit
 from pstar_jax.zero import replicated_value, to_numpy
 
 
-class NonFiniteLoss(FloatingPointError):
-    def __init__(self, step: int, loss: float, grad_norm: float):
-        super().__init__(f"the loss or gradient is not finite at step {step} (loss {loss:.4g}, gradient norm "
-                         f"{grad_norm:.4g}); lower --lr, or pass --skip-nonfinite to skip such steps")
-        self.step = step
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    step_s: float
-    h2d_bytes: int
-    d2h_bytes: int
-    device_chunk_peak_bytes: int
-    predicted_h2d_bytes: int = 0
-    predicted_d2h_bytes: int = 0
-    skipped: bool = False  # a non-finite loss or gradient: no update was applied
-
-
-@dataclasses.dataclass
-class Planned:
-    """A model's layout, stage functions, trace and plan for one batch shape: no model data."""
-    layout: ChunkLayout
-    bound: list[BoundStage]
-    fns: StageFunctions
-    shape: StepShape
-    plan: Plan
-    accesses: list[Access]
-    device_budget_bytes: int
-
-
-def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
-               machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
-               fns: StageFunctions | None = None, trace_cache: dict | None = None,
-               adam: tuple[Sequence[bool], Sequence[bool]] | None = None) -> Planned:
-    """Lay out, trace and plan without allocating model data (what pstar-plan and the engine share).
-
-    ``adam`` fixes the optimizer placement (per chunk: state on the device, state streamed)
-    instead of choosing it: an engine places its optimizer state once, for every batch shape."""
-    placement = Placement(mesh)
-    param_dtype = cfg.compute_dtype
-    stages = list(model.stages(param_dtype))
-    validate_stages(stages, model.param_shapes())
-    chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
-    layout = layout or build_layout(model.param_shapes(), model.decays, chunk_numel)
-    bound = [bind(s, layout) for s in stages]
-    fns = fns or StageFunctions(mesh)
-    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
-    shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
-                       cfg.micro_batches, cache=trace_cache)
-    budget = cfg.device_budget_bytes
-    if budget is None:  # the CPU demo default: half the model data beside the working memory
-        stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
-        working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
-        budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
-    if adam is None:
-        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
-    else:
-        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
-        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
-            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
-    return Planned(layout, bound, fns, shape, plan,
-                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget)
-
-
-def require_fit(planned: Planned, host_bytes: int) -> None:
-    if not planned.plan.fits:
-        raise ConfigError(
-            f"the model does not fit: {planned.plan.problem} (device memory "
-            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
-            f"--device-memory or --host-memory, or lower --chunk-size or the batch")
-
-
 class ChunkedEngine:
+    """Model data in chunks placed by the plan; one step runs stage by stage (the Engine protocol)."""
+    kind = "chunked"
+
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                  batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
                  clip_norm: float | None = 1.0, host_bytes: int | None = None,
@@ -142,6 +72,8 @@ class ChunkedEngine:
         self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
+        # Device-resident optimizer state sits beside each moment's chunk capacity (same in every plan).
+        self.store.reserve(sum(self.plan.opt_on_device) * self.plan.opt_state_bytes)
         self.skip_nonfinite = skip_nonfinite
         # The clip scale of the update pending in the slots; None: the slots hold params (no update).
         self._pending_clip: jax.Array | None = None
@@ -235,7 +167,7 @@ class ChunkedEngine:
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
-        self._set_budget(moments[0].capacity_bytes)
+        self.store.limit(moments[0].capacity_bytes)
         self._stage(accesses[u].index for u in staging.get(-1, ()))
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
@@ -271,7 +203,7 @@ class ChunkedEngine:
         clip, self._pending_clip = self._pending_clip, None
         if clip is None:
             return
-        self.store.budget_bytes = self.device_budget_bytes
+        self.store.limit(None)
         for c in range(self.layout.n_chunks):
             space = self._update_space(c)
             if space is Space.DEVICE:  # the grad (and streamed state) come down
@@ -290,7 +222,7 @@ class ChunkedEngine:
 
     def _place_slots(self, plan: Plan) -> None:
         """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
-        self.store.budget_bytes = self.device_budget_bytes
+        self.store.limit(None)
         initial = dict(plan.initial_device)
         for key in self.store.device_resident(("grad",)):
             if key not in initial:
@@ -302,15 +234,9 @@ class ChunkedEngine:
             else:
                 self.store.get(key, Space.HOST)
 
-    def _set_budget(self, capacity_bytes: int) -> None:
-        """The store's device budget for a moment: its chunk capacity, the resident optimizer state
-        and the streamed state staged so far."""
-        opt_device = sum(self.plan.opt_on_device) * self.plan.opt_state_bytes  # same in every plan
-        self.store.budget_bytes = capacity_bytes + opt_device + len(self._staged) * self.plan.opt_state_bytes
-
     def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
         """The plan's evictions, then its fetches, under the moment's device budget."""
-        self._set_budget(capacity_bytes)
+        self.store.limit(capacity_bytes)
         for key in moment.evict:
             self.store.evict(key)
         for key in moment.fetch:
@@ -321,7 +247,7 @@ class ChunkedEngine:
         it as device memory of the moments in between."""
         for c in chunks:
             self._staged.add(c)
-            self.store.budget_bytes += self.plan.opt_state_bytes
+            self.store.reserve(self.plan.opt_state_bytes)
             for kind in ("master", "opt"):
                 self.store.get((kind, c), Space.DEVICE)
 
@@ -392,7 +318,7 @@ class ChunkedEngine:
                 self.store.evict(key)
         if c in self._staged:
             self._staged.discard(c)
-            self.store.budget_bytes -= self.plan.opt_state_bytes
+            self.store.reserve(-self.plan.opt_state_bytes)
         self.store.put(("param", c), params)
 
     # -- state for checkpoints -----------------------------------------------------------------
@@ -426,7 +352,7 @@ class ChunkedEngine:
     def load_state(self, state: dict, step: int) -> None:
         """Replace all chunk state (arrays or numpy in our layout) and set the step count; a pending
         update is discarded."""
-        self.store.budget_bytes = self.device_budget_bytes
+        self.store.limit(None)
         self._pending_clip = None
         for c in range(self.layout.n_chunks):
             for kind in ("param", "grad", "master", "opt"):

@@ -89,11 +89,30 @@ class ChunkStore:
 
     def __init__(self, placement: Placement, device_budget_bytes: int):
         self.placement = placement
-        self.budget_bytes = device_budget_bytes  # the executor sets it per moment from the plan
+        self.device_budget_bytes = device_budget_bytes  # all the engine may hold on the device
+        self._capacity_bytes: int | None = None  # this moment's room for param and grad chunks
+        self.reserved_bytes = 0  # optimizer state the plan keeps on the device beside the chunks
         self.traffic = Traffic()
         self.bytes = {Space.DEVICE: 0, Space.HOST: 0}
         self.peak_device_bytes = 0
         self._entries: dict[Key, _Entry] = {}
+
+    # -- the budget -----------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        """What may be on the device now: the moment's chunk capacity plus the reserved optimizer
+        state, or the whole budget between steps."""
+        if self._capacity_bytes is None:
+            return self.device_budget_bytes
+        return self._capacity_bytes + self.reserved_bytes
+
+    def limit(self, capacity_bytes: int | None) -> None:
+        """The plan's chunk capacity for the coming moment (None: between steps, the whole budget)."""
+        self._capacity_bytes = capacity_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        """Count optimizer state the plan brings to the device (negative: it went back up)."""
+        self.reserved_bytes += nbytes
 
     # -- registration -------------------------------------------------------------------------
     def put(self, key: Key, value: Any) -> None:
@@ -205,7 +224,7 @@ def device_total_bytes(device: jax.Device) -> int:
     return total_host_bytes()
 
 
-def host_budget_bytes(host_memory: str | None) -> int:
+def host_budget_bytes(host_memory: str | int | None) -> int:
     """Pinned host memory this process may fill with chunks: --host-memory, else 85% of what
     the machine has available now (room stays for Python, data and the page cache); never more
     than a pool limit the user set in XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB."""
@@ -217,21 +236,23 @@ def host_budget_bytes(host_memory: str | None) -> int:
     return size
 
 
-def configure_backend(device_memory: str, host_bytes: int) -> None:
+def configure_backend(device_memory: int | float | str | None, host_bytes: int) -> None:
     """Set the GPU client's memory fraction and pinned-host pool before the backend starts.
 
-    Both are read once when the backend initialises, so this must run before any JAX
-    operation: without the pool setting the client keeps a fixed 64 GB of pinned memory,
+    ``device_memory`` as in EngineConfig: a fraction of the device, bytes, or None (automatic:
+    0.9). Both settings are read once when the backend initialises, so this must run before any
+    JAX operation: without the pool setting the client keeps a fixed 64 GB of pinned memory,
     whatever the plan needs. A user's own setting of either variable wins. On a CPU both are
     ignored."""
     if jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query exists
         return
-    text = device_memory.strip()
-    try:
-        fraction = float(text)
-    except ValueError:
+    from pstar_jax.config import parse_device_memory
+    memory = parse_device_memory(device_memory) if isinstance(device_memory, str) else device_memory
+    if memory is None:
+        fraction = 0.9
+    elif isinstance(memory, float):
+        fraction = memory
+    else:
         fraction = 0.95  # a byte budget: let the client take most of the card, the budget limits
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"--device-memory fraction must be in (0, 1], got {device_memory!r}")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{min(fraction, 0.95):.3f}")
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(1, -(-host_bytes // 10**9))))

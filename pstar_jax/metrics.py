@@ -1,44 +1,108 @@
-"""Per-step metrics: one JSON object per line, and a live progress bar."""
+"""Per-step metrics: writers (JSON lines, TensorBoard, any object with ``write_scalars``) and a
+live progress bar."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import IO, Any
+import tempfile
+from typing import IO, Any, Protocol
 
 from tqdm import tqdm
 
-from pstar_jax.config import format_bytes
+from pstar_jax.config import ConfigError, format_bytes
+from pstar_jax.engine import StepResult
 
 
-def step_record(step: int, result: Any, tokens: int, flops_per_token: float, **extra: Any) -> dict:
-    """The metrics of one step: the StepResult's fields plus throughput figures."""
-    record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-              "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
-              "model_tflops": flops_per_token * tokens / result.step_s / 1e12,
-              "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
-              "device_chunk_peak_bytes": result.device_chunk_peak_bytes}
-    record.update(extra)
-    return record
+class MetricsWriter(Protocol):
+    def write_scalars(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
-class MetricsWriter:
-    """Appends JSON lines; opened only once training really starts, so bad input writes nothing."""
+def step_record(step: int, result: StepResult, tokens: int, flops_per_token: float) -> dict:
+    """The metrics of one step (``step`` counts from 0): the StepResult's fields plus throughput."""
+    return {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+            "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
+            "model_tflops": flops_per_token * tokens / result.step_s / 1e12,
+            "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
+            "device_chunk_peak_bytes": result.device_chunk_peak_bytes,
+            "predicted_h2d_bytes": result.predicted_h2d_bytes, "predicted_d2h_bytes": result.predicted_d2h_bytes,
+            "skipped": result.skipped}
 
-    def __init__(self, path: str | None):
-        self._file: IO[str] | None = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
 
-    def write(self, record: dict) -> None:
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+def check_output_file(path: str, what: str) -> None:
+    """Refuse, before any work, a path that names a directory or a place that cannot be written."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a directory; name a file")
+    parent = os.path.dirname(path)
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{what} {path} lies under {existing}, which is a file; choose another path")
+    if not os.access(existing, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{what} {path} cannot be written (permission denied); choose another path")
+
+
+class JsonlWriter:
+    """One JSON object per line. Opened with ``first_step``, it drops lines of steps at or past it
+    (a resumed run rewrites what the crashed one wrote after its checkpoint), so a reader sees
+    each step once."""
+
+    def __init__(self, path: str, first_step: int = 0):
+        check_output_file(path, "OutputConfig.metrics_out")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if first_step and os.path.exists(path):
+            _truncate_steps(path, first_step)
+        self._file: IO[str] = open(path, "a" if first_step else "w", encoding="utf-8")
+
+    def write_scalars(self, step: int, scalars: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        self._file.close()
+
+
+def _truncate_steps(path: str, first_step: int) -> None:
+    """Keep the lines of steps before ``first_step`` (atomically: a temp file renamed over)."""
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < first_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut off by a crash
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".metrics-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class TensorBoardWriter:
+    """TensorBoard event files through tensorboardX (an optional dependency)."""
+
+    def __init__(self, logdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ConfigError("OutputConfig.tensorboard needs tensorboardX: pip install 'pstar_jax[tensorboard]'"
+                              ) from None
+        check_output_file(os.path.join(logdir, "events"), "OutputConfig.tensorboard")
+        self._writer = SummaryWriter(logdir)
+
+    def write_scalars(self, step: int, scalars: dict[str, Any]) -> None:
+        for name, value in scalars.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class Progress:
@@ -47,8 +111,9 @@ class Progress:
                          dynamic_ncols=True, mininterval=0.5)
 
     def update(self, record: dict) -> None:
+        extra = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
         self._bar.set_postfix_str(
-            f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"loss {record['loss']:.4f}{extra} | {record['tokens_per_s']:,.0f} tok/s | "
             f"h2d {format_bytes(record['h2d_bytes'])} d2h {format_bytes(record['d2h_bytes'])}",
             refresh=False)
         self._bar.update(1)

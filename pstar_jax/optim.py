@@ -33,9 +33,14 @@ TxFactory = Callable[[Any], optax.GradientTransformation]
 
 def default_tx(cfg: OptimConfig) -> TxFactory:
     """AdamW with linear warmup and cosine decay, decay applied where the mask says."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.final_lr_fraction)
+    warmup, total = cfg.schedule_steps()
+    if total is None:  # no known end: warm up, then stay at the peak
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)),
+                                         optax.constant_schedule(cfg.lr)], [warmup])
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+            decay_steps=max(total, warmup + 1), end_value=cfg.lr * cfg.final_lr_fraction)
 
     def make_tx(decay_mask: Any) -> optax.GradientTransformation:
         return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,

@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.config import ConfigError
-from pstar_jax.executor import StepResult
+from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.optim import TxFactory, clip_scale
-from pstar_jax.stages import StagedModel, cast_params, compose_loss
+from pstar_jax.model import StagedModel, cast_params, compose_loss
 from pstar_jax.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
@@ -37,9 +37,12 @@ REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
 
 
 class PlainEngine:
+    kind = "plain"
+
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
                  seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
-                 mesh: jax.sharding.Mesh | None = None, init_params: Any = None, opt_on_host: bool = False):
+                 mesh: jax.sharding.Mesh | None = None, init_params: Any = None, opt_on_host: bool = False,
+                 skip_nonfinite: bool = False):
         """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated.
         ``opt_on_host`` keeps the optimizer state in pinned host memory and updates it on the
         device: it comes down at the start of each step and goes back up at the end."""

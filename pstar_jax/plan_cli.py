@@ -12,8 +12,15 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from pstar_jax.config import ConfigError, format_bytes, parse_bytes, parse_count
-from pstar_jax.train import _model, _Parser
+from pstar_jax.cli import Parser as _Parser
+from pstar_jax.config import ConfigError, ModelConfig, RunConfig, format_bytes, parse_bytes, parse_count
+
+
+def _model(args):
+    from pstar_jax.loop import load_model
+    return load_model(RunConfig(model=ModelConfig(
+        name=args.model, module=args.model_module, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+        vocab_size=args.vocab_size, seq_len=args.seq_len, tie_embeddings=args.tie_embeddings)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +93,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     from pstar_jax.chunks import auto_chunk_numel
     from pstar_jax.config import EngineConfig, OptimConfig
-    from pstar_jax.executor import plan_model
+    from pstar_jax.planning import plan_model
     from pstar_jax.machine import MACHINES
     from pstar_jax.optim import default_tx
     from pstar_jax.plan import make_plan, scale_batch

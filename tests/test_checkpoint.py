@@ -77,7 +77,7 @@ def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     metrics = tmp_path / "again.jsonl"
     assert main([*BASE, "--steps", "1", "--init-from-flax", str(out), "--metrics-out", str(metrics)]) == 0
     from pstar_jax.checkpoint import import_flax
-    from pstar_jax.stages import compose_loss
+    from pstar_jax.model import compose_loss
     from models.gpt import build_model
     staged = build_model("tiny")
     params = import_flax(str(out), staged.param_shapes())
@@ -97,6 +97,11 @@ def test_refuses_to_overwrite_and_reports_bad_checkpoints(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().err
     assert main([*BASE, "--steps", "4", "--resume", "--n-layer", "3", "--checkpoint-dir", str(d)]) == 2
     err = capsys.readouterr().err
+    assert "change the training math: --n-layer was None, now 3; --steps was 2, now 4" in err
+    assert "--allow-config-change" in err and err.count("\n") == 1
+    assert main([*BASE, "--steps", "4", "--resume", "--n-layer", "3", "--allow-config-change",
+                 "--checkpoint-dir", str(d)]) == 2
+    err = capsys.readouterr().err
     assert "another model shape" in err and err.count("\n") == 1
     # Corrupt one array file: a clear error, and nothing overwritten.
     victim = max((os.path.join(r, f) for r, _, fs in os.walk(d / "2") for f in fs if "state" in r),
@@ -104,7 +109,7 @@ def test_refuses_to_overwrite_and_reports_bad_checkpoints(tmp_path, capsys):
     with open(victim, "r+b") as f:
         f.seek(0)
         f.write(b"\0" * 64)
-    assert main([*BASE, "--steps", "4", "--resume", "--checkpoint-dir", str(d)]) == 2
+    assert main([*BASE, "--steps", "4", "--resume", "--allow-config-change", "--checkpoint-dir", str(d)]) == 2
     err = capsys.readouterr().err
     assert "step 2" in err and ("corrupt" in err or "checksums" in err or "unreadable" in err), err
     assert sorted(os.listdir(d)) == before
@@ -166,7 +171,7 @@ def test_kill_during_save_leaves_last_good_checkpoint(tmp_path):
     assert any("tmp" in n for n in names), names  # killed mid-save
     last_good = Checkpointer(str(d)).latest_step()
     assert last_good is not None
-    resumed = run_cli(["--model", "small", "--steps", str(last_good + 2), "--resume", "--checkpoint-dir", str(d),
+    resumed = run_cli(["--model", "small", "--steps", str(last_good + 2), "--resume", "--allow-config-change", "--checkpoint-dir", str(d),
                        "--metrics-out", str(tmp_path / "r.jsonl")])
     out, err = resumed.communicate(timeout=180)
     assert resumed.returncode == 0, err[-2000:]

@@ -2,8 +2,9 @@ import dataclasses
 
 import pytest
 
-from pstar_jax.config import (ConfigError, EngineConfig, OptimConfig, format_bytes, parse_bytes,
-                              parse_count, parse_memory)
+from pstar_jax.config import (CheckpointConfig, ConfigError, DistributedConfig, EngineConfig, ModelConfig,
+                              OptimConfig, RunConfig, TrainConfig, format_bytes, from_dict, math_differences,
+                              parse_bytes, parse_count, parse_device_memory, to_dict)
 
 
 @pytest.mark.parametrize("text, size_bytes", [
@@ -22,21 +23,11 @@ def test_parse_bytes_rejects_non_sizes(text):
         parse_bytes(text, "--host-memory")
 
 
-@pytest.mark.parametrize("text, size_bytes", [
-    ("0.5", 500), (".25", 250), ("1", 1000), ("1.0", 1000), ("2", 2), ("3GiB", 3 * 1024**3), (77, 77)])
-def test_parse_memory_fraction_or_size(text, size_bytes):
-    """A number in (0, 1] is a fraction of the total; anything else is a size in bytes."""
-    assert parse_memory(text, 1000, "--device-memory") == size_bytes
-
-
-@pytest.mark.parametrize("text, message", [
-    ("0", "must be positive"), ("0B", "must be positive"), (0, "must be positive"),
-    (-5, "must be positive"), ("0.0", "fraction must be above 0"), ("-0.5", "is not a size"),
-    ("lots", "is not a size"), ("2XB", "is not a size")])
-def test_parse_memory_rejects_non_positive(text, message):
+@pytest.mark.parametrize("text", ["0", "0B", "-5", "0.0", "-0.5", "lots", "2XB"])
+def test_device_memory_rejects_non_positive_and_non_sizes(text):
     """Zero, negative and non-numeric memory sizes are ConfigErrors, not a zero budget."""
-    with pytest.raises(ConfigError, match=message):
-        parse_memory(text, 1000, "--device-memory")
+    with pytest.raises(ConfigError):
+        EngineConfig(device_memory=parse_device_memory(text))
 
 
 @pytest.mark.parametrize("text, numel", [
@@ -70,34 +61,38 @@ def test_format_bytes_parses_back():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(lr=0.0), "--lr must be positive"), (dict(lr=-1e-3), "--lr must be positive"),
-    (dict(lr=float("nan")), "--lr must be positive"), (dict(total_steps=0), "--steps"),
-    (dict(warmup_steps=-1), "warmup"), (dict(clip_norm=0.0), "--clip-norm"),
-    (dict(clip_norm=-1.0), "--clip-norm")])
+    (dict(lr=0.0), "OptimConfig.lr must be a finite number in"), (dict(lr=-1e-3), "OptimConfig.lr"),
+    (dict(lr=float("nan")), "OptimConfig.lr"), (dict(lr=float("inf")), "OptimConfig.lr"),
+    (dict(total_steps=0), "OptimConfig.total_steps"), (dict(warmup_steps=-1), "OptimConfig.warmup_steps"),
+    (dict(clip_norm=0.0), "OptimConfig.clip_norm"), (dict(clip_norm=-1.0), "OptimConfig.clip_norm"),
+    (dict(weight_decay=float("nan")), "OptimConfig.weight_decay"), (dict(weight_decay=-1.0), "weight_decay"),
+    (dict(b1=1.0), "OptimConfig.b1"), (dict(b2=-0.1), "OptimConfig.b2"), (dict(eps=0.0), "OptimConfig.eps"),
+    (dict(final_lr_fraction=1.5), "final_lr_fraction")])
 def test_optim_config_rejects(kwargs, message):
-    """Invalid optimizer settings fail at construction with the flag to change."""
+    """Invalid optimizer settings fail at construction naming the field."""
     with pytest.raises(ConfigError, match=message):
         OptimConfig(**kwargs)
 
 
-def test_optim_config_defaults_and_frozen():
-    """The defaults validate, clip_norm None disables clipping, and configs are immutable."""
+def test_optim_config_is_frozen_and_validated_on_replace():
     cfg = OptimConfig()
     assert OptimConfig(clip_norm=None).clip_norm is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lr = 1.0  # type: ignore[misc]
-    with pytest.raises(ConfigError, match="--lr"):
+    with pytest.raises(ConfigError, match="OptimConfig.lr"):
         dataclasses.replace(cfg, lr=0.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(precision="fp16"), "--precision must be one of bf16, fp32, got 'fp16'"),
-    (dict(micro_batches=0), "--micro-batches must be at least 1, got 0"),
-    (dict(chunk_numel=0), "--chunk-size must be positive, got 0"),
-    (dict(device_budget_bytes=0), "--device-memory must be positive")])
+    (dict(precision="fp16"), "EngineConfig.precision must be one of bf16, fp32, got 'fp16'"),
+    (dict(micro_batches=0), "EngineConfig.micro_batches must be a whole number of at least 1"),
+    (dict(chunk_numel=0), "EngineConfig.chunk_numel must be a whole number of at least 1"),
+    (dict(device_memory=0), "EngineConfig.device_memory must be a whole number of at least 1"),
+    (dict(device_memory=1.5), "EngineConfig.device_memory must be a finite number in"),
+    (dict(kind="fast"), "EngineConfig.kind must be one of chunked, plain")])
 def test_engine_config_rejects(kwargs, message):
-    """Invalid engine settings fail at construction with the flag to change."""
-    base = dict(chunk_numel=1024, device_budget_bytes=1 << 20)
+    """Invalid engine settings fail at construction naming the field."""
+    base = dict(chunk_numel=1024, device_memory=1 << 20)
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**{**base, **kwargs})
 
@@ -107,3 +102,76 @@ def test_engine_config_compute_dtype():
     import jax.numpy as jnp
     assert EngineConfig(1024, None).compute_dtype == jnp.bfloat16
     assert EngineConfig(1024, 1, precision="fp32").compute_dtype == jnp.float32
+
+
+@pytest.mark.parametrize("text, value", [
+    ("auto", None), ("0.8", 0.8), ("1", 1.0), ("1000000", 1_000_000), ("1e9", 10**9), ("2GiB", 2 * 2**30)])
+def test_device_memory_fraction_or_bytes(text, value):
+    """A plain number in (0, 1] is a fraction of the device; above 1 it is bytes (1e9 too)."""
+    parsed = parse_device_memory(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("section, kwargs, field", [
+    (TrainConfig, dict(steps=10**12), "TrainConfig.steps"), (TrainConfig, dict(steps=0), "TrainConfig.steps"),
+    (TrainConfig, dict(seed=10**23), "TrainConfig.seed"), (TrainConfig, dict(seed=-1), "TrainConfig.seed"),
+    (TrainConfig, dict(batch_size=0), "TrainConfig.batch_size"),
+    (CheckpointConfig, dict(keep=0), "CheckpointConfig.keep"), (CheckpointConfig, dict(keep=-1), "keep"),
+    (CheckpointConfig, dict(every=-1), "CheckpointConfig.every"),
+    (CheckpointConfig, dict(stop_after=0), "CheckpointConfig.stop_after"),
+    (DistributedConfig, dict(data_parallel=0), "DistributedConfig.data_parallel"),
+    (DistributedConfig, dict(data_parallel=-1), "DistributedConfig.data_parallel"),
+    (DistributedConfig, dict(local_devices=0), "DistributedConfig.local_devices"),
+    (DistributedConfig, dict(heartbeat_timeout=0), "DistributedConfig.heartbeat_timeout"),
+    (DistributedConfig, dict(step_timeout=-1.0), "DistributedConfig.step_timeout"),
+    (DistributedConfig, dict(step_timeout=float("nan")), "DistributedConfig.step_timeout"),
+    (DistributedConfig, dict(num_processes=0), "DistributedConfig.num_processes"),
+    (DistributedConfig, dict(num_processes=2, process_id=2), "DistributedConfig.process_id"),
+    (DistributedConfig, dict(coordinator="nohost"), "DistributedConfig.coordinator"),
+    (ModelConfig, dict(n_layer=0), "ModelConfig.n_layer")])
+def test_sections_reject_bad_values_naming_the_field(section, kwargs, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        section(**kwargs)
+
+
+def test_run_config_cross_checks_and_fills_the_schedule():
+    run = RunConfig(train=TrainConfig(steps=40))
+    assert run.optim.total_steps == 40 and run.optim.schedule_steps() == (2, 40)
+    assert OptimConfig().schedule_steps() == (0, None)
+    with pytest.raises(ConfigError, match="multiple of EngineConfig.micro_batches"):
+        RunConfig(train=TrainConfig(batch_size=6), engine=EngineConfig(micro_batches=4))
+    with pytest.raises(ConfigError, match="resume needs"):
+        RunConfig(checkpoint=CheckpointConfig(resume=True))
+    with pytest.raises(ConfigError, match="init_from_flax and CheckpointConfig.resume conflict"):
+        RunConfig(model=ModelConfig(init_from_flax="x"), checkpoint=CheckpointConfig(directory="d", resume=True))
+
+
+def test_config_round_trips_through_json_and_names_math_changes():
+    import json
+    run = RunConfig(optim=OptimConfig(lr=2e-3), engine=EngineConfig(device_memory=0.5))
+    back = from_dict(RunConfig, json.loads(json.dumps(to_dict(run))))
+    assert back == run
+    free = dataclasses.replace(run, engine=EngineConfig(device_memory=2**30, chunk_numel=4096))
+    assert math_differences(run, free) == []
+    changed = dataclasses.replace(run, optim=OptimConfig(lr=1e-3), engine=EngineConfig(precision="fp32"))
+    assert math_differences(run, changed) == ["OptimConfig.lr was 0.002, now 0.001",
+                                              "EngineConfig.precision was 'bf16', now 'fp32'"]
+
+
+def test_every_flag_has_help_and_errors_name_flags():
+    """The CLI is derived from the config: each field one flag with help; field names map to flags."""
+    from pstar_jax import cli
+    from pstar_jax.train import build_parser, parse_config
+    parser = build_parser()
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert actions and all(a.help for a in actions)
+    flags = {s for a in actions for s in a.option_strings}
+    assert {"--lr", "--adam-b1", "--adam-b2", "--adam-eps", "--final-lr-fraction", "--device-memory",
+            "--chunk-size", "--engine", "--checkpoint-dir", "--keep-checkpoints", "--tensorboard",
+            "--allow-config-change", "--model-module"} <= flags
+    config = parse_config(["--lr", "0.01", "--device-memory", "0.5", "--clip-norm", "0", "--chunk-size", "4M"])
+    assert config.optim.lr == 0.01 and config.engine.device_memory == 0.5
+    assert config.optim.clip_norm is None and config.engine.chunk_numel == 4 * 2**20
+    assert parse_config([]) == RunConfig()
+    err = ConfigError("OptimConfig.lr must be positive; EngineConfig.micro_batches too")
+    assert cli.error_line("x", err) == "x: error: --lr must be positive; --micro-batches too"

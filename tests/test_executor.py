@@ -42,7 +42,7 @@ def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):  # noqa: D103
 
 def chunked(m, budget=None, precision="fp32", micro_batches=1, optim=OPTIM, adam="auto", batch=4):
     """budget None: half the model data beside the traced working memory, so chunks move."""
-    cfg = EngineConfig(chunk_numel=CHUNK, device_budget_bytes=budget, precision=precision,
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=budget, precision=precision,
                        micro_batches=micro_batches, adam_placement=adam)
     return ChunkedEngine(m, cfg, default_tx(optim), mesh1(), (batch, 64), H200, clip_norm=optim.clip_norm)
 
@@ -59,11 +59,24 @@ def run_both(a, b, steps):
     return np.array(la), np.array(lb)
 
 
-def assert_params_close(engine, reference, rtol, atol):
+def noise_only(name, value):
+    """The key bias of attention has an exactly zero gradient (softmax ignores a shift shared by
+    all keys), so what training does to it is rounding noise that Adam's normalisation scales
+    up: not a quantity two correct engines agree on. Split it off."""
+    if not name.endswith("attn.qkv.bias"):
+        return value, None
+    d = value.shape[-1] // 3
+    return np.concatenate([value[:d], value[2 * d:]]), value[d:2 * d]
+
+
+def assert_params_close(engine, reference, rtol, atol, lr=3e-3, steps=5):
     pa, pb = engine.params(), reference.params_numpy()
     assert pa.keys() == pb.keys()
     for name in pa:
-        np.testing.assert_allclose(pa[name], pb[name], rtol=rtol, atol=atol, err_msg=name)
+        (a, noise_a), (b, noise_b) = noise_only(name, pa[name]), noise_only(name, pb[name])
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+        if noise_a is not None:  # both stay where noise-driven Adam steps (at most lr each) can take them
+            assert np.abs(noise_a).max() <= lr * steps and np.abs(noise_b).max() <= lr * steps
 
 
 @pytest.mark.parametrize("tied", [True, False])

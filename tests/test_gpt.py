@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from models.gpt import GPT, GPTConfig, PRESETS, StagedGPT, gpt_from_params, preset
-from pstar_jax.stages import cast_params, compose_loss, validate_stages
+from pstar_jax.model import cast_params, compose_loss, validate_stages
 
 TINY = preset("tiny")
 UNTIED = dataclasses.replace(TINY, tie_embeddings=False)

@@ -1,0 +1,114 @@
+"""Command-line flags derived from the configuration dataclasses, and one-line errors.
+
+Every field of a config section becomes one flag (``--field-name`` unless the field names
+another) with the field's help, choices and parser, so defaults and help texts are written
+once, in pstar_jax.config. Only flags given on the command line are passed on; the
+dataclasses' own defaults fill the rest. Library errors name fields (``OptimConfig.lr``);
+``error_line`` turns them into flags (``--lr``) for the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+from pstar_jax.config import SECTIONS, ConfigError
+
+_TITLES = {"model": "model", "train": "training", "optim": "optimizer", "engine": "engine", "data": "data",
+           "checkpoint": "checkpoints", "distributed": "data parallelism (ZeRO) and multi-host",
+           "output": "output"}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        raise ConfigError(message)
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def _typed(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err).replace("EngineConfig.device_memory", flag)) from None
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid value") from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _number(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if kind is int and abs(value) > 2**63:
+            raise ValueError(text)
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_section(parser: argparse.ArgumentParser, section: str, skip: Sequence[str] = (),
+                defaults: dict[str, Any] | None = None) -> None:
+    """One argument group with a flag per field of a config section (``skip``: fields to leave out;
+    ``defaults``: other defaults for this command, shown in the help and passed on)."""
+    group = parser.add_argument_group(_TITLES[section])
+    for field in dataclasses.fields(SECTIONS[section]):
+        if not field.metadata.get("cli", True) or field.name in skip:
+            continue
+        flag, meta = flag_of(field), field.metadata
+        default = (defaults or {}).get(field.name, field.default)
+        kwargs: dict[str, Any] = dict(dest=f"{section}.{field.name}", help=meta["help"], default=argparse.SUPPRESS)
+        if defaults and field.name in defaults:
+            kwargs["default"] = default
+        shown = "auto" if default is None and meta.get("parse") else default
+        if field.type in ("bool", "bool | None"):
+            kwargs["action"] = "store_true" if field.default is False else argparse.BooleanOptionalAction
+        else:
+            parse = meta.get("parse") or _number({"int": int, "int | None": int, "float": float,
+                                                  "float | None": float}.get(field.type, str))
+            kwargs.update(type=_typed(parse, flag), choices=meta.get("choices"),
+                          metavar=None if meta.get("choices") else meta.get("metavar") or field.name.upper())
+            if shown is not None:
+                kwargs["help"] += f" (default: {shown})"
+        group.add_argument(flag, **kwargs)
+
+
+def section_values(args: argparse.Namespace, section: str) -> dict[str, Any]:
+    """The fields of one section given on the command line (or with a command default)."""
+    prefix = section + "."
+    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
+
+
+def build(cls: type, args: argparse.Namespace, section: str, **extra: Any) -> Any:
+    return cls(**{**section_values(args, section), **extra})
+
+
+def _flags() -> dict[str, str]:
+    return {f"{cls.__name__}.{f.name}": flag_of(f) for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+            if f.metadata.get("cli", True)}
+
+
+def error_line(prog: str, err: BaseException) -> str:
+    """'prog: error: ...' with every ``Section.field`` replaced by its flag."""
+    flags = _flags()
+    text = re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_]+\b", lambda m: flags.get(m.group(0), m.group(0)), str(err))
+    return f"{prog}: error: {' '.join(text.split())}"
+
+
+def run_main(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None,
+             user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a CLI: user errors are one line and exit 2, Ctrl-C exit 130, never a traceback for those."""
+    try:
+        return run(argv)
+    except (ConfigError, *user_errors) as err:
+        print(error_line(prog, err), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

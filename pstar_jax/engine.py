@@ -1,0 +1,59 @@
+"""The engine protocol: what every engine (chunked or plain) offers its callers.
+
+A training loop, a checkpoint or an export never asks which engine it holds: both step over
+micro-batches, read the current parameters by name, hand over and take back their state for
+checkpoints, and describe themselves in a summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+Batch = tuple[np.ndarray, np.ndarray]  # (tokens_BxL, targets_BxL): this process's rows
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    step_s: float
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    device_chunk_peak_bytes: int = 0
+    predicted_h2d_bytes: int = 0
+    predicted_d2h_bytes: int = 0
+    skipped: bool = False  # a non-finite loss or gradient: no update was applied
+
+
+class NonFiniteLoss(FloatingPointError):
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        super().__init__(f"the loss or gradient is not finite at step {step} (loss {loss:.4g}, gradient norm "
+                         f"{grad_norm:.4g}); lower --lr, or pass --skip-nonfinite to skip such steps")
+        self.step = step
+
+
+class Engine(Protocol):
+    """What the training loop, checkpoints and exports use."""
+    kind: str  # "chunked" or "plain": recorded in checkpoints, whose state formats differ
+    step_count: int
+
+    def step(self, micro_batches: Sequence[Batch]) -> StepResult:
+        """One optimizer step over this process's rows of each micro-batch."""
+
+    def params(self, kind: str = "master") -> dict[str, np.ndarray]:
+        """Current tensors by name as numpy: the fp32 master, or the compute-dtype ``param``."""
+
+    def state(self) -> dict:
+        """All state as arrays (for a checkpoint), any pending update applied first."""
+
+    def abstract_state(self, layout: Any = None) -> dict:
+        """Shapes and shardings of ``state()`` (for restoring into this engine)."""
+
+    def load_state(self, state: dict, step: int) -> None:
+        """Replace all state and set the step count."""
+
+    def summary(self) -> str:
+        """A few lines for people: sizes, placement, predictions."""

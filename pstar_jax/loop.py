@@ -1,0 +1,198 @@
+"""The training loop: a run built from a RunConfig, stepping, metrics, checkpoints and signals.
+
+``Run(config)`` makes everything a run needs, in the order that fails early: output paths are
+checked, the backend configured, the model built, the data read and checked against the
+vocabulary, the checkpoint directory opened (refusing another run's checkpoints, or a resume
+whose math differs from the checkpoint's), and the engine planned, raising ConfigError before
+any model data is allocated when it does not fit. ``Run.fit()`` then yields one record per step
+(the fields of the JSON-lines metrics), saves checkpoints on schedule, at the end and when
+SIGINT/SIGTERM arrives, and stops on a non-finite step unless told to skip such steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import signal
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from pstar_jax.config import ConfigError, RunConfig, from_dict, math_differences, to_dict
+from pstar_jax.metrics import JsonlWriter, MetricsWriter, Progress, TensorBoardWriter, step_record
+from pstar_jax.model import StagedModel, flops_per_token
+
+
+def load_model(config: RunConfig) -> StagedModel:
+    """The model a config names: ``build_model(name, **overrides)`` of its model module."""
+    cfg = config.model
+    try:
+        module = importlib.import_module(cfg.module)
+    except ImportError as err:
+        raise ConfigError(f"ModelConfig.module {cfg.module!r} cannot be imported ({err}); name an importable "
+                          "module with a build_model function") from None
+    if not callable(getattr(module, "build_model", None)):
+        raise ConfigError(f"ModelConfig.module {cfg.module!r} has no build_model(name, **overrides) function")
+    try:
+        return module.build_model(cfg.name, **cfg.overrides())
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(str(err)) from None
+
+
+class Run:
+    """One training run. ``model`` and ``tokens`` replace what the config names; ``writers``
+    receive every step's metrics beside those the config asks for; ``make_tx`` replaces AdamW by
+    another elementwise optax transformation factory (see pstar_jax.optim)."""
+
+    def __init__(self, config: RunConfig, model: StagedModel | None = None, tokens: np.ndarray | None = None,
+                 writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True):
+        from pstar_jax.checkpoint import check_export_dir
+        self.config = cfg = config
+        self._writers: list[MetricsWriter] = list(writers)
+        self._ckpt = None
+        if cfg.output.metrics_out:
+            from pstar_jax.metrics import check_output_file
+            check_output_file(cfg.output.metrics_out, "OutputConfig.metrics_out")
+        if cfg.checkpoint.export_flax:
+            check_export_dir(cfg.checkpoint.export_flax)
+
+        from pstar_jax.memory import configure_backend, host_budget_bytes
+        configure_backend(cfg.engine.device_memory, host_budget_bytes(cfg.engine.host_memory))
+        import jax
+        if cfg.distributed.local_devices:  # CPU only: fake devices, to try data parallelism on one machine
+            jax.config.update("jax_num_cpu_devices", cfg.distributed.local_devices)
+        from pstar_jax import zero
+        d = cfg.distributed
+        zero.initialize(d.coordinator, d.num_processes, d.process_id, heartbeat_timeout_s=d.heartbeat_timeout)
+        self.main_process = zero.is_main_process()
+        self.verbose = verbose and self.main_process
+
+        self.model = model if model is not None else load_model(cfg)
+        self.tokens = tokens if tokens is not None else _load_tokens(cfg, self.model.vocab_size)
+        self.mesh = zero.data_mesh(d.data_parallel)
+        from pstar_jax.planning import build_engine, micro_batch_shape
+        shape = micro_batch_shape(cfg.train.batch_size, cfg.engine.micro_batches, self.model.seq_len, self.mesh)
+        zero.check_process_rows(shape[0])
+        init = None
+        if cfg.model.init_from_flax:
+            from pstar_jax.checkpoint import import_flax
+            init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
+        if cfg.checkpoint.directory:
+            self._ckpt = self._open_checkpoints()
+        try:
+            self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
+                                       init_params=init, skip_nonfinite=cfg.train.skip_nonfinite, make_tx=make_tx)
+            position = 0
+            if self._ckpt is not None and cfg.checkpoint.resume:
+                from pstar_jax.checkpoint import restore_engine
+                position = restore_engine(self._ckpt, self.engine)["data_position"]
+        except BaseException:
+            self.close()
+            raise
+        from pstar_jax.data import Batches
+        self.batches = Batches(self.tokens, shape[0], self.model.seq_len, cfg.train.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count(),
+                               position=position)  # yields this process's rows
+
+    def _open_checkpoints(self):
+        from pstar_jax.checkpoint import open_run_checkpoints
+        c = self.config.checkpoint
+        ckpt = open_run_checkpoints(c.directory, c.resume, self.config.train.steps, c.keep)
+        if c.resume:
+            saved = ckpt.meta().get("config")
+            differences = math_differences(from_dict(RunConfig, saved), self.config) if saved else []
+            if differences and not c.allow_changes:
+                ckpt.close()
+                raise ConfigError(f"resuming with settings that change the training math: {'; '.join(differences)}; "
+                                  "use the checkpoint's values, or pass CheckpointConfig.allow_changes to resume "
+                                  "with the new ones")
+        return ckpt
+
+    @property
+    def checkpoint_directory(self) -> str | None:
+        return self._ckpt.directory if self._ckpt is not None else None
+
+    def save(self) -> None:
+        """Save a checkpoint of the current step now (asynchronous; ``close`` waits for it)."""
+        from pstar_jax.checkpoint import save_engine
+        if self._ckpt is None:
+            raise ConfigError("no CheckpointConfig.directory: nothing to save into")
+        save_engine(self._ckpt, self.engine, self.engine.step_count,
+                    {"data_position": self.batches.state()["position"], "seed": self.config.train.seed,
+                     "config": to_dict(self.config), "engine": self.engine.kind})
+
+    def fit(self) -> Iterator[dict]:
+        """Train to ``train.steps`` (or ``checkpoint.stop_after`` more steps, or a stop signal),
+        yielding each step's record. Checkpoints are saved as configured and at the end."""
+        from pstar_jax.checkpoint import StopSignal
+        from pstar_jax.zero import Watchdog
+        cfg, engine = self.config, self.engine
+        writers = list(self._writers)
+        if self.main_process and cfg.output.metrics_out:
+            writers.append(JsonlWriter(cfg.output.metrics_out, first_step=engine.step_count))
+        if self.main_process and cfg.output.tensorboard:
+            writers.append(TensorBoardWriter(cfg.output.tensorboard))
+        progress = Progress(cfg.train.steps, initial=engine.step_count,
+                            enabled=self.verbose and not cfg.output.quiet)
+        watchdog = Watchdog(cfg.distributed.step_timeout)
+        stop = StopSignal()
+        self.stopped_by: int = 0
+        step_tokens = cfg.train.batch_size * self.model.seq_len
+        flops = flops_per_token(self.model)
+        first_step, every = engine.step_count, cfg.checkpoint.every
+        try:
+            for step in range(engine.step_count, cfg.train.steps):
+                result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
+                watchdog.progress(step + 1)
+                record = step_record(step, result, step_tokens, flops)
+                for writer in writers:
+                    writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
+                progress.update(record)
+                last = step + 1 == cfg.train.steps or bool(
+                    cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
+                if self._ckpt is not None and (last or stop.signum or (every and (step + 1) % every == 0)):
+                    self.save()
+                yield record
+                if stop.signum or last:
+                    break
+        finally:
+            self.stopped_by = stop.signum
+            progress.close()
+            for writer in writers[len(self._writers):]:
+                writer.close()
+            watchdog.stop() if hasattr(watchdog, "stop") else None
+            stop.restore()
+            if self._ckpt is not None:
+                self._ckpt.wait()
+
+    def export_flax(self, directory: str) -> None:
+        """The current parameters as a plain Flax pytree (see pstar_jax.checkpoint.export_flax)."""
+        from pstar_jax.checkpoint import export_flax
+        config = getattr(self.model, "config", None)
+        export_flax(directory, self.engine.params(), dataclasses.asdict(config) if config is not None else {})
+
+    def close(self) -> None:
+        """Wait for the last checkpoint save and release the checkpoint directory."""
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _load_tokens(config: RunConfig, vocab_size: int) -> np.ndarray:
+    from pstar_jax.data import check_vocab, default_corpus, load_tokens
+    tokens = load_tokens(config.data.path) if config.data.path else default_corpus()
+    check_vocab(tokens, vocab_size)
+    return tokens
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+__all__ = ["Run", "load_model", "signal_name"]

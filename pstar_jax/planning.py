@@ -1,0 +1,154 @@
+"""From a model and a configuration to a planned engine.
+
+The automatic choices (chunk size, device budget, host budget, machine rates), then layout,
+warm-up trace and placement plan without allocating model data (what pstar-plan and the engine
+share), the fit check, and ``build_engine``: a ChunkedEngine or a PlainEngine behind one
+protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from pstar_jax.chunks import ChunkLayout, auto_chunk_numel, build_layout
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
+from pstar_jax.engine import Engine
+from pstar_jax.machine import Machine
+from pstar_jax.memory import Placement, device_total_bytes, host_budget_bytes
+from pstar_jax.model import StagedModel, validate_stages
+from pstar_jax.optim import ChunkOptimizer, TxFactory, default_tx
+from pstar_jax.plan import Access, Plan, StepShape, make_plan, plan_step, step_accesses
+from pstar_jax.stages import BoundStage, StageFunctions, bind
+from pstar_jax.trace import trace_step
+
+
+@dataclasses.dataclass
+class Planned:
+    """A model's layout, stage functions, trace and plan for one batch shape: no model data."""
+    layout: ChunkLayout
+    bound: list[BoundStage]
+    fns: StageFunctions
+    shape: StepShape
+    plan: Plan
+    accesses: list[Access]
+    device_budget_bytes: int
+
+
+def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
+               machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
+               fns: StageFunctions | None = None, trace_cache: dict | None = None,
+               adam: tuple[Sequence[bool], Sequence[bool]] | None = None) -> Planned:
+    """Lay out, trace and plan without allocating model data.
+
+    ``cfg`` must be resolved (a chunk size, a device budget in bytes or None for the CPU demo
+    default). ``adam`` fixes the optimizer placement (per chunk: state on the device, state
+    streamed) instead of choosing it: an engine places its optimizer state once, for every
+    batch shape."""
+    if cfg.chunk_numel is None:
+        raise ConfigError("EngineConfig.chunk_numel is auto; resolve the config first (resolve_engine_config)")
+    placement = Placement(mesh)
+    param_dtype = cfg.compute_dtype
+    stages = list(model.stages(param_dtype))
+    try:
+        validate_stages(stages, model.param_shapes())
+    except ValueError as err:
+        raise ConfigError(f"the model's stages are inconsistent: {err}") from None
+    chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
+    layout = layout or build_layout(model.param_shapes(), model.decays, chunk_numel)
+    bound = [bind(s, layout) for s in stages]
+    fns = fns or StageFunctions(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
+    shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
+                       cfg.micro_batches, cache=trace_cache)
+    budget = cfg.device_budget_bytes
+    if budget is None:  # the CPU demo default: half the model data beside the working memory
+        stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
+        working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
+        budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
+    if adam is None:
+        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    else:
+        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
+        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
+            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
+    return Planned(layout, bound, fns, shape, plan,
+                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget)
+
+
+def require_fit(planned: Planned, host_bytes: int) -> None:
+    if not planned.plan.fits:
+        raise ConfigError(
+            f"the model does not fit: {planned.plan.problem} (device memory "
+            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
+            f"EngineConfig.device_memory or EngineConfig.host_memory, or lower EngineConfig.chunk_numel or the batch")
+
+
+def default_mesh(data_parallel: int | None = None) -> Mesh:
+    """A 1-D ``data`` mesh over the first W devices (all of them by default)."""
+    from pstar_jax.zero import data_mesh
+    return data_mesh(data_parallel)
+
+
+def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh) -> EngineConfig:
+    """The automatic choices made concrete: a chunk size (the one that wastes least, shardable over
+    the mesh) and the device budget in bytes (a fraction of the device, 0.9 of an accelerator by
+    default, or None on a CPU: the demo default of half the model data, so chunks move)."""
+    chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), model.decays,
+                                                      multiple=mesh.devices.size)
+    device = mesh.devices.flat[0]
+    memory = cfg.device_memory
+    if memory is None:
+        budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
+    elif isinstance(memory, float):
+        budget = int(memory * device_total_bytes(device))
+    else:
+        budget = memory
+    return dataclasses.replace(cfg, chunk_numel=chunk_numel, device_memory=budget)
+
+
+def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, batch_shape: tuple[int, int], *,
+                 mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
+                 machine: Machine | None = None, make_tx: TxFactory | None = None) -> Engine:
+    """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
+    data when the plan does not fit.
+
+    ``batch_shape`` is the global (micro-batch rows, seq_len); the rows are sharded over ``mesh``
+    (default: every device, see DistributedConfig.data_parallel). ``init_params`` maps tensor names
+    to initial values (read one chunk at a time); by default the model's own initialisation.
+    ``make_tx`` replaces the AdamW of ``optim`` by any elementwise optax transformation factory
+    (see pstar_jax.optim); ``optim.clip_norm`` still clips."""
+    from pstar_jax.executor import ChunkedEngine
+    from pstar_jax.plain import PlainEngine
+
+    mesh = mesh if mesh is not None else default_mesh()
+    micro_batch_shape(batch_shape[0], 1, batch_shape[1], mesh)  # the rows must shard over the mesh
+    make_tx = make_tx or default_tx(optim)
+    if config.kind == "plain":
+        return PlainEngine(model, config.precision, make_tx, config.micro_batches, seed, optim.clip_norm,
+                           config.remat, mesh=mesh, init_params=init_params, skip_nonfinite=skip_nonfinite)
+    resolved = resolve_engine_config(config, model, mesh)
+    host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
+    if machine is None:
+        from pstar_jax.machine import measure
+        placement = Placement(mesh)
+        machine = measure(placement, ChunkOptimizer(make_tx, placement, resolved.compute_dtype))
+    return ChunkedEngine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
+                         host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite)
+
+
+def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:
+    """The global micro-batch shape, checked against the mesh."""
+    micro = batch_size // micro_batches
+    W = mesh.devices.size
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree "
+                          f"{W} (DistributedConfig.data_parallel)")
+    return micro, seq_len
+
+
+__all__ = ["Planned", "plan_model", "require_fit", "resolve_engine_config", "build_engine", "default_mesh",
+           "micro_batch_shape"]
