@@ -7,8 +7,8 @@ about ``PIECE_BYTES`` cut at line breaks, encoded in batches (the ``tokenizers``
 batch over threads) and appended to the output, so inputs larger than memory work.
 
 Cutting a large file into pieces is exact for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen):
-a piece ends at a newline between two non-space characters, where their pre-tokenizers split
-anyway. SentencePiece-style ones (Llama 2, Mistral) prepend a space marker to each piece, so a
+a piece ends at a newline between two non-space characters, or else before the space between two
+letters, where their pre-tokenizers split anyway. SentencePiece-style ones (Llama 2, Mistral) prepend a space marker to each piece, so a
 file over ``PIECE_BYTES`` may differ from a whole-file encoding in one token per piece.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
@@ -134,16 +135,29 @@ def _char_boundary(text: bytes, at: int) -> int:
 
 
 def _cut_point(buf: bytes) -> int:
-    """Where to end a piece of a large text file: see the module docstring."""
+    """Where to end a piece of a large text file, in its second half: see the module docstring."""
     half, end = len(buf) // 2, len(buf) - 1
-    while (i := buf.rfind(b"\n", half, end)) > half:
+    while (i := buf.rfind(b"\n", half, end)) > half:  # a newline between two non-space bytes
         if not buf[i - 1:i].isspace() and not buf[i + 1:i + 2].isspace():
             return i + 1
         end = i
+    # Before the space of "word word": a word takes its leading space in those pre-tokenizers.
+    if (last := _last_match(_WORD_SPACE_WORD, buf, half)) is not None:
+        return last
     if (i := buf.rfind(b"\n", half)) >= 0:
         return i + 1
     # No line break: cut before the last character, which may continue in the next block.
     return _char_boundary(buf, len(buf) - 1) or len(buf)
+
+
+_WORD_SPACE_WORD = re.compile(rb"(?<=[A-Za-z]) (?=[A-Za-z])")
+
+
+def _last_match(pattern: re.Pattern, buf: bytes, start: int) -> int | None:
+    last = None
+    for last in pattern.finditer(buf, start):
+        pass
+    return None if last is None else last.start()
 
 
 def read_text(path: Path, piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
