@@ -27,10 +27,10 @@ import numpy as np
 from pstar_jax import data
 from pstar_jax.data import DataError, TokenWriter, io_errors
 
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 1 << 18
 # One encode_batch call: many pieces for the threads to share, few enough that the Encoding
 # objects (far larger than the ids they carry) stay in the low hundreds of MB.
-BATCH_BYTES = 8 << 20
+BATCH_BYTES = 4 << 20
 
 
 class Piece(NamedTuple):
