@@ -8,8 +8,9 @@ batch over threads) and appended to the output, so inputs larger than memory wor
 
 Cutting a large file into pieces is exact for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen):
 a piece ends at a newline between two non-space characters, or else before the space between two
-letters, where their pre-tokenizers split anyway. SentencePiece-style ones (Llama 2, Mistral) prepend a space marker to each piece, so a
-file over ``PIECE_BYTES`` may differ from a whole-file encoding in one token per piece.
+letters, where their pre-tokenizers split anyway. SentencePiece-style ones (Llama 2, Mistral)
+prepend a space marker to each piece, so a file over ``PIECE_BYTES`` may differ from a whole-file
+encoding in one token per piece.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class HFEncoder:
 
     def __init__(self, tokenizer, name: str, eos_id: int) -> None:
         self.tokenizer, self.name, self.eos_id = tokenizer, name, eos_id
-        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        # The largest id + 1, not the count: added tokens may leave holes in the ids.
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         # encode_batch_fast (tokenizers >= 0.21) skips the offsets, which are not needed here.
         self._encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
@@ -109,17 +111,17 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> HFE
     if eos_id is None:
         raise DataError(f"end-of-text token {eos_token!r} is not in the vocabulary of {file}; "
                         f"pass --eos-token with one of its special tokens")
-    return HFEncoder(tokenizer, str(path), eos_id)
+    return HFEncoder(tokenizer, str(path.resolve()), eos_id)
 
 
 def _config_eos_token(config: Path) -> str | None:
     if not config.exists():
         return None
     with io_errors(config, "read"):
-        text = config.read_text()
+        raw = config.read_bytes()
     try:
-        eos = json.loads(text).get("eos_token")
-    except (ValueError, AttributeError):
+        eos = json.loads(raw).get("eos_token")
+    except (ValueError, AttributeError):  # not JSON, not UTF-8, or not an object
         raise DataError(f"{config} is not a JSON object; fix it or pass --eos-token") from None
     # Older configs store the token as a serialised AddedToken: {"content": "</s>", ...}.
     return eos.get("content") if isinstance(eos, dict) else eos
@@ -211,28 +213,29 @@ def default_corpus_pieces(encoder: Encoder) -> Iterator[Piece]:
         yield Piece(document, True, "the default corpus", len(document))
 
 
-def _batches(pieces: Iterable[Piece], max_bytes: int | None, encoder: Encoder,
-             batch_bytes: int) -> Iterator[list[Piece]]:
-    """Groups pieces into batches; ``max_bytes`` caps the input, a document boundary counting 1."""
-    batch, size, left, first = [], 0, max_bytes, True
+def _capped(pieces: Iterable[Piece], max_bytes: int, encoder: Encoder) -> Iterator[Piece]:
+    """The first ``max_bytes`` of input; a document boundary counts as one byte, so that on the
+    byte-level path tokens == bytes (as with one NUL between documents)."""
+    left = max_bytes
+    for i, piece in enumerate(pieces):
+        left -= piece.starts_document and i > 0
+        if left < 0:
+            return
+        if len(piece.text) >= left:
+            yield piece._replace(text=encoder.truncate(piece.text, left))
+            return
+        left -= len(piece.text)
+        yield piece
+
+
+def _batches(pieces: Iterable[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+    batch, size_bytes = [], 0
     for piece in pieces:
-        if piece.starts_document and not first and left is not None:
-            left -= 1  # the boundary, so that on the byte-level path tokens == bytes
-        if left is not None:
-            if left < 0:
-                break
-            if len(piece.text) > left:
-                piece = piece._replace(text=encoder.truncate(piece.text, left))
-                left = -1
-            else:
-                left -= len(piece.text)
         batch.append(piece)
-        size, first = size + len(piece.text), False
-        if size >= batch_bytes:
+        size_bytes += len(piece.text)
+        if size_bytes >= batch_bytes:
             yield batch
-            batch, size = [], 0
-        if left is not None and left < 0:
-            break
+            batch, size_bytes = [], 0
     if batch:
         yield batch
 
@@ -240,8 +243,10 @@ def _batches(pieces: Iterable[Piece], max_bytes: int | None, encoder: Encoder,
 def encode_into(writer: TokenWriter, pieces: Iterable[Piece], encoder: Encoder, *,
                 max_bytes: int | None = None, batch_bytes: int = BATCH_BYTES, progress=None) -> None:
     """Encodes ``pieces`` batch by batch into ``writer``, eos between documents."""
+    if max_bytes is not None:
+        pieces = _capped(pieces, max_bytes, encoder)
     eos, first = np.array([encoder.eos_id], np.uint32), True
-    for batch in _batches(pieces, max_bytes, encoder, batch_bytes):
+    for batch in _batches(pieces, batch_bytes):
         parts = []
         for piece, ids in zip(batch, encoder.encode_batch(batch)):
             if piece.starts_document and not first:

@@ -71,6 +71,17 @@ def test_load_checks_sidecar(tmp_path):
         data.load_tokens(tmp_path)
 
 
+def test_load_unreadable_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.u16.bin"
+    data.write_tokens(path, np.arange(10), 256)
+
+    def refuse(*args, **kwargs):  # what a file without read permission does (root ignores chmod)
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(data.np, "memmap", refuse)
+    with pytest.raises(DataError, match=f"^cannot read data file {path}: Permission denied$"):
+        data.load_tokens(path)
+
+
 def test_check_vocab(monkeypatch):
     data.check_vocab(np.array([0, 9]), 10)
     with pytest.raises(DataError, match=r"token id 10, but the model's vocabulary has 10 ids \(0 to 9\); "

@@ -73,6 +73,15 @@ def test_byte_level_either_order_and_default_corpus(tmp_path, capsys):
     np.testing.assert_array_equal(data.load_tokens(tmp_path / "m.u16.bin"), want[:12])
 
 
+def test_max_bytes_on_the_byte_path_is_a_prefix(tmp_path):
+    files = [_write(tmp_path / n, t) for n, t in (("a.txt", "abc"), ("b.txt", ""), ("c.txt", "defg"))]
+    joined = data.encode_bytes(b"abc\x00\x00defg")
+    for max_bytes in range(2, len(joined) + 3):
+        info = tokens.make_token_file(tmp_path / "o.u16.bin", files, max_bytes=max_bytes, overwrite=True)
+        np.testing.assert_array_equal(data.load_tokens(tmp_path / "o.u16.bin"), joined[:max_bytes])
+        assert info["num_tokens"] == min(max_bytes, len(joined))
+
+
 def test_text_files_round_trip_with_eos_between(bpe_dir, tmp_path, capsys):
     a, b = _write(tmp_path / "a.txt", LINES[0] + "\n"), _write(tmp_path / "b.md", LINES[2] + "\n" + LINES[3])
     out = tmp_path / "out.u16.bin"
