@@ -265,3 +265,11 @@ def test_progress_bar(tmp_path, capsys):
     txt = _write(tmp_path / "in.txt", "text " * 100)
     info = tokens.make_token_file(tmp_path / "o.u16.bin", [txt], progress=True)
     assert info["num_tokens"] == 500 and "tokenizing" in capsys.readouterr().err
+
+
+def test_module_entry_point_has_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "pstar_jax.tokens", str(tmp_path / "missing.txt"),
+                           str(tmp_path / "out.u16.bin")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"pstar-tokens: error: input file {tmp_path / 'missing.txt'} does not exist\n"
