@@ -1,7 +1,4 @@
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +15,10 @@ def test_write_load_round_trip(tmp_path, vocab_size, suffix, dtype):
     loaded = data.load_tokens(path)
     assert isinstance(loaded, np.memmap) and loaded.dtype == dtype and not loaded.flags.writeable
     np.testing.assert_array_equal(loaded, tokens)
-    assert os.listdir(tmp_path) == [path.name]  # no temp file left behind
+    assert sorted(os.listdir(tmp_path)) == [path.name, path.name + ".json"]  # no temp file left
+    assert data.read_token_info(path) == {"tokenizer": "array", "vocab_size": vocab_size, "eos_id": None,
+                                          "max_id": int(tokens.max()), "num_tokens": 1000,
+                                          "dtype": np.dtype(dtype).name}
 
 
 def test_write_refuses_overwrite_and_wrong_suffix(tmp_path):
@@ -31,11 +31,13 @@ def test_write_refuses_overwrite_and_wrong_suffix(tmp_path):
     assert len(data.load_tokens(path)) == 20
     with pytest.raises(DataError, match=r"must end in \.u32\.bin"):
         data.write_tokens(tmp_path / "big.u16.bin", np.arange(10), 70_000)
-    with pytest.raises(DataError, match="vocab is 5"):
+    with pytest.raises(DataError, match=r"token ids must be in \[0, 5\).*got 9"):
         data.write_tokens(tmp_path / "v.u16.bin", np.arange(10), 5)
-    with pytest.raises(DataError, match="all >= 0"):
+    with pytest.raises(DataError, match=r"got -1"):
         data.write_tokens(tmp_path / "n.u16.bin", np.array([3, -1]), 256)
-    assert sorted(os.listdir(tmp_path)) == ["t.u16.bin"]
+    with pytest.raises(DataError, match="needs at least 2"):
+        data.write_tokens(tmp_path / "one.u16.bin", np.array([3]), 256)
+    assert sorted(os.listdir(tmp_path)) == ["t.u16.bin", "t.u16.bin.json"]
 
 
 def test_load_errors(tmp_path):
@@ -53,10 +55,47 @@ def test_load_errors(tmp_path):
     np.testing.assert_array_equal(data.load_tokens(tmp_path / "raw.bin", dtype=np.uint16), np.arange(8))
 
 
-def test_check_vocab():
+def test_load_checks_sidecar(tmp_path):
+    path = tmp_path / "t.u16.bin"
+    data.write_tokens(path, np.arange(10), 256)
+    with open(path, "r+b") as f:  # a copy cut short, with its sidecar beside it
+        f.truncate(16)
+    with pytest.raises(DataError, match=r"holds 8 uint16 tokens but its sidecar records 10 uint16 tokens"):
+        data.load_tokens(path)
+    data.sidecar_path(path).write_text("[1]")
+    with pytest.raises(DataError, match=r"t.u16.bin.json is not a pstar-tokens sidecar"):
+        data.load_tokens(path)
+    data.sidecar_path(path).unlink()
+    np.testing.assert_array_equal(data.load_tokens(path), np.arange(8))  # no sidecar: still loads
+    with pytest.raises(DataError, match=r"is a directory"):
+        data.load_tokens(tmp_path)
+
+
+def test_load_unreadable_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.u16.bin"
+    data.write_tokens(path, np.arange(10), 256)
+
+    def refuse(*args, **kwargs):  # what a file without read permission does (root ignores chmod)
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(data.np, "memmap", refuse)
+    with pytest.raises(DataError, match=f"^cannot read data file {path}: Permission denied$"):
+        data.load_tokens(path)
+
+
+def test_check_vocab(monkeypatch):
     data.check_vocab(np.array([0, 9]), 10)
-    with pytest.raises(DataError, match=r"token id 10 but the model's vocab is 10; pass --vocab-size >= 11"):
+    with pytest.raises(DataError, match=r"token id 10, but the model's vocabulary has 10 ids \(0 to 9\); "
+                       r"tokenize with the model's tokenizer or pass --vocab-size >= 11$"):
         data.check_vocab(np.array([0, 10]), 10)
+    # Scanned in chunks: the largest id is found in any chunk, including a short last one.
+    monkeypatch.setattr(data, "_SCAN_NUMEL", 7)
+    tokens = np.zeros(50, np.uint32)
+    for at in (0, 6, 7, 48, 49):
+        tokens[:] = 0
+        tokens[at] = 70_000
+        assert data.max_token(tokens) == 70_000
+        with pytest.raises(DataError, match="token id 70000"):
+            data.check_vocab(tokens, 70_000)
 
 
 def _take(batches, n):
@@ -130,39 +169,3 @@ def test_default_corpus_falls_back_without_sources(tmp_path, monkeypatch):
     corpus = data.default_corpus()
     assert len(corpus) > 1000 and corpus.max() < 256
     np.testing.assert_array_equal(corpus, data.default_corpus())
-
-
-def test_cli_writes_file(tmp_path, capsys):
-    text = tmp_path / "a.txt"
-    text.write_bytes(b"hello world")
-    out = tmp_path / "out.u16.bin"
-    assert data.main([str(out), str(text), str(text)]) == 0
-    assert "23 tokens" in capsys.readouterr().out
-    np.testing.assert_array_equal(data.load_tokens(out), data.encode_bytes(b"hello world\x00hello world"))
-    assert data.main([str(tmp_path / "d.u16.bin"), "--default-corpus", "--max-bytes", "5000"]) == 0
-    assert len(data.load_tokens(tmp_path / "d.u16.bin")) == 5000
-
-
-def test_cli_bad_input_writes_nothing(tmp_path, capsys):
-    out = tmp_path / "out.u16.bin"
-    assert data.main([str(out), str(tmp_path / "missing.txt")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("pstar-tokens: error: text file") and "does not exist" in err
-    assert os.listdir(tmp_path) == []
-
-    out.write_bytes(b"keep")
-    assert data.main([str(out), "--default-corpus"]) == 2
-    assert "already exists" in capsys.readouterr().err
-    assert out.read_bytes() == b"keep"
-
-
-def test_cli_subprocess_has_no_traceback(tmp_path):
-    out = tmp_path / "out.u16.bin"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pstar_jax.data", str(out), str(tmp_path / "missing.txt")],
-        capture_output=True, text=True, env=env,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("pstar-tokens: error:") and proc.stderr.count("\n") == 1
-    assert "Traceback" not in proc.stderr and not out.exists()
