@@ -214,7 +214,8 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
     gpt = isinstance(model.config, GPTConfig)
     if not gpt and not isinstance(model.config, LlamaConfig):
         raise ValueError(f"no Hugging Face names for a model configured by {type(model.config).__name__}")
-    top, block, prefix = (_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers")
+    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
+                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
     out = {}
     for name in model.param_shapes():
         if name.startswith("blocks."):

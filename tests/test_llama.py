@@ -240,3 +240,19 @@ def test_chunked_engine_equals_plain_engine_fp32(config):
     assert pa.keys() == pb.keys()
     for name in pa:
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_bf16_stages_stay_close_to_fp32():
+    """bf16 compute (params cast by the engine) keeps the dtype through the blocks and the loss near fp32's."""
+    staged = StagedLlama(ODD)
+    params = staged.init_params(0)
+    tokens, targets = batch(ODD)
+    stages16 = staged.stages(jnp.bfloat16)
+    h = stages16[0].apply((params["embed.embedding"].astype(jnp.bfloat16),), tokens)
+    for stage in stages16[1:-1]:
+        h = stage.apply(tuple(params[n].astype(jnp.bfloat16) for n in stage.param_names), h)
+    assert h.dtype == jnp.bfloat16
+    loss16 = compose_loss(stages16)({n: p.astype(jnp.bfloat16) for n, p in params.items()}, tokens, targets)
+    loss32 = compose_loss(staged.stages(jnp.float32))(params, tokens, targets)
+    assert loss16.dtype == jnp.float32
+    np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
