@@ -1,0 +1,21 @@
+"""Every model preset behind one ``build_model``, and Hugging Face configs (``--model-module models``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models import gpt, llama
+from models.hf import build_from_hf, hf_config, hf_tensors
+
+__all__ = ["PRESET_NAMES", "build_from_hf", "build_model", "hf_config", "hf_tensors"]
+
+PRESET_NAMES: tuple[str, ...] = (*gpt.PRESETS, *llama.PRESETS)
+
+
+def build_model(name: str, **overrides: Any) -> gpt.StagedGPT | llama.StagedLlama:
+    """A GPT or Llama-family preset with some fields replaced (None values are ignored)."""
+    if name in gpt.PRESETS:
+        return gpt.build_model(name, **overrides)
+    if name in llama.PRESETS:
+        return llama.build_model(name, **overrides)
+    raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESET_NAMES)}")

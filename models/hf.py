@@ -1,0 +1,230 @@
+"""Hugging Face checkpoints: config.json <-> our model configs, and the tensor name map.
+
+``build_from_hf(config)`` reads a config.json dict (model_type gpt2, llama, qwen2, mistral) into
+a staged model, refusing what our models do not implement; ``hf_config(model)`` writes one that
+transformers' from_pretrained loads; ``hf_tensors(model)`` names, for each of our parameters,
+the HF tensor holding it and how to convert it. No file I/O here: the checkpoint reader and
+writer use these three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+from models.gpt import LN_EPS, GPTConfig, StagedGPT
+from models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
+
+SUPPORTED = ("gpt2", *FAMILIES)
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+# transformers' defaults for keys a config.json may leave out (LlamaConfig, Qwen2Config, MistralConfig).
+_HF_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32},
+}
+
+
+class HFTensor(NamedTuple):
+    """Where one of our parameters lives in an HF checkpoint."""
+    name: str
+    transpose: bool  # torch Linear weights are [out, in], our kernels [in, out]
+    truncate_rows: bool  # GPT-2's wpe: the checkpoint may hold more positions than seq_len
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")
+    return config[key]
+
+
+def _refuse_unless(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"config.json asks for {what}, which pstar_jax's models do not implement")
+
+
+def _with_overrides(cls: type, derived: dict[str, Any], overrides: Mapping[str, Any],
+                    hf_keys: Mapping[str, str]) -> Any:
+    """``cls(**derived)`` after checking that every non-None override agrees with the config
+    (seq_len, which is a training choice, has been settled by the caller)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for name, value in overrides.items():
+        if value is None or name == "seq_len":
+            continue
+        if name not in fields:
+            raise ValueError(f"unknown model setting {name!r} for a {cls.__name__}; known: {', '.join(sorted(fields))}")
+        if value != derived[name]:
+            source = f"config.json's {hf_keys[name]}" if name in hf_keys else "config.json"
+            raise ValueError(f"{name}={value!r} contradicts {source} ({derived[name]!r}); drop the setting "
+                             "or use a checkpoint with that shape")
+    return cls(**derived)
+
+
+def _gpt2_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> GPTConfig:
+    d = _require(config, "n_embd")
+    n_inner = config.get("n_inner") or 4 * d
+    act = config.get("activation_function", "gelu_new")
+    _refuse_unless(act in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (only gelu_new)")
+    eps = config.get("layer_norm_epsilon", 1e-5)
+    _refuse_unless(eps == LN_EPS, f"layer_norm_epsilon {eps} (only {LN_EPS})")
+    _refuse_unless(config.get("scale_attn_weights", True), "scale_attn_weights false")
+    _refuse_unless(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+    _refuse_unless(not config.get("add_cross_attention", False), "add_cross_attention")
+    _refuse_unless(n_inner % d == 0, f"n_inner {n_inner}, not a multiple of n_embd {d}")
+    n_positions = config.get("n_positions", 1024)
+    seq_len = overrides.get("seq_len") or n_positions
+    if seq_len > n_positions:
+        raise ValueError(f"seq_len={seq_len} exceeds the checkpoint's learned positions "
+                         f"(n_positions={n_positions}); choose seq_len <= {n_positions}")
+    derived = dict(vocab_size=_require(config, "vocab_size"), d_model=d, n_layer=_require(config, "n_layer"),
+                   n_head=_require(config, "n_head"), seq_len=seq_len,
+                   tie_embeddings=config.get("tie_word_embeddings", True), mlp_ratio=n_inner // d)
+    return _with_overrides(GPTConfig, derived, overrides, {
+        "vocab_size": "vocab_size", "d_model": "n_embd", "n_layer": "n_layer", "n_head": "n_head",
+        "tie_embeddings": "tie_word_embeddings", "mlp_ratio": "n_inner / n_embd"})
+
+
+def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
+    if value is None:
+        return None
+    kind = value.get("rope_type", value.get("type"))
+    if kind == "default":
+        return None
+    _refuse_unless(kind == "llama3", f"rope_scaling type {kind!r} (only llama3)")
+    return Llama3RopeScaling(factor=float(value["factor"]), low_freq_factor=float(value["low_freq_factor"]),
+                             high_freq_factor=float(value["high_freq_factor"]),
+                             original_max_position_embeddings=int(value["original_max_position_embeddings"]))
+
+
+def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int | None:
+    """The window of the layers that slide, or None: what transformers would apply."""
+    if family == "mistral":
+        return config.get("sliding_window", 4096)
+    if family == "qwen2" and config.get("use_sliding_window", False):
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(n_layer)]
+        return config.get("sliding_window", 4096) if "sliding_attention" in types else None
+    return None
+
+
+def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
+    family = config["model_type"]
+    defaults = _HF_DEFAULTS[family]
+    act = config.get("hidden_act", "silu")
+    _refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
+    if family == "llama":
+        _refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
+        _refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
+    _refuse_unless(config.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor below 1")
+    n_head, n_layer = _require(config, "num_attention_heads"), _require(config, "num_hidden_layers")
+    max_positions = config.get("max_position_embeddings") or defaults["max_position_embeddings"]
+    seq_len = overrides.get("seq_len") or min(max_positions, DEFAULT_SEQ_LEN)
+    window = _sliding_window(config, family, n_layer)
+    if window is not None and window < seq_len:
+        raise ValueError(f"config.json's sliding_window={window} would take effect at seq_len={seq_len}, and "
+                         f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
+    derived = dict(
+        vocab_size=_require(config, "vocab_size"), d_model=_require(config, "hidden_size"), n_layer=n_layer,
+        n_head=n_head, n_kv_head=config.get("num_key_value_heads") or n_head,
+        d_ff=_require(config, "intermediate_size"), seq_len=seq_len, head_dim=config.get("head_dim"),
+        rope_theta=float(config.get("rope_theta", 10000.0)), rope_scaling=_rope_scaling(config.get("rope_scaling")),
+        norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=None if max_positions == seq_len else max_positions, family=family)
+    return _with_overrides(LlamaConfig, derived, overrides, {
+        "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
+        "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
+        "head_dim": "head_dim", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+        "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
+        "qkv_bias": "model_type"})
+
+
+def build_from_hf(config: Mapping[str, Any], **overrides: Any) -> StagedGPT | StagedLlama:
+    """The staged model a config.json describes. ``overrides`` are our config fields (None values
+    ignored): ``seq_len`` may be chosen (for GPT-2 at most n_positions; default n_positions for
+    GPT-2, min(max_position_embeddings, 4096) for the Llama family), any other must agree."""
+    model_type = config.get("model_type")
+    if model_type == "gpt2":
+        return StagedGPT(_gpt2_config(config, overrides))
+    if model_type in FAMILIES:
+        return StagedLlama(_llama_config(config, overrides))
+    raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+
+
+def hf_config(model: Any, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+    """The config.json for ``model`` (a StagedGPT/StagedLlama or anything with such a ``.config``),
+    its weights stored in ``torch_dtype``."""
+    c = model.config
+    if isinstance(c, GPTConfig):
+        return {"architectures": [_ARCHITECTURES["gpt2"]], "model_type": "gpt2", "vocab_size": c.vocab_size,
+                "n_positions": c.seq_len, "n_embd": c.d_model, "n_layer": c.n_layer, "n_head": c.n_head,
+                "n_inner": c.mlp_ratio * c.d_model, "activation_function": "gelu_new",
+                "layer_norm_epsilon": LN_EPS, "scale_attn_weights": True, "tie_word_embeddings": c.tie_embeddings,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+                "use_cache": True, "torch_dtype": torch_dtype}
+    if not isinstance(c, LlamaConfig):
+        raise ValueError(f"no Hugging Face export for a model configured by {type(c).__name__}")
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings or c.seq_len, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": None, "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype}
+    if c.head_dim is not None:
+        out["head_dim"] = c.head_dim
+    if c.rope_scaling is not None:
+        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)}
+    if c.family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif c.family == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    else:
+        out.update(sliding_window=None)
+    return out
+
+
+_GPT2_TOP = {"wte.embedding": HFTensor("transformer.wte.weight", False, False),
+             "wpe": HFTensor("transformer.wpe.weight", False, True),
+             "ln_f.scale": HFTensor("transformer.ln_f.weight", False, False),
+             "ln_f.bias": HFTensor("transformer.ln_f.bias", False, False),
+             "head.kernel": HFTensor("lm_head.weight", True, False)}
+# HF's Conv1D weights are already [in, out]; c_attn is the fused q|k|v, split in that order
+# into heads exactly as models.gpt.Attention reshapes qkv to (3, n_head, head_dim).
+_GPT2_BLOCK = {"ln1.scale": "ln_1.weight", "ln1.bias": "ln_1.bias", "attn.qkv.kernel": "attn.c_attn.weight",
+               "attn.qkv.bias": "attn.c_attn.bias", "attn.proj.kernel": "attn.c_proj.weight",
+               "attn.proj.bias": "attn.c_proj.bias", "ln2.scale": "ln_2.weight", "ln2.bias": "ln_2.bias",
+               "mlp.fc.kernel": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+               "mlp.proj.kernel": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias"}
+_LLAMA_TOP = {"embed.embedding": HFTensor("model.embed_tokens.weight", False, False),
+              "norm.scale": HFTensor("model.norm.weight", False, False),
+              "head.kernel": HFTensor("lm_head.weight", True, False)}
+_LLAMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "mlp_norm.scale": "post_attention_layernorm.weight",
+                **{f"attn.{x}.kernel": f"self_attn.{x}_proj.weight" for x in "qkvo"},
+                **{f"attn.{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
+                **{f"mlp.{x}.kernel": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}}
+
+
+def hf_tensors(model: Any) -> dict[str, HFTensor]:
+    """For every parameter of ``model`` (by its pstar name): the HF tensor name, whether to
+    transpose, whether the HF tensor may have extra rows to drop. Tied heads have no entry of
+    their own (HF's lm_head.weight is the embedding then)."""
+    gpt = isinstance(model.config, GPTConfig)
+    if not gpt and not isinstance(model.config, LlamaConfig):
+        raise ValueError(f"no Hugging Face names for a model configured by {type(model.config).__name__}")
+    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
+                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
+    out = {}
+    for name in model.param_shapes():
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            if rest not in block:
+                raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
+            out[name] = HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
+        elif name in top:
+            out[name] = top[name]
+        else:
+            raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
+    return out

@@ -1,0 +1,417 @@
+"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral), and its split into stages.
+
+The numerics follow Hugging Face transformers, so that HF weights give HF's logits: RMSNorm
+normalises in float32, casts back to the input dtype and then multiplies by its weight; RoPE
+rotates the two halves of each head (``rotate_half``), so HF q/k weights load with a plain
+transpose; query head h reads key/value head h // (n_head / n_kv_head) (HF's ``repeat_kv``);
+attention scores are scaled after the q.k product and softmaxed in float32.
+
+Module layout (parameter names are a contract with the checkpoint I/O, see models/hf.py):
+``embed.embedding`` [V,D]; per block ``attn_norm.scale``, ``attn.{q,k,v}.kernel`` (+ ``.bias``
+with ``qkv_bias``), ``attn.o.kernel``, ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
+``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied.
+
+Shapes use nanodo's suffixes: B batch, L sequence, D model width, H query heads, N key/value
+heads, G query heads per key/value head, K head width, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.gpt import Stage, _linear, _state_of, cross_entropy, logits
+
+FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency scaling (HF ``rope_scaling`` with ``rope_type: llama3``)."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"rope scaling {field} must be positive, got {getattr(self, field)!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope scaling high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    seq_len: int
+    head_dim: int | None = None  # None: d_model // n_head
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False  # Qwen2's q/k/v biases
+    tie_embeddings: bool = False
+    max_position_embeddings: int | None = None  # the context written to config.json; None: seq_len
+    family: str = "llama"  # llama, qwen2 or mistral: the HF model_type it exports as
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{field} must be a positive integer, got {value!r}")
+        for field in ("head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"LlamaConfig.{field} must be a positive integer or None, got {value!r}")
+        if self.head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"LlamaConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
+                             "unless head_dim is given")
+        if self.d_head % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.d_head} must be even (RoPE rotates pairs)")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"LlamaConfig.n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"LlamaConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        # HF's Qwen2 always has q/k/v biases; its Llama puts attention_bias on o as well, Mistral has none.
+        if self.qkv_bias != (self.family == "qwen2"):
+            raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
+                             "q/k/v biases exist exactly in qwen2")
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+
+def _llama3(factor: float) -> Llama3RopeScaling:
+    return Llama3RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)
+
+
+DEFAULT_SEQ_LEN = 4096  # presets train at this length unless told otherwise
+_LLAMA3 = LlamaConfig(vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
+                      seq_len=DEFAULT_SEQ_LEN, rope_theta=500000.0, rope_scaling=_llama3(8.0),
+                      norm_eps=1e-5, max_position_embeddings=131072)
+_QWEN25 = LlamaConfig(vocab_size=152064, d_model=3584, n_layer=28, n_head=28, n_kv_head=4, d_ff=18944,
+                      seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True,
+                      max_position_embeddings=131072, family="qwen2")
+_r = dataclasses.replace
+# Shapes of the published config.json files, checked against stored copies of them:
+# Llama 3.1 8B, 3.2 3B and Qwen2.5 7B/14B/32B in citsjtu2020/LLM-Prof sglang/Model_Config.md;
+# Llama 3.2 1B in kevinstephano/thunder_model_blocks hf_llama/llama_config.py; Llama 3.1 70B in
+# vulkomilev/oumi configs/recipes/llama3_1/README.md; Qwen2.5 0.5B/72B in a MaxText test file
+# quoting huggingface.co/Qwen/Qwen2.5-*/blob/main/config.json (72B base: rms_norm_eps 1e-5, the
+# Instruct model has 1e-6); Mistral 7B v0.3 (vocab 32768, theta 1e6, sliding_window null) in
+# litgpt's config.py quoting huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json.
+PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
+    "llama-tiny": LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=96,
+                              seq_len=64, rope_scaling=_llama3(8.0)),
+    "llama-3.2-1b": _r(_LLAMA3, d_model=2048, n_layer=16, n_head=32, d_ff=8192, rope_scaling=_llama3(32.0),
+                       tie_embeddings=True),
+    "llama-3.2-3b": _r(_LLAMA3, d_model=3072, n_layer=28, n_head=24, d_ff=8192, rope_scaling=_llama3(32.0),
+                       tie_embeddings=True),
+    "llama-3.1-8b": _LLAMA3,
+    "llama-3.1-70b": _r(_LLAMA3, d_model=8192, n_layer=80, n_head=64, d_ff=28672),
+    "qwen2.5-0.5b": _r(_QWEN25, vocab_size=151936, d_model=896, n_layer=24, n_head=14, n_kv_head=2, d_ff=4864,
+                       tie_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-7b": _QWEN25,
+    "qwen2.5-14b": _r(_QWEN25, d_model=5120, n_layer=48, n_head=40, n_kv_head=8, d_ff=13824, norm_eps=1e-5),
+    "qwen2.5-32b": _r(_QWEN25, d_model=5120, n_layer=64, n_head=40, n_kv_head=8, d_ff=27648, norm_eps=1e-5),
+    "qwen2.5-72b": _r(_QWEN25, d_model=8192, n_layer=80, n_head=64, n_kv_head=8, d_ff=29568, norm_eps=1e-5),
+    "mistral-7b": LlamaConfig(vocab_size=32768, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
+                              seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
+                              max_position_embeddings=32768, family="mistral"),
+})
+
+
+def preset(name: str) -> LlamaConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# -- numerics --------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF's LlamaRMSNorm: normalise in float32, cast back to x's dtype, then multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [K/2], float32, with Llama 3.1's scaling when configured (HF's formulas)."""
+    K = config.d_head
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, K, 2, dtype=np.float64) / K))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by the factor, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(config: LlamaConfig, length: int) -> tuple[jax.Array, jax.Array]:
+    """cos_LxK and sin_LxK in float32: angles position * inv_freq, the halves repeated (HF's layout)."""
+    angles_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(config))[None, :]
+    angles_LxK = jnp.concatenate([angles_LxK2, angles_LxK2], axis=-1)
+    return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
+
+
+def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
+    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does."""
+    half = x_BxLxHxK.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxLxHxK[..., half:], x_BxLxHxK[..., :half]], axis=-1)
+    cos, sin = cos_LxK[:, None, :].astype(x_BxLxHxK.dtype), sin_LxK[:, None, :].astype(x_BxLxHxK.dtype)
+    return x_BxLxHxK * cos + rotated * sin
+
+
+def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array) -> jax.Array:
+    """Grouped-query causal attention: head h reads kv head h // G; scores softmaxed in float32."""
+    B, L, H, K = q_BxLxHxK.shape
+    N = k_BxLxNxK.shape[2]
+    q_BxLxNxGxK = q_BxLxHxK.reshape(B, L, N, H // N, K)
+    scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK) * (K ** -0.5)
+    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+    scores32 = jnp.where(causal_LxL, scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
+    probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxLxHxK.dtype)
+    return jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK).reshape(B, L, H, K)
+
+
+# -- modules ---------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs):
+        self.config = config
+        D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.d_head
+        self.q = _linear(D, H * K, rngs, bias=config.qkv_bias)
+        self.k = _linear(D, N * K, rngs, bias=config.qkv_bias)
+        self.v = _linear(D, N * K, rngs, bias=config.qkv_bias)
+        self.o = _linear(H * K, D, rngs, o_std, bias=False)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        c = self.config
+        B, L, _ = x_BxLxD.shape
+        cos_LxK, sin_LxK = rope_tables(c, L)
+        q = apply_rope(self.q(x_BxLxD).reshape(B, L, c.n_head, c.d_head), cos_LxK, sin_LxK)
+        k = apply_rope(self.k(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head), cos_LxK, sin_LxK)
+        v = self.v(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head)
+        return self.o(causal_attention(q, k, v).reshape(B, L, c.n_head * c.d_head))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs):
+        self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False)
+        self.up = _linear(config.d_model, config.d_ff, rngs, bias=False)
+        self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))
+
+
+def _residual_std(config: LlamaConfig) -> float:
+    """GPT-2's depth scaling for the projections that write into the residual stream."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
+class Block(nnx.Module):
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, _residual_std(config), rngs=rngs)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config, _residual_std(config), rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+
+
+class Llama(nnx.Module):
+    """``embed(tokens_BxL)`` (the nnx.Embed itself) -> ``blocks`` -> ``unembed(h)`` -> logits.
+
+    The final norm + projection is the method ``unembed``, not ``head``: ``head`` is the untied
+    projection's module, whose ``head.kernel`` name the checkpoint I/O relies on. ``n_blocks``
+    builds fewer blocks (0 or 1 for an adapter's shell); init scales still follow config.n_layer."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
+        self.config = config
+        D = config.d_model
+        self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs)
+                                for _ in range(config.n_layer if n_blocks is None else n_blocks)])
+        self.norm = RMSNorm(D, config.norm_eps)
+        if not config.tie_embeddings:
+            self.head = _linear(D, config.vocab_size, rngs, bias=False)
+
+    def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
+        tied = self.config.tie_embeddings
+        head = self.embed.embedding[...] if tied else self.head.kernel[...]
+        return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        h_BxLxD = self.embed(tokens_BxL)
+        for block in self.blocks:
+            h_BxLxD = block(h_BxLxD)
+        return self.unembed(h_BxLxD)
+
+    def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+        return cross_entropy(self(tokens_BxL), targets_BxL)
+
+
+# -- staging ---------------------------------------------------------------------------------
+
+# Forward order of tensors within their module: the chunk layout follows it.
+_RANK = {"embed": 0, "blocks": 1, "norm": 2, "head": 3, "attn_norm": 0, "attn": 1, "mlp_norm": 2, "mlp": 3,
+         "q": 0, "k": 1, "v": 2, "o": 3, "gate": 0, "up": 1, "down": 2,
+         "embedding": 0, "kernel": 0, "scale": 0, "bias": 1}
+
+
+def _order_key(name: str) -> list[int]:
+    return [int(k) if k.isdigit() else _RANK[k] for k in name.split(".")]
+
+
+def _flat_params(module: nnx.Module) -> dict[str, Any]:
+    """Param leaves by dotted path, in forward order."""
+    flat = {".".join(map(str, path)): var.get_value()
+            for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    return {name: flat[name] for name in sorted(flat, key=_order_key)}
+
+
+def _abstract_llama(config: LlamaConfig, n_blocks: int | None = None) -> Llama:
+    return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), n_blocks=n_blocks))
+
+
+def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:
+    """A Llama holding exactly ``params`` (names as in StagedLlama.param_shapes), in their dtypes."""
+    model = _abstract_llama(config)
+    expected = set(_flat_params(model))
+    if set(params) != expected:
+        raise ValueError(f"params do not match the model: missing {sorted(expected - set(params))}, "
+                         f"unexpected {sorted(set(params) - expected)}")
+    names = tuple(params)
+    nnx.update(model, _state_of(names, tuple(params[n] for n in names)))
+    return model
+
+
+class StagedLlama:
+    """Llama as a chain of stages: embed, block_0..block_{n-1}, head (final norm, logits, loss)."""
+
+    def __init__(self, config: LlamaConfig):
+        self.config = config
+        one_block = _abstract_llama(config, n_blocks=1)  # one traced block stands for all
+        shapes = {n: tuple(v.shape) for n, v in _flat_params(one_block).items()}
+        block_graph, block_state = nnx.split(one_block.blocks[0])
+        self._block_names = block_names = tuple(
+            sorted((".".join(map(str, p)) for p, _ in nnx.to_flat_state(block_state)), key=_order_key))
+        shapes.update({f"blocks.{i}.{n}": shapes[f"blocks.0.{n}"]
+                       for i in range(config.n_layer) for n in block_names})
+        self._shapes = {n: shapes[n] for n in sorted(shapes, key=_order_key)}
+        self._index = {n: i for i, n in enumerate(self._shapes)}
+
+        # Built once: every block stage shares this object, the engine's compile-cache key.
+        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array) -> jax.Array:
+            return nnx.merge(block_graph, _state_of(block_names, params))(h_BxLxD)
+
+        tied, eps = config.tie_embeddings, config.norm_eps
+
+        def head_apply(params: tuple[jax.Array, jax.Array], h_BxLxD: jax.Array,
+                       targets_BxL: jax.Array) -> jax.Array:
+            scale, head = params
+            return cross_entropy(logits(rms_norm(h_BxLxD, scale, eps), head, tied), targets_BxL)
+
+        self._block_apply, self._head_apply = block_apply, head_apply
+        self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def init_tensor(self, name: str, seed: int) -> jax.Array:
+        """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)
+        for attn.o and mlp.down, zeros for biases, ones for norm scales; each tensor's key is the
+        seed folded with its index, so values do not depend on which other tensors are made."""
+        shape = self._shapes[name]
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "bias":
+            return jnp.zeros(shape, jnp.float32)
+        if leaf == "scale":
+            return jnp.ones(shape, jnp.float32)
+        residual = name.endswith(("attn.o.kernel", "mlp.down.kernel"))
+        std = _residual_std(self.config) if residual else 0.02
+        key = jax.random.fold_in(jax.random.key(seed), self._index[name])
+        return std * jax.random.normal(key, shape, jnp.float32)
+
+    def init_params(self, seed: int) -> dict[str, jax.Array]:
+        return {name: self.init_tensor(name, seed) for name in self._shapes}
+
+    def stages(self, compute_dtype: Any) -> list[Stage]:
+        dtype = jnp.dtype(compute_dtype)
+        if dtype not in self._embed_applies:
+            def embed_apply(params: tuple[jax.Array], tokens_BxL: jax.Array) -> jax.Array:
+                return jnp.take(params[0], tokens_BxL, axis=0).astype(dtype)
+            self._embed_applies[dtype] = embed_apply
+        head_weight = "embed.embedding" if self.config.tie_embeddings else "head.kernel"
+        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
+                  for i in range(self.config.n_layer)]
+        return [Stage("embed", ("embed.embedding",), self._embed_applies[dtype]), *blocks,
+                Stage("head", ("norm.scale", head_weight), self._head_apply)]
+
+    def decays(self, name: str) -> bool:
+        """Matrices (kernels, embeddings) decay, vectors (norms, biases) do not."""
+        return len(self._shapes[name]) >= 2
+
+    def n_params(self) -> int:
+        return sum(math.prod(shape) for shape in self._shapes.values())
+
+    def flops_per_token(self) -> float:
+        """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters (all but the
+        embedding table, unless it doubles as the tied head); the second term is attention's two
+        L x L matmuls, halved for the causal mask."""
+        c = self.config
+        lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
+        return 6.0 * (self.n_params() - lookup) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+
+
+def build_model(name: str, **overrides: Any) -> StagedLlama:
+    """A preset with some fields replaced (None values are ignored): what a CLI builds."""
+    config = dataclasses.replace(preset(name), **{k: v for k, v in overrides.items() if v is not None})
+    return StagedLlama(config)
