@@ -20,14 +20,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.gpt import Stage, _linear, _state_of, cross_entropy, logits
+from models.gpt import _linear, logits
+from pstar_jax.model import NNXStaged, cross_entropy
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
 
@@ -300,76 +301,21 @@ class Llama(nnx.Module):
 
 # -- staging ---------------------------------------------------------------------------------
 
-# Forward order of tensors within their module: the chunk layout follows it.
-_RANK = {"embed": 0, "blocks": 1, "norm": 2, "head": 3, "attn_norm": 0, "attn": 1, "mlp_norm": 2, "mlp": 3,
-         "q": 0, "k": 1, "v": 2, "o": 3, "gate": 0, "up": 1, "down": 2,
-         "embedding": 0, "kernel": 0, "scale": 0, "bias": 1}
 
-
-def _order_key(name: str) -> list[int]:
-    return [int(k) if k.isdigit() else _RANK[k] for k in name.split(".")]
-
-
-def _flat_params(module: nnx.Module) -> dict[str, Any]:
-    """Param leaves by dotted path, in forward order."""
-    flat = {".".join(map(str, path)): var.get_value()
-            for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
-    return {name: flat[name] for name in sorted(flat, key=_order_key)}
-
-
-def _abstract_llama(config: LlamaConfig, n_blocks: int | None = None) -> Llama:
-    return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), n_blocks=n_blocks))
-
-
-def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:
-    """A Llama holding exactly ``params`` (names as in StagedLlama.param_shapes), in their dtypes."""
-    model = _abstract_llama(config)
-    expected = set(_flat_params(model))
-    if set(params) != expected:
-        raise ValueError(f"params do not match the model: missing {sorted(expected - set(params))}, "
-                         f"unexpected {sorted(set(params) - expected)}")
-    names = tuple(params)
-    nnx.update(model, _state_of(names, tuple(params[n] for n in names)))
-    return model
-
-
-class StagedLlama:
+class StagedLlama(NNXStaged):
     """Llama as a chain of stages: embed, block_0..block_{n-1}, head (final norm, logits, loss)."""
 
     def __init__(self, config: LlamaConfig):
         self.config = config
-        one_block = _abstract_llama(config, n_blocks=1)  # one traced block stands for all
-        shapes = {n: tuple(v.shape) for n, v in _flat_params(one_block).items()}
-        block_graph, block_state = nnx.split(one_block.blocks[0])
-        self._block_names = block_names = tuple(
-            sorted((".".join(map(str, p)) for p, _ in nnx.to_flat_state(block_state)), key=_order_key))
-        shapes.update({f"blocks.{i}.{n}": shapes[f"blocks.0.{n}"]
-                       for i in range(config.n_layer) for n in block_names})
-        self._shapes = {n: shapes[n] for n in sorted(shapes, key=_order_key)}
-        self._index = {n: i for i, n in enumerate(self._shapes)}
-
-        # Built once: every block stage shares this object, the engine's compile-cache key.
-        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array) -> jax.Array:
-            return nnx.merge(block_graph, _state_of(block_names, params))(h_BxLxD)
-
-        tied, eps = config.tie_embeddings, config.norm_eps
-
-        def head_apply(params: tuple[jax.Array, jax.Array], h_BxLxD: jax.Array,
-                       targets_BxL: jax.Array) -> jax.Array:
-            scale, head = params
-            return cross_entropy(logits(rms_norm(h_BxLxD, scale, eps), head, tied), targets_BxL)
-
-        self._block_apply, self._head_apply = block_apply, head_apply
-        self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
-
-    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
-        return dict(self._shapes)
+        super().__init__(lambda rngs, n_blocks: Llama(config, rngs=rngs, n_blocks=n_blocks), config.n_layer,
+                         seq_len=config.seq_len, vocab_size=config.vocab_size, logits="unembed")
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)
-        for attn.o and mlp.down, zeros for biases, ones for norm scales; each tensor's key is the
+        for attn.o and mlp.down, zeros for biases, ones for norm scales (the module's own
+        initialisers' distributions, drawn without building the module); each tensor's key is the
         seed folded with its index, so values do not depend on which other tensors are made."""
-        shape = self._shapes[name]
+        shape = self.param_shapes()[name]
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "bias":
             return jnp.zeros(shape, jnp.float32)
@@ -380,28 +326,6 @@ class StagedLlama:
         key = jax.random.fold_in(jax.random.key(seed), self._index[name])
         return std * jax.random.normal(key, shape, jnp.float32)
 
-    def init_params(self, seed: int) -> dict[str, jax.Array]:
-        return {name: self.init_tensor(name, seed) for name in self._shapes}
-
-    def stages(self, compute_dtype: Any) -> list[Stage]:
-        dtype = jnp.dtype(compute_dtype)
-        if dtype not in self._embed_applies:
-            def embed_apply(params: tuple[jax.Array], tokens_BxL: jax.Array) -> jax.Array:
-                return jnp.take(params[0], tokens_BxL, axis=0).astype(dtype)
-            self._embed_applies[dtype] = embed_apply
-        head_weight = "embed.embedding" if self.config.tie_embeddings else "head.kernel"
-        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
-                  for i in range(self.config.n_layer)]
-        return [Stage("embed", ("embed.embedding",), self._embed_applies[dtype]), *blocks,
-                Stage("head", ("norm.scale", head_weight), self._head_apply)]
-
-    def decays(self, name: str) -> bool:
-        """Matrices (kernels, embeddings) decay, vectors (norms, biases) do not."""
-        return len(self._shapes[name]) >= 2
-
-    def n_params(self) -> int:
-        return sum(math.prod(shape) for shape in self._shapes.values())
-
     def flops_per_token(self) -> float:
         """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters (all but the
         embedding table, unless it doubles as the tied head); the second term is attention's two
@@ -409,6 +333,11 @@ class StagedLlama:
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
         return 6.0 * (self.n_params() - lookup) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+
+
+def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:
+    """A Llama holding exactly ``params`` (names as in StagedLlama.param_shapes), in their dtypes."""
+    return StagedLlama(config).module(params)
 
 
 def build_model(name: str, **overrides: Any) -> StagedLlama:

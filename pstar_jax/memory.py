@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pstar_jax.config import ConfigError, format_bytes
+from pstar_jax.config import format_bytes
 
 Key = tuple[str, int]  # (chunk list, chunk id); lists: "param", "grad", "master", "opt"
 

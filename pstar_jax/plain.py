@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.config import ConfigError
-from pstar_jax.engine import NonFiniteLoss, StepResult
+from pstar_jax.engine import StepResult
 from pstar_jax.optim import TxFactory, clip_scale
 from pstar_jax.model import StagedModel, cast_params, compose_loss
 from pstar_jax.zero import replicated_value, to_numpy

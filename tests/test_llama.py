@@ -17,7 +17,7 @@ from pstar_jax.executor import ChunkedEngine
 from pstar_jax.machine import H200
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
-from pstar_jax.stages import compose_loss, validate_stages
+from pstar_jax.model import compose_loss, validate_stages
 
 # Odd sizes: 6 query heads in 2 groups of 3, head width 6, a vocabulary of 101.
 ODD = LlamaConfig(vocab_size=101, d_model=36, n_layer=2, n_head=6, n_kv_head=2, d_ff=56, seq_len=32,
@@ -224,7 +224,7 @@ def test_chunked_engine_equals_plain_engine_fp32(config):
     """Odd sizes, a chunk that is no multiple of the vocabulary, chunks moving: equal losses and params."""
     model = StagedLlama(config)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    engine = ChunkedEngine(model, EngineConfig(chunk_numel=4000, device_budget_bytes=None, precision="fp32"),
+    engine = ChunkedEngine(model, EngineConfig(chunk_numel=4000, device_memory=None, precision="fp32"),
                            default_tx(OPTIM), mesh, (4, config.seq_len), H200, clip_norm=OPTIM.clip_norm)
     reference = PlainEngine(model, "fp32", default_tx(OPTIM), clip_norm=OPTIM.clip_norm)
     moved, la, lb = 0, [], []
