@@ -87,8 +87,15 @@ def weight_files(directory: str) -> dict[str, str]:
     if not os.path.isfile(os.path.join(directory, SINGLE)):
         raise HFCheckpointError(f"{directory} holds neither {SINGLE} nor {INDEX}; only safetensors weights are "
                                 "read (convert pytorch_model.bin with safetensors first)")
-    with safe_open(os.path.join(directory, SINGLE), framework="numpy") as f:
-        return {name: SINGLE for name in f.keys()}
+    return {name: SINGLE for name in _open(os.path.join(directory, SINGLE)).keys()}
+
+
+def _open(path: str):
+    """A safetensors file's handle (header read, data mapped lazily)."""
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as err:  # SafetensorError, OSError: the file is not a readable safetensors file
+        raise HFCheckpointError(f"{path} is not a readable safetensors file ({err}); download it again") from None
 
 
 class HFCheckpoint(Mapping[str, np.ndarray]):
@@ -106,8 +113,7 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         self._map = dict(tensor_map)
         self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
         listed = weight_files(self.directory)
-        self._files = {f: safe_open(os.path.join(self.directory, f), framework="numpy")
-                       for f in sorted(set(listed.values()))}
+        self._files = {f: _open(os.path.join(self.directory, f)) for f in sorted(set(listed.values()))}
         self._where: dict[str, str] = {}  # HF name -> file, from the files' own headers
         for filename, handle in self._files.items():
             self._where.update((name, filename) for name in handle.keys())
@@ -116,9 +122,12 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
                 raise HFCheckpointError(f"{INDEX} in {self.directory} puts {name} in {filename}, which does not "
                                         "hold it; the checkpoint is incomplete or corrupt")
         self._hf_names = {pstar: self._resolve(hf) for pstar, (hf, _, _) in self._map.items()}
+        # pstar name -> (rows in the file, rows kept), for the tensors cut short: callers say so.
+        self.truncated: dict[str, tuple[int, int]] = {}
         for pstar in self._map:
             self._check(pstar)
-        unexpected = sorted(set(self._where) - set(self._hf_names.values()) - {n for n in self._where if _BUFFER.search(n)})
+        mapped = set(self._hf_names.values())
+        unexpected = sorted(n for n in self._where if n not in mapped and not _BUFFER.search(n))
         if unexpected:
             raise HFCheckpointError(f"{self._where[unexpected[0]]} in {self.directory} holds {unexpected[0]}, which "
                                     f"the model has no parameter for ({len(unexpected)} such tensors); the config "
@@ -151,6 +160,8 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         if shape and shape[0] < ours[0]:
             raise HFCheckpointError(f"tensor {hf} in {where} has {shape[0]} rows, the model needs {ours[0]} "
                                     "(a longer sequence than the checkpoint has positions?); lower --seq-len")
+        if shape and shape[0] > ours[0]:
+            self.truncated[pstar] = (shape[0], ours[0])
 
     def __getitem__(self, pstar: str) -> np.ndarray:
         hf = self._hf_names[pstar]
@@ -161,12 +172,12 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
             value = handle.get_slice(hf)[:rows]  # reads only the rows kept
         else:
             value = handle.get_tensor(hf)
-        value = value.astype(np.float32)  # one conversion: fp32 sources come back as they are read
-        if transpose:
+        value = value.astype(np.float32, copy=False)  # fp32 sources are not copied again
+        if transpose:  # a view: the engine copies it into its chunk, so no contiguous copy here
             value = value.T
         if truncate and transpose:
             value = value[:rows]
-        return np.ascontiguousarray(value)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._map)

@@ -113,7 +113,9 @@ def test_hf_to_pstar_to_hf_is_byte_identical(tmp_path, dtype, n_files):
     expected, stored = write_hf(tmp_path / "src", model, dtype, n_files, extra=extra)
     for name in ("tokenizer.json", "merges.txt", "README.md"):
         (tmp_path / "src" / name).write_text(name)
-    engine = engine_from(model, open_hf(tmp_path / "src", model))
+    source = open_hf(tmp_path / "src", model)
+    assert source.truncated == {"wpe": (TINY.seq_len + EXTRA_ROWS, TINY.seq_len)}
+    engine = engine_from(model, source)
     assert engine.layout.n_chunks > 1
     params = engine.params()
     assert list(params) == list(expected)
@@ -207,9 +209,9 @@ def test_loader_peak_host_memory_is_one_tensor_not_the_model(tmp_path):
         tracemalloc.stop()
     assert engine.layout.n_chunks >= 8 and traced.reads == len(model.param_shapes())
     assert opened_bytes < largest_fp32_bytes / 4  # opening reads headers only
-    print(f"opened {opened_bytes / 2**10:.0f} KiB; loader peak {peak_bytes / 2**20:.2f} MiB; largest tensor {largest_fp32_bytes / 2**20:.2f} MiB fp32, "
-          f"model {model_fp32_bytes / 2**20:.2f} MiB fp32")
-    assert peak_bytes < 3 * largest_fp32_bytes + 2**20 < model_fp32_bytes / 2
+    print(f"opened {opened_bytes / 2**10:.0f} KiB; loader peak {peak_bytes / 2**20:.2f} MiB; largest tensor "
+          f"{largest_fp32_bytes / 2**20:.2f} MiB fp32, model {model_fp32_bytes / 2**20:.2f} MiB fp32")
+    assert peak_bytes < 2 * largest_fp32_bytes + 2**19 < model_fp32_bytes / 4
 
 
 # -- one-line errors before anything is allocated ------------------------------------------------
@@ -237,6 +239,10 @@ def test_missing_directory_config_and_weights(tmp_path):
     with pytest.raises(HFCheckpointError) as err:
         open_hf(tmp_path, model)
     assert "neither model.safetensors nor model.safetensors.index.json" in one_line(err)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    with pytest.raises(HFCheckpointError) as err:
+        open_hf(tmp_path, model)
+    assert "model.safetensors is not a readable safetensors file" in one_line(err)
 
 
 def test_index_naming_a_missing_file_or_a_tensor_not_in_its_file(tmp_path):
@@ -401,7 +407,7 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
         (["--checkpoint-dir", str(tmp_path / "none"), "--hf", out], "is not a directory"),
         (["--checkpoint-dir", ck, "--hf", str(tok)], "not an earlier pstar_jax Hugging Face export"),
         (["--checkpoint-dir", ck, "--hf", out, "--hf-module", "no_such_module"], "cannot be imported"),
-        (["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "int4", "--hf-module", "hfmap_test"], "invalid choice"),
+        (["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "int4"], "invalid choice"),
     ]:
         assert export_main(argv + ([] if "--hf-module" in argv else ["--hf-module", "hfmap_test"])) == 2, argv
         err = capsys.readouterr().err
