@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
@@ -280,7 +280,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
     np_dtype, torch_name = EXPORT_DTYPES[dtype]
     parent, base = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{base}.partial-", dir=parent)
+    staging = _new_dir(parent, f".{base}.partial-")
     try:
         writer = _ShardWriter(staging, max_shard_bytes)
         seen: set[str] = set()
@@ -304,6 +304,9 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
         writer.finish()
         with open(os.path.join(staging, CONFIG), "w") as f:
             json.dump({**config, "torch_dtype": torch_name}, f, indent=2)
+        mode = os.stat(os.path.join(staging, CONFIG)).st_mode & 0o777  # what the umask gives a new file
+        for name in os.listdir(staging):  # safetensors creates its files private
+            os.chmod(os.path.join(staging, name), mode)
         for name in TOKENIZER_FILES if tokenizer_from else ():
             if os.path.isfile(os.path.join(tokenizer_from, name)):
                 shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(staging, name))
@@ -319,8 +322,15 @@ def _replace(staging: str, directory: str) -> None:
     first and removed after, so the target is always absent, the old export or the new one."""
     old = None
     if os.path.isdir(directory):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=os.path.dirname(directory))
+        old = _new_dir(os.path.dirname(directory), f".{os.path.basename(directory)}.old-")
         os.rename(directory, os.path.join(old, "export"))
     os.rename(staging, directory)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _new_dir(parent: str, prefix: str) -> str:
+    """A fresh directory with the umask's permissions (tempfile.mkdtemp's are private)."""
+    path = os.path.join(parent, prefix + secrets.token_hex(4))
+    os.mkdir(path)
+    return path

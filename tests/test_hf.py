@@ -330,6 +330,12 @@ def test_export_refuses_a_foreign_directory_and_replaces_an_earlier_export(tmp_p
     export_hf(out, params.items(), tensor_map, {}, dtype="bf16")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no stale shards, no index
     assert read_hf_config(out)["torch_dtype"] == "bfloat16"
+    (tmp_path / "probe").write_text("")  # exported files get the permissions any new file gets
+    (tmp_path / "probe_dir").mkdir()
+    for name in os.listdir(out):
+        assert os.stat(os.path.join(out, name)).st_mode == os.stat(tmp_path / "probe").st_mode, name
+    assert os.stat(out).st_mode == os.stat(tmp_path / "probe_dir").st_mode
+    os.remove(tmp_path / "probe"), os.rmdir(tmp_path / "probe_dir")
     assert sorted(os.listdir(tmp_path)) == ["download", "mine", "out"]  # nothing left beside
 
 
