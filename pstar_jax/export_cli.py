@@ -71,13 +71,16 @@ def run(argv: Sequence[str] | None = None) -> int:
             raise CheckpointError(f"checkpoint in {ckpt.directory} does not record the run's flags; "
                                   "it was not written by pstar-train")
         hf = _import(args.hf_module, "--hf-module")
-        model = _model(meta["args"], args.model_module, hf)
+        try:
+            model = _model(meta["args"], args.model_module, hf)
+            tensor_map, config = hf.hf_tensors(model), hf.hf_config(model)
+        except ValueError as err:  # models/ refuses in one sentence too, without pstar_jax's error type
+            raise ConfigError(str(err)) from None
         saved = {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}
         if saved != {name: tuple(shape) for name, shape in model.param_shapes().items()}:
             raise CheckpointError(f"the model rebuilt from the run's flags does not match the checkpoint in "
                                   f"{ckpt.directory}; pass the --model-module it was trained with")
-        files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), hf.hf_tensors(model),
-                          hf.hf_config(model), args.export_dtype,
+        files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), tensor_map, config, args.export_dtype,
                           args.tokenizer_from or meta["args"].get("init_from_hf"))
     finally:
         ckpt.close()

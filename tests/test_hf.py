@@ -418,3 +418,43 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
         assert export_main(argv + ([] if "--hf-module" in argv else ["--hf-module", "hfmap_test"])) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("pstar-export: error:") and err.count("\n") == 1 and words in err, err
+
+
+# -- against transformers' own files (runs where models/hf.py and transformers are installed) ---------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family):
+    """A checkpoint that transformers' save_pretrained writes (bf16, sharded, GPT-2's head tied and
+    its position table longer than our seq_len) loads through the models' map into a chunked engine
+    and exports back byte-identical per tensor; from_pretrained loads the export completely."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    models_hf = pytest.importorskip("models.hf")
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_positions=80, n_embd=48, n_layer=2, n_head=3)
+    else:  # GQA groups of 3, untied head
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                          num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(
+        src, max_shard_size="40KB", safe_serialization=True)
+    assert os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
+    model = models_hf.build_from_hf(read_hf_config(src), seq_len=64)
+    engine = engine_from(model, HFCheckpoint(src, models_hf.hf_tensors(model), model.param_shapes()), 16384)
+    export_hf(out, engine.params().items(), models_hf.hf_tensors(model), models_hf.hf_config(model),
+              tokenizer_from=src, max_shard_bytes=40_000)
+    original, written = read_all(src), read_all(out)
+    assert set(original) - set(written) <= {"lm_head.weight"}  # tied: not written
+    for name, value in written.items():
+        source = original[name][:64] if name == "transformer.wpe.weight" else original[name]
+        assert value.dtype == source.dtype and value.tobytes() == source.tobytes(), name
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto",
+                                                                     output_loading_info=True)
+    assert not any(info.values()), info
+    for name, value in loaded.state_dict().items():
+        if name in written:
+            assert value.dtype == torch.bfloat16
+            assert value.view(torch.int16).numpy().tobytes() == written[name].tobytes(), name
