@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +105,22 @@ class Checkpointer:
                                   "remove it to fall back to an earlier one")
         return state
 
+    def restore_chunk(self, step: int, kind: str, chunk: int, numel: int, expected_checksum: int) -> np.ndarray:
+        """One fp32 chunk of ``kind`` ("master") as numpy on the host, nothing else read."""
+        item = {kind: {str(chunk): jax.ShapeDtypeStruct((numel,), np.float32)}}
+        restore_args = {kind: {str(chunk): ocp.RestoreArgs(restore_type=np.ndarray)}}
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))).state
+        except Exception as err:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt or incomplete "
+                                  f"({type(err).__name__}); remove it to fall back to an earlier one") from None
+        value = np.asarray(state[kind][str(chunk)])
+        if _host_checksum(value) != expected_checksum:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} fails its checksums; "
+                                  "remove it to fall back to an earlier one")
+        return value
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
@@ -113,6 +129,19 @@ class Checkpointer:
 def save_engine(ckpt: Checkpointer, engine, step: int, extra: dict) -> None:
     meta = {"layout": engine.layout.to_json(), "precision": engine.cfg.precision, **extra}
     ckpt.save(step, engine.state(), meta)
+
+
+def iter_master_tensors(ckpt: Checkpointer, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """A checkpoint's fp32 master tensors by name, read a chunk at a time: an export streams the
+    model through host memory one chunk at a time, never whole."""
+    meta = ckpt.meta(step)
+    layout = ChunkLayout.from_json(meta["layout"])
+    # checksums follow jax.tree.leaves(state()): the "master" dict sorts first, its keys as strings.
+    position = {key: i for i, key in enumerate(sorted(str(c) for c in range(layout.n_chunks)))}
+    for c in range(layout.n_chunks):
+        chunk = ckpt.restore_chunk(meta["step"], "master", c, layout.chunk_numel, meta["checksums"][position[str(c)]])
+        for s in sorted((s for s in layout.slots if s.chunk == c), key=lambda s: s.offset):
+            yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
 
 
 def check_compatible(meta: dict, layout: ChunkLayout, precision: str, directory: str) -> ChunkLayout:
