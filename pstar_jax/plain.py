@@ -89,10 +89,10 @@ def segments(stages: Sequence[Stage], shapes: Mapping[str, tuple[int, ...]],
     return [Segment(tuple(run)) for run in out]
 
 
-def _remat(fn: Callable, policy: Callable[..., bool] | None) -> Callable:
-    # prevent_cse=False: inside scan the loop already keeps XLA from merging the recomputation
-    # with the forward, and the barriers prevent_cse adds would only cost.
-    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=False)
+def _remat(fn: Callable, policy: Callable[..., bool] | None, in_scan: bool) -> Callable:
+    # Inside scan the loop already keeps XLA from merging the recomputation with the forward,
+    # and the barriers prevent_cse adds would only cost; unrolled, they are what keeps remat.
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 class PlainEngine:
@@ -180,7 +180,7 @@ class PlainEngine:
                 return tuple(named[n] for n in stage.param_names)
             h = segs[0].stages[0].apply(take(segs[0].stages[0]), tokens_BxL)
             for seg in segs[1:-1]:
-                apply = _remat(seg.stages[0].apply, policy)
+                apply = _remat(seg.stages[0].apply, policy, seg.scanned)
                 if seg.scanned:
                     h, _ = jax.lax.scan(lambda h, layer: (apply(layer, h), None), h, next(stacks))
                 else:
