@@ -127,10 +127,11 @@ MODEL_SHAPE = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Which model: a preset of a model module, with some fields replaced, and its initial weights."""
-    name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B)", flag="--model",
+    name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B, llama-3.2-1b ... llama-3.1-70b, "
+                       "qwen2.5-0.5b ... qwen2.5-72b, mistral-7b)", flag="--model",
                        math_changing=True)
-    module: str = option("models.gpt", "module with build_model(name, **overrides) returning a staged model",
-                         flag="--model-module")
+    module: str = option("models", "module with build_model(name, **overrides) returning a staged model (and, "
+                         "for Hugging Face checkpoints, build_from_hf, hf_tensors, hf_config)", flag="--model-module")
     n_layer: int | None = option(None, "override the preset's depth", math_changing=True)
     d_model: int | None = option(None, "override the preset's width", math_changing=True)
     n_head: int | None = option(None, "override the preset's attention heads", math_changing=True)
@@ -139,9 +140,15 @@ class ModelConfig:
     tie_embeddings: bool | None = option(None, "share the token embedding with the output head",
                                          math_changing=True)
     init_from_flax: str | None = option(None, "start from a plain Flax export (--export-flax)", metavar="DIR")
+    init_from_hf: str | None = option(None, "start from a Hugging Face checkpoint directory (config.json and "
+                                      "safetensors; gpt2, llama, qwen2, mistral): the model is built from its "
+                                      "config.json, --model is ignored", metavar="DIR", math_changing=True)
 
     def __post_init__(self) -> None:
         _positive_int(self, *MODEL_SHAPE, allow_none=True, upper=MAX_STEPS)
+        if self.init_from_flax and self.init_from_hf:
+            raise ConfigError("ModelConfig.init_from_flax and ModelConfig.init_from_hf both give initial weights; "
+                              "choose one")
 
     def overrides(self) -> dict[str, Any]:
         """The preset fields this config replaces (None: keep the preset's)."""
@@ -283,12 +290,17 @@ class CheckpointConfig:
                                     "limit; --resume continues", metavar="K")
     export_flax: str | None = option(None, "at the end, write the parameters as a plain Flax pytree that "
                                      "models/ loads without pstar_jax", metavar="DIR")
+    export_hf: str | None = option(None, "at the end, write a Hugging Face checkpoint (config.json, safetensors "
+                                   "shards of at most 5 GB, tokenizer files of --init-from-hf)", metavar="DIR")
+    export_dtype: str = option("bf16", "dtype of --export-hf's weights", choices=("bf16", "fp16", "fp32"))
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or not 0 <= self.every <= MAX_STEPS:
             raise ConfigError(f"CheckpointConfig.every must be a whole number of at least 0, got {self.every!r}")
         _positive_int(self, "keep", upper=MAX_STEPS)
         _positive_int(self, "stop_after", allow_none=True, upper=MAX_STEPS)
+        if self.export_dtype not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(f"CheckpointConfig.export_dtype must be one of bf16, fp16, fp32, got {self.export_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ checkpoints, and describe themselves in a summary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -45,6 +45,9 @@ class Engine(Protocol):
 
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
         """Current tensors by name as numpy: the fp32 master, or the compute-dtype ``param``."""
+
+    def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
+        """The same tensors one at a time, in model order (the chunked engine reads one chunk at a time)."""
 
     def state(self) -> dict:
         """All state as arrays (for a checkpoint), any pending update applied first."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -374,6 +374,19 @@ class ChunkedEngine:
         key = _FLUSHED_KEYS[kind]
         chunks = [to_numpy(self.store.peek((key, c))) for c in range(self.layout.n_chunks)]
         return unpack(self.layout, chunks)
+
+    def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
+        """Tensors by name in model order, read one chunk at a time (an export streams the model
+        through host memory chunk by chunk); the pending update is applied first."""
+        self.flush()
+        key = _FLUSHED_KEYS[kind]
+        by_chunk: dict[int, list] = {}
+        for s in self.layout.slots:
+            by_chunk.setdefault(s.chunk, []).append(s)
+        for c in range(self.layout.n_chunks):
+            chunk = to_numpy(self.store.peek((key, c)))
+            for s in by_chunk.get(c, ()):
+                yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
 
     def device_memory_in_use(self) -> int | None:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""

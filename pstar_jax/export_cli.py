@@ -1,58 +1,32 @@
 """pstar-export: write a pstar_jax checkpoint as a Hugging Face checkpoint (safetensors + config.json).
 
-Only wiring: the run's saved flags rebuild its model, the model's HF module names its tensors,
+Only wiring: the run's saved configuration rebuilds its model, the model's HF module names its tensors,
 and the fp32 master tensors stream from the checkpoint into the export a chunk at a time.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
 import os
-import sys
-from types import ModuleType
-from typing import Any, Sequence
+from typing import Sequence
 
-from pstar_jax.config import ConfigError
+from pstar_jax import cli
+from pstar_jax.config import ConfigError, RunConfig, from_dict
 from pstar_jax.hf import EXPORT_DTYPES
-
-_OVERRIDES = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "tie_embeddings")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise ConfigError(message)
-
+from pstar_jax.loop import hf_functions, load_model
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pstar-export", description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="pstar-export", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", required=True, help="the run's --checkpoint-dir")
     p.add_argument("--hf", required=True, metavar="OUT", help="directory to write (new, empty or an earlier export)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--export-dtype", choices=tuple(EXPORT_DTYPES), default="bf16")
     p.add_argument("--tokenizer-from", default=None, metavar="DIR", help="copy tokenizer files from this HF "
                    "directory (default: the run's --init-from-hf directory, if any)")
-    p.add_argument("--model-module", default=None, help="module with build_model(name, **overrides) "
+    p.add_argument("--model-module", default=None, help="module with build_model, hf_tensors and hf_config "
                    "(default: the run's)")
-    p.add_argument("--hf-module", default="models.hf", help="module with hf_tensors(model), hf_config(model) "
-                   "and build_from_hf(config, **overrides)")
     return p
-
-
-def _import(name: str, flag: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as err:
-        raise ConfigError(f"{flag} {name} cannot be imported ({err})") from None
-
-
-def _model(run_args: dict, model_module: str | None, hf: ModuleType) -> Any:
-    """The run's model, rebuilt from its saved flags as pstar-train built it."""
-    if run_args.get("init_from_hf"):
-        from pstar_jax.hf import read_hf_config
-        return hf.build_from_hf(read_hf_config(run_args["init_from_hf"]), seq_len=run_args.get("seq_len"))
-    module = _import(model_module or run_args.get("model_module", "models.gpt"), "--model-module")
-    return module.build_model(run_args["model"], **{k: run_args.get(k) for k in _OVERRIDES})
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -67,21 +41,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     ckpt = Checkpointer(args.checkpoint_dir)
     try:
         meta = ckpt.meta(args.step)
-        if not isinstance(meta.get("args"), dict) or "model" not in meta["args"]:
-            raise CheckpointError(f"checkpoint in {ckpt.directory} does not record the run's flags; "
-                                  "it was not written by pstar-train")
-        hf = _import(args.hf_module, "--hf-module")
+        if not isinstance(meta.get("config"), dict):
+            raise CheckpointError(f"checkpoint in {ckpt.directory} does not record its run's configuration; "
+                                  "it was not written by this version of pstar-train")
+        config = from_dict(RunConfig, meta["config"])
+        if args.model_module:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=args.model_module))
+        model = load_model(config)
+        hf_tensors, hf_config = hf_functions(config)
         try:
-            model = _model(meta["args"], args.model_module, hf)
-            tensor_map, config = hf.hf_tensors(model), hf.hf_config(model)
+            tensor_map, hf_json = hf_tensors(model), hf_config(model)
         except ValueError as err:  # models/ refuses in one sentence too, without pstar_jax's error type
             raise ConfigError(str(err)) from None
         saved = {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}
         if saved != {name: tuple(shape) for name, shape in model.param_shapes().items()}:
             raise CheckpointError(f"the model rebuilt from the run's flags does not match the checkpoint in "
                                   f"{ckpt.directory}; pass the --model-module it was trained with")
-        files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), tensor_map, config, args.export_dtype,
-                          args.tokenizer_from or meta["args"].get("init_from_hf"))
+        files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), tensor_map, hf_json, args.export_dtype,
+                          args.tokenizer_from or config.model.init_from_hf)
     finally:
         ckpt.close()
     print(f"exported step {meta['step']} of {ckpt.directory} to {os.path.abspath(args.hf)} "
@@ -90,11 +67,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except ConfigError as err:
-        print(f"pstar-export: error: {err}", file=sys.stderr)
-        return 2
+    return cli.run_main("pstar-export", run, argv)
 
 
 if __name__ == "__main__":

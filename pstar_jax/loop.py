@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import signal
 from typing import Any, Iterator, Sequence
 
@@ -23,20 +24,45 @@ from pstar_jax.metrics import JsonlWriter, MetricsWriter, Progress, TensorBoardW
 from pstar_jax.model import StagedModel, flops_per_token
 
 
-def load_model(config: RunConfig) -> StagedModel:
-    """The model a config names: ``build_model(name, **overrides)`` of its model module."""
-    cfg = config.model
+def _model_module(config: RunConfig) -> Any:
+    name = config.model.module
     try:
-        module = importlib.import_module(cfg.module)
+        return importlib.import_module(name)
     except ImportError as err:
-        raise ConfigError(f"ModelConfig.module {cfg.module!r} cannot be imported ({err}); name an importable "
+        raise ConfigError(f"ModelConfig.module {name!r} cannot be imported ({err}); name an importable "
                           "module with a build_model function") from None
-    if not callable(getattr(module, "build_model", None)):
-        raise ConfigError(f"ModelConfig.module {cfg.module!r} has no build_model(name, **overrides) function")
+
+
+def _module_function(module: Any, name: str, config: RunConfig) -> Any:
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"ModelConfig.module {config.model.module!r} has no {name} function; use a module that "
+                          f"has one (the default, models, does)")
+    return fn
+
+
+def load_model(config: RunConfig) -> StagedModel:
+    """The model a config names: ``build_model(name, **overrides)`` of its model module, or, with
+    ``init_from_hf``, ``build_from_hf(config.json, **overrides)`` (an override that contradicts the
+    checkpoint's config is refused)."""
+    cfg = config.model
+    module = _model_module(config)
     try:
-        return module.build_model(cfg.name, **cfg.overrides())
+        if cfg.init_from_hf:
+            from pstar_jax.hf import read_hf_config
+            return _module_function(module, "build_from_hf", config)(read_hf_config(cfg.init_from_hf),
+                                                                     **cfg.overrides())
+        return _module_function(module, "build_model", config)(cfg.name, **cfg.overrides())
     except (ValueError, TypeError, KeyError) as err:
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(str(err)) from None
+
+
+def hf_functions(config: RunConfig) -> tuple[Any, Any]:
+    """The model module's (hf_tensors, hf_config)."""
+    module = _model_module(config)
+    return _module_function(module, "hf_tensors", config), _module_function(module, "hf_config", config)
 
 
 class Run:
@@ -55,6 +81,10 @@ class Run:
             check_output_file(cfg.output.metrics_out, "OutputConfig.metrics_out")
         if cfg.checkpoint.export_flax:
             check_export_dir(cfg.checkpoint.export_flax)
+        if cfg.checkpoint.export_hf:
+            from pstar_jax.hf import check_export_target
+            check_export_target(os.path.abspath(cfg.checkpoint.export_hf))
+            hf_functions(cfg)
 
         from pstar_jax.memory import configure_backend, host_budget_bytes
         configure_backend(cfg.engine.device_memory, host_budget_bytes(cfg.engine.host_memory))
@@ -77,6 +107,13 @@ class Run:
         if cfg.model.init_from_flax:
             from pstar_jax.checkpoint import import_flax
             init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
+        if cfg.model.init_from_hf:  # validated whole here; tensors are read one chunk at a time later
+            from pstar_jax.hf import HFCheckpoint
+            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), self.model.param_shapes())
+            for name, (rows, kept) in init.truncated.items():
+                if self.verbose:
+                    print(f"note: {name} has {rows} rows in {cfg.model.init_from_hf}; the first {kept} are used "
+                          f"(seq_len {self.model.seq_len})", flush=True)
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
@@ -171,6 +208,18 @@ class Run:
         config = getattr(self.model, "config", None)
         export_flax(directory, self.engine.params(), dataclasses.asdict(config) if config is not None else {})
 
+    def export_hf(self, directory: str, dtype: str | None = None) -> list[str]:
+        """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time, with the
+        tokenizer files of the checkpoint the run started from."""
+        from pstar_jax.hf import export_hf
+        tensors, hf_config = hf_functions(self.config)
+        try:
+            tensor_map, config = tensors(self.model), hf_config(self.model)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"the model cannot be exported to Hugging Face: {err}") from None
+        return export_hf(directory, self.engine.iter_params(), tensor_map, config,
+                         dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf)
+
     def close(self) -> None:
         """Wait for the last checkpoint save and release the checkpoint directory."""
         if self._ckpt is not None:
@@ -195,4 +244,4 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-__all__ = ["Run", "load_model", "signal_name"]
+__all__ = ["Run", "load_model", "hf_functions", "signal_name"]

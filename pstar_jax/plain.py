@@ -1,16 +1,29 @@
 """The plain engine: the whole model as one jit with optax, everything on the device.
 
-It is the reference for equality tests and the baseline of every benchmark. It runs the same
-stage functions as the chunked engine (composed into one loss), the same optimizer factory
-(one group with weight decay, one without) and the same clipping formula, so the two engines
-differ only in where data lives and how the step is scheduled. ``remat`` picks XLA's
-rematerialisation policy for the blocks.
+It is the reference for equality tests and the baseline of every benchmark, so it is the best
+plain JAX a user would write, not a strawman: the identical blocks run under ``lax.scan`` over
+stacked parameters (one compiled block, XLA frees each layer's temporaries before the next),
+remat wraps the scanned block, micro-batches are a ``lax.scan`` accumulating fp32 grads, the
+bf16 compute copy of the params is cast once per step, and params and optimizer state are
+donated (the update is in place). It runs the same stage functions as the chunked engine, the
+same optimizer factory (one group with weight decay, one without) and the same clipping
+formula, so the two engines differ only in where data lives and how the step is scheduled.
+``remat`` picks the rematerialisation policy for the blocks.
+
+Parameter layout: a run of consecutive middle stages that share one ``apply`` object, with
+the same tensor shapes and decay flags and no tensor read elsewhere, is a scanned segment;
+its tensors are stacked per position (``[n_stages, *shape]``). Every other tensor is kept by
+name. ``params()`` returns names as ``model.param_shapes()`` whatever the layout.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
+import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +33,67 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.config import ConfigError
-from pstar_jax.engine import StepResult
+from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.optim import TxFactory, clip_scale
-from pstar_jax.model import StagedModel, cast_params, compose_loss
+from pstar_jax.model import Stage, StagedModel, decays
 from pstar_jax.zero import replicated_value, to_numpy
 
-REMAT_POLICIES: dict[str, Callable[[Callable], Callable] | None] = {
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
-    "dots": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-    "full": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable),
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
     # XLA host offload (the MaxText recipe): matmul outputs go to pinned host memory in the
     # forward and come back for the backward. On a CPU this runs but moves nothing.
-    "offload": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-        "device", "pinned_host")),
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One stage, or a run of identical stages scanned as one (``stages`` longer than one)."""
+    stages: tuple[Stage, ...]
+
+    @property
+    def scanned(self) -> bool:
+        return len(self.stages) > 1
+
+    def names_at(self, position: int) -> tuple[str, ...]:
+        """The tensor at ``position`` of each stage: the rows of one stacked array."""
+        return tuple(stage.param_names[position] for stage in self.stages)
+
+
+def segments(stages: Sequence[Stage], shapes: Mapping[str, tuple[int, ...]],
+             decays: Callable[[str], bool], scan: bool = True) -> list[Segment]:
+    """Group the chain into segments: runs of scannable identical middle stages, and singles.
+
+    A middle stage joins the run before it when it shares the run's ``apply`` object and its
+    tensors have the same shapes and decay flags, position by position. A stage reading a
+    tensor that any other stage also reads (tied weights) stays single, since a stacked row
+    cannot also be a named tensor."""
+    readers = collections.Counter(n for stage in stages for n in stage.param_names)
+
+    def signature(stage: Stage) -> tuple | None:
+        if any(readers[n] > 1 for n in stage.param_names) or len(set(stage.param_names)) < len(stage.param_names):
+            return None
+        return stage.apply, tuple((tuple(shapes[n]), decays(n)) for n in stage.param_names)
+
+    out: list[list[Stage]] = [[stages[0]]]
+    previous = None
+    for stage in stages[1:-1]:
+        sig = signature(stage) if scan else None
+        if sig is not None and sig == previous:
+            out[-1].append(stage)
+        else:
+            out.append([stage])
+        previous = sig
+    out.append([stages[-1]])
+    return [Segment(tuple(run)) for run in out]
+
+
+def _remat(fn: Callable, policy: Callable[..., bool] | None, in_scan: bool) -> Callable:
+    # Inside scan the loop already keeps XLA from merging the recomputation with the forward,
+    # and the barriers prevent_cse adds would only cost; unrolled, they are what keeps remat.
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 class PlainEngine:
@@ -42,66 +102,121 @@ class PlainEngine:
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
                  seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
                  mesh: jax.sharding.Mesh | None = None, init_params: Any = None, opt_on_host: bool = False,
-                 skip_nonfinite: bool = False):
+                 scan_layers: bool = True, skip_nonfinite: bool = False):
         """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated.
         ``opt_on_host`` keeps the optimizer state in pinned host memory and updates it on the
-        device: it comes down at the start of each step and goes back up at the end."""
+        device: it comes down at the start of each step and goes back up at the end.
+        ``scan_layers=False`` runs every stage unrolled (the reference the scan is tested against)."""
         if remat not in REMAT_POLICIES:
             raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
-        loss_fn = compose_loss(list(model.stages(compute_dtype)), REMAT_POLICIES[remat])
+        shapes = model.param_shapes()
+        self._shapes = dict(shapes)
+        decays_of = functools.partial(decays, model)
+        self._segments = segments(list(model.stages(compute_dtype)), shapes, decays_of, scan_layers)
+        stacked = {n for seg in self._segments if seg.scanned for stage in seg.stages for n in stage.param_names}
+        self._named = [n for n in shapes if n not in stacked]
+        loss_fn = self._loss_fn(REMAT_POLICIES[remat])
+
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(self.mesh, P())
-        shapes = model.param_shapes()
-        labels = {n: "decay" if model.decays(n) else "no_decay" for n in shapes}
+        labels = self._tree(lambda names: "decay" if decays_of(names[0]) else "no_decay")
         tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
         opt_sharding = replicated.with_memory_kind("pinned_host" if opt_on_host else "device")
         # Abstract first: memory_analysis() answers before anything is allocated.
-        self._abstract_params = {n: jax.ShapeDtypeStruct(tuple(s), jnp.float32, sharding=replicated)
-                                 for n, s in shapes.items()}
+        self._abstract_params = self._tree(lambda names: jax.ShapeDtypeStruct(
+            (len(names), *shapes[names[0]]) if len(names) > 1 else tuple(shapes[names[0]]), jnp.float32,
+            sharding=replicated))
         self._abstract_opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=opt_sharding),
                                           jax.eval_shape(tx.init, self._abstract_params))
 
         def allocate() -> None:
             tensor = (lambda n: model.init_tensor(n, seed)) if init_params is None else init_params.__getitem__
-            self.params = {n: jax.device_put(jnp.asarray(tensor(n), jnp.float32), replicated) for n in shapes}
-            self.opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(self.params)
+
+            def put(names: tuple[str, ...]) -> jax.Array:  # one stacked position at a time
+                value = (jnp.stack([jnp.asarray(tensor(n), jnp.float32) for n in names]) if len(names) > 1
+                         else jnp.asarray(tensor(names[0]), jnp.float32))
+                return jax.device_put(value, replicated)
+            self._params = self._tree(put)
+            self._opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(self._params)
         self._allocate = allocate
-        self.params = self.opt_state = None  # made at the first step (or by params_numpy)
+        self._params = self._opt_state = None  # made at the first step (or by params())
         self.micro_batches = micro_batches
+        self.compute_dtype = compute_dtype
+        self.skip_nonfinite = skip_nonfinite
 
-        def mean_loss(params, tokens_MxBxL, targets_MxBxL):
-            compute = cast_params(params, compute_dtype)
-            losses = [loss_fn(compute, tokens_MxBxL[m], targets_MxBxL[m]) for m in range(micro_batches)]
-            return sum(losses) / micro_batches
-
-        def step(params, opt_state, tokens, targets):
+        def step(params, opt_state, tokens_MxBxL, targets_MxBxL):
             if opt_on_host:
                 opt_state = jax.device_put(opt_state, compat.DEVICE_SPACE)
-            loss, grads = jax.value_and_grad(mean_loss)(params, tokens, targets)
+            # One compute copy per step, shared by the micro-batches; grads w.r.t. it are
+            # accumulated in fp32 (the chain rule through the cast is exactly that upcast).
+            compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+
+            def micro(carry, batch):
+                loss, grads = jax.value_and_grad(loss_fn)(compute, *batch)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
+            zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
+            (loss_sum, grad_sum), _ = jax.lax.scan(micro, zeros, (tokens_MxBxL, targets_MxBxL))
+            grads = jax.tree.map(lambda g: g / micro_batches, grad_sum)
             sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
             scale = clip_scale(sumsq, clip_norm)
             grads = jax.tree.map(lambda g: g * scale, grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, jnp.sqrt(sumsq)
+            updates, new_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # A non-finite step changes nothing (the caller skips it or stops, naming the step).
+            finite = jnp.isfinite(loss_sum) & jnp.isfinite(sumsq)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
+                    loss_sum / micro_batches, jnp.sqrt(sumsq))
 
+        # Donated: the new params and state are written over the old (XLA aliases them).
         self._step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, opt_sharding, replicated, replicated))
         self.step_count = 0
 
+    def _tree(self, leaf: Callable[[tuple[str, ...]], Any]) -> dict[str, Any]:
+        """The engine's parameter pytree, ``leaf(names)`` per array: a named tensor gets its one
+        name, a stacked position the names of its rows."""
+        return {"named": {n: leaf((n,)) for n in self._named},
+                "stacked": tuple(tuple(leaf(seg.names_at(i)) for i in range(len(seg.stages[0].param_names)))
+                                 for seg in self._segments if seg.scanned)}
+
+    def _loss_fn(self, policy: Callable[..., bool] | None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+        """The whole model as one function of the engine's pytree (the stages' own applies)."""
+        segs = self._segments
+
+        def loss_fn(params, tokens_BxL, targets_BxL):
+            named, stacks = params["named"], iter(params["stacked"])
+
+            def take(stage: Stage) -> tuple[jax.Array, ...]:
+                return tuple(named[n] for n in stage.param_names)
+            h = segs[0].stages[0].apply(take(segs[0].stages[0]), tokens_BxL)
+            for seg in segs[1:-1]:
+                apply = _remat(seg.stages[0].apply, policy, seg.scanned)
+                if seg.scanned:
+                    h, _ = jax.lax.scan(lambda h, layer: (apply(layer, h), None), h, next(stacks))
+                else:
+                    h = apply(take(seg.stages[0]), h)
+            last = segs[-1].stages[0]
+            return last.apply(take(last), h, targets_BxL)
+        return loss_fn
+
     def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
-        if self.params is None:
+        if self._params is None:
             self._allocate()
         start = time.perf_counter()
         tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
         targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
         rows = NamedSharding(self.mesh, P(None, "data"))  # this process's rows of each micro-batch
         tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
-        self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens, targets)
-        loss = replicated_value(loss)  # sync: the step's time includes all its work
+        self._params, self._opt_state, loss, norm = self._step(self._params, self._opt_state, tokens, targets)
+        loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
+        skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
+        if skip and not self.skip_nonfinite:  # the step kept params and state as they were
+            raise NonFiniteLoss(self.step_count, loss, grad_norm)
         self.step_count += 1
-        model_bytes = sum(x.nbytes for x in jax.tree.leaves((self.params, self.opt_state)))
-        return StepResult(loss=loss, grad_norm=replicated_value(norm), step_s=time.perf_counter() - start,
-                          h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes)
+        model_bytes = sum(x.nbytes for x in jax.tree.leaves((self._params, self._opt_state)))
+        return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
+                          h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip)
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
@@ -113,10 +228,39 @@ class PlainEngine:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""
         return self.compiled(micro_batch, seq_len).memory_analysis()
 
-    def params_numpy(self) -> dict[str, np.ndarray]:
-        if self.params is None:
+    def params(self, kind: str = "master") -> dict[str, np.ndarray]:
+        """Every tensor by name, in ``param_shapes()`` order (stacked rows split back out): the fp32
+        params, or with ``kind="param"`` cast to the compute dtype as a step uses them."""
+        if self._params is None:
             self._allocate()
-        return {n: to_numpy(v) for n, v in self.params.items()}
+        out = {n: to_numpy(v) for n, v in self._params["named"].items()}
+        scanned = (seg for seg in self._segments if seg.scanned)
+        for seg, stack in zip(scanned, self._params["stacked"]):
+            for i, array in enumerate(stack):
+                out.update(zip(seg.names_at(i), to_numpy(array)))
+        dtype = np.float32 if kind == "master" else jnp.dtype(self.compute_dtype)
+        return {n: out[n].astype(dtype) for n in self._shapes}
+
+    def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
+        return iter(self.params(kind).items())
+
+    # -- state for checkpoints (the Engine protocol) ---------------------------------------------
+    def state(self) -> dict:
+        if self._params is None:
+            self._allocate()
+        return {"params": self._params, "opt": self._opt_state}
+
+    def abstract_state(self, layout: Any = None) -> dict:
+        return {"params": self._abstract_params, "opt": self._abstract_opt}
+
+    def load_state(self, state: dict, step: int) -> None:
+        abstract = self.abstract_state()
+        self._params, self._opt_state = (
+            jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state[k], abstract[k]) for k in ("params", "opt"))
+        self.step_count = step
 
     def summary(self) -> str:
-        return f"plain engine: {sum(v.size for v in self._abstract_params.values()):,} params, all on the device"
+        n_params = sum(math.prod(s) for s in self._shapes.values())
+        runs = [len(seg.stages) for seg in self._segments if seg.scanned]
+        scan = f", {'+'.join(map(str, runs))} identical stages scanned" if runs else ""
+        return f"plain engine: {n_params:,} params, all on the device{scan}"

@@ -9,6 +9,7 @@ protocol.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -19,7 +20,7 @@ from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_byte
 from pstar_jax.engine import Engine
 from pstar_jax.machine import Machine
 from pstar_jax.memory import Placement, device_total_bytes, host_budget_bytes
-from pstar_jax.model import StagedModel, validate_stages
+from pstar_jax.model import StagedModel, decays, validate_stages
 from pstar_jax.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan import Access, Plan, StepShape, make_plan, plan_step, step_accesses
 from pstar_jax.stages import BoundStage, StageFunctions, bind
@@ -58,7 +59,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     except ValueError as err:
         raise ConfigError(f"the model's stages are inconsistent: {err}") from None
     chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
-    layout = layout or build_layout(model.param_shapes(), model.decays, chunk_numel)
+    layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel)
     bound = [bind(s, layout) for s in stages]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
@@ -97,7 +98,7 @@ def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh) -> 
     """The automatic choices made concrete: a chunk size (the one that wastes least, shardable over
     the mesh) and the device budget in bytes (a fraction of the device, 0.9 of an accelerator by
     default, or None on a CPU: the demo default of half the model data, so chunks move)."""
-    chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), model.decays,
+    chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), functools.partial(decays, model),
                                                       multiple=mesh.devices.size)
     device = mesh.devices.flat[0]
     memory = cfg.device_memory

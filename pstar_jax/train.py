@@ -46,6 +46,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             return 0
         if config.checkpoint.export_flax:
             r.export_flax(config.checkpoint.export_flax)
+        if config.checkpoint.export_hf:
+            files = r.export_hf(config.checkpoint.export_hf)
+            if r.main_process:
+                print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}", flush=True)
         if r.main_process and record is not None:
             print(f"done: {r.engine.step_count} of {config.train.steps} steps, loss {record['loss']:.4f}, "
                   f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(record['h2d_bytes'])} h2d / "

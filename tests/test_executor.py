@@ -70,7 +70,7 @@ def noise_only(name, value):
 
 
 def assert_params_close(engine, reference, rtol, atol, lr=3e-3, steps=5):
-    pa, pb = engine.params(), reference.params_numpy()
+    pa, pb = engine.params(), reference.params()
     assert pa.keys() == pb.keys()
     for name in pa:
         (a, noise_a), (b, noise_b) = noise_only(name, pa[name]), noise_only(name, pb[name])

@@ -27,7 +27,7 @@ from pstar_jax.optim import default_tx
 
 HF_MODULE = '''
 import dataclasses
-from models.gpt import GPTConfig, StagedGPT
+from models.gpt import GPTConfig, StagedGPT, build_model
 
 def hf_tensors(model):
     return {n: ("transformer." + n, n.endswith("kernel"), n == "wpe") for n in model.param_shapes()}
@@ -90,7 +90,7 @@ def read_all(directory):
 
 def engine_from(model, source, chunk_numel=8192, precision="bf16"):
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    cfg = EngineConfig(chunk_numel=chunk_numel, device_budget_bytes=None, precision=precision)
+    cfg = EngineConfig(chunk_numel=chunk_numel, device_memory=None, precision=precision)
     return ChunkedEngine(model, cfg, default_tx(OptimConfig()), mesh, (2, model.config.seq_len), H200,
                          init_params=source)
 
@@ -387,13 +387,13 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
     monkeypatch.syspath_prepend(str(tmp_path))
     ck = str(tmp_path / "ck")
     assert train_main(["--quiet", "--precision", "fp32", "--batch-size", "8", "--steps", "2", "--chunk-size", "8192",
-                       "--checkpoint-dir", ck]) == 0
+                       "--model-module", "hfmap_test", "--checkpoint-dir", ck]) == 0
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text("{}")
     capsys.readouterr()
     out = str(tmp_path / "hf")
-    assert export_main(["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "fp32", "--hf-module", "hfmap_test",
+    assert export_main(["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "fp32",
                         "--tokenizer-from", str(tok)]) == 0
     assert "exported step 2" in capsys.readouterr().out
     ckpt = Checkpointer(ck)
@@ -412,10 +412,10 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
     for argv, words in [
         (["--checkpoint-dir", str(tmp_path / "none"), "--hf", out], "is not a directory"),
         (["--checkpoint-dir", ck, "--hf", str(tok)], "not an earlier pstar_jax Hugging Face export"),
-        (["--checkpoint-dir", ck, "--hf", out, "--hf-module", "no_such_module"], "cannot be imported"),
+        (["--checkpoint-dir", ck, "--hf", out, "--model-module", "no_such_module"], "cannot be imported"),
         (["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "int4"], "invalid choice"),
     ]:
-        assert export_main(argv + ([] if "--hf-module" in argv else ["--hf-module", "hfmap_test"])) == 2, argv
+        assert export_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("pstar-export: error:") and err.count("\n") == 1 and words in err, err
 
@@ -458,3 +458,68 @@ def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family)
         if name in written:
             assert value.dtype == torch.bfloat16
             assert value.view(torch.int16).numpy().tobytes() == written[name].tobytes(), name
+
+
+# -- pstar-train --init-from-hf / --export-hf with the real model families --------------------------------
+
+
+def write_family_checkpoint(directory, model, dtype=np.float32):
+    """A Hugging Face directory for ``model`` through models.hf's own maps: config.json, weights, a tokenizer."""
+    from models import hf as mhf
+    os.makedirs(directory)
+    tensors = {}
+    for name, (hf_name, transpose, _) in mhf.hf_tensors(model).items():
+        value = np.asarray(model.init_tensor(name, 7), np.float32)
+        tensors[hf_name] = np.ascontiguousarray(value.T if transpose else value).astype(dtype)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(mhf.hf_config(model, torch_dtype="float32"), f)
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        f.write("{}")
+    return tensors
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
+    """HF -> pstar (Run with init_from_hf, chunks moving) -> HF with no training step: every tensor's
+    bytes are equal, config.json describes the same model, the tokenizer files come along."""
+    import pstar_jax as ps
+    from models import hf as mhf
+    from models.llama import LlamaConfig, StagedLlama
+    if family == "gpt2":
+        model = StagedGPT(dataclasses.replace(TINY, vocab_size=300))
+    else:
+        model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
+                                        seq_len=32, family=family, qkv_bias=family == "qwen2",
+                                        tie_embeddings=family == "qwen2", max_position_embeddings=32))
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    written = write_family_checkpoint(src, model)
+    config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(batch_size=8),
+                          engine=ps.EngineConfig(precision="fp32"), output=ps.OutputConfig(quiet=True))
+    with ps.Run(config) as run:
+        assert run.model.param_shapes() == model.param_shapes()
+        run.export_hf(out, "fp32")
+    back = read_all(out)
+    assert back.keys() == written.keys()
+    for name, value in written.items():
+        assert back[name].tobytes() == value.tobytes(), name
+    assert mhf.build_from_hf(read_hf_config(out)).param_shapes() == model.param_shapes()
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+
+
+def test_pstar_train_fine_tunes_an_hf_checkpoint_and_refuses_contradictions(tmp_path, capsys):
+    from models.llama import LlamaConfig, StagedLlama
+    from pstar_jax.train import main as train_main
+    model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
+                                    seq_len=32, max_position_embeddings=32))
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_family_checkpoint(src, model)
+    base = ["--init-from-hf", src, "--steps", "3", "--batch-size", "8", "--quiet"]
+    assert train_main([*base, "--export-hf", out]) == 0
+    assert "exported to" in capsys.readouterr().out
+    assert read_hf_config(out)["model_type"] == "llama" and os.path.isfile(os.path.join(out, "tokenizer.json"))
+    assert train_main([*base, "--d-model", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pstar-train: error:") and err.count("\n") == 1 and "d_model" in err, err
+    assert train_main([*base, "--export-hf", src]) == 2  # a foreign, non-empty directory: refused before training
+    assert "pstar-train: error:" in capsys.readouterr().err

@@ -236,7 +236,7 @@ def test_chunked_engine_equals_plain_engine_fp32(config):
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     assert la[-1] < la[0], "training lowers the loss"
     assert moved > 0, "the default budget holds half the model: chunks must move"
-    pa, pb = engine.params(), reference.params_numpy()
+    pa, pb = engine.params(), reference.params()
     assert pa.keys() == pb.keys()
     for name in pa:
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-6, err_msg=name)
