@@ -70,7 +70,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    feature = (1,) * (x.ndim - 1) + scale.shape  # explicit: rank promotion is an error in the tests
+    return (y * scale.astype(jnp.float32).reshape(feature) + bias.astype(jnp.float32).reshape(feature)).astype(x.dtype)
 
 
 def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array) -> jax.Array:

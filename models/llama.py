@@ -156,7 +156,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """HF's LlamaRMSNorm: normalise in float32, cast back to x's dtype, then multiply by the weight."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * y.astype(x.dtype)
+    return scale.astype(x.dtype).reshape((1,) * (x.ndim - 1) + scale.shape) * y.astype(x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:

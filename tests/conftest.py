@@ -13,3 +13,5 @@ import jax  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "pstar_jax_test_xla_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Implicit rank promotion hides shape bugs (a [B] + [B, 1] that should have been an error).
+jax.config.update("jax_numpy_rank_promotion", "raise")
