@@ -36,7 +36,8 @@ from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Access, Plan, PlanMoment, StepShape, make_plan, plan_step, staged_after, step_accesses
+from pstar_jax.plan import Plan, PlanMoment, make_plan, plan_step
+from pstar_jax.schedule import Access, StepShape, staged_after, step_accesses
 from pstar_jax.stages import BoundStage, StagedModel, StageFunctions, bind, validate_stages
 from pstar_jax.trace import trace_step
 from pstar_jax.zero import replicated_value, to_numpy
