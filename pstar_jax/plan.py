@@ -139,8 +139,10 @@ def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: i
     Items created at this moment (grads at first use) count as needed but are not fetched.
     ``extra`` are items still occupying memory (dropped after the previous moment runs)."""
     missing = [it for it in a.needs if it not in state.device]
+    need_bytes = (len(state.device) + len(missing) + len([e for e in extra if e not in state.device])) * item_bytes
+    if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
+        return [], [it for it in missing if it in state.host]
     resident = dict(state.device)
-    need_bytes = (len(resident) + len(missing) + len([e for e in extra if e not in resident])) * item_bytes
     evicted = []
     while need_bytes > capacity:
         candidates = [it for it in resident if it not in protect and it not in extra]
@@ -178,8 +180,8 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
     else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
-    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine) if hide_state
-                  else [1] * shape.n_chunks)
+    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
+                  if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
@@ -210,14 +212,43 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
 
+TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
+
+
+def preference(plan: Plan) -> tuple:
+    """How the planner orders plans predicted equally fast (within ``TIE_MARGIN``), most preferred
+    last: more param chunks resident, then more optimizer state on the device, then fewer bytes
+    moved, then state updated on the host over streamed. Predictions are estimates; among near
+    ties the plan that moves less is the safer bet, and a fixed rule keeps plans reproducible."""
+    return (plan.resident_fraction, sum(plan.opt_on_device), -(plan.h2d_bytes + plan.d2h_bytes),
+            not any(plan.opt_streamed))
+
+
+def choose(plans: Sequence[Plan]) -> Plan:
+    """The plan make_plan returns among ``plans``: a fitting one over any that does not (when none
+    does, the one predicted fastest, whose problem is the one to report); among those that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of
+    the fastest; earlier in ``plans`` on full ties."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:  # the one that got furthest: a host shortfall has a prediction, a device one none
+        return min(plans, key=lambda p: p.predicted_step_s)
+    fastest = min(p.predicted_step_s for p in fitting)
+    near = [p for p in fitting if p.predicted_step_s <= fastest * (1 + TIE_MARGIN)]
+    return max(near, key=preference)  # max keeps the first of equal keys
+
+
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
-              adam_placement: str = "auto") -> Plan:
+              adam_placement: str = "auto", first_fit: bool = False) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     How many chunks keep their state on the device (PatrickStar's margin), and whether the
     others update on the host or stream their state through the device. ``adam_placement``
     "device", "host" or "stream" forces one way for all chunks. Streamed state is sent down far
-    enough ahead to hide its copy, or, when no such plan fits, one moment ahead."""
+    enough ahead to hide its copy, or, when no such plan fits, one moment ahead.
+
+    The counts tried: a grid of about 12 steps over 0..n, then finer grids (a quarter of the
+    spacing each time) around the chosen one, so a deep model costs a few dozen plans, not n.
+    Near ties are broken by ``choose``. ``first_fit``: return the first plan that fits (for
+    searches that only ask whether anything fits; the same candidates, so the same answer)."""
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
@@ -229,22 +260,29 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     if adam_placement != "auto":
         return planned([adam_placement == "device"] * n, adam_placement == "stream")
-    step = max(1, n // 12)
-    best, best_key, scores = None, None, {}
+    scores: dict[tuple[int, bool], Plan] = {}
+
+    class _Fits(Exception):
+        pass
 
     def consider(k: int, stream: bool) -> None:
-        nonlocal best, best_key
-        if (k, stream) in scores:
-            return
-        plan = planned([c < k for c in range(n)], stream)
-        scores[k, stream] = plan
-        if best is None or (plan.fits, -plan.predicted_step_s) > (best.fits, -best.predicted_step_s):
-            best, best_key = plan, (k, stream)
+        if (k, stream) not in scores:
+            scores[k, stream] = planned([c < k for c in range(n)], stream)
+            if first_fit and scores[k, stream].fits:
+                raise _Fits
 
-    for k in sorted({n, 0, *range(0, n, step)}, reverse=True):
-        for stream in (False, True):
-            consider(k, stream)
-    k0, stream0 = best_key
-    for k in range(max(0, k0 - step + 1), min(n, k0 + step) + 1):  # refine around the best
-        consider(k, stream0)
-    return best
+    spacing = max(1, n // 12)
+    try:
+        for k in sorted({n, 0, *range(0, n, spacing)}, reverse=True):
+            for stream in (False, True):
+                consider(k, stream)
+        while spacing > 1:  # refine around the chosen count, with its way of updating the rest
+            best = choose(list(scores.values()))
+            k0, stream0 = next(key for key, plan in scores.items() if plan is best)
+            finer = max(1, spacing // 4)
+            for k in range(max(0, k0 - spacing + finer), min(n, k0 + spacing) + 1, finer):
+                consider(k, stream0)
+            spacing = finer
+    except _Fits:
+        return next(plan for plan in scores.values() if plan.fits)
+    return choose(list(scores.values()))

@@ -95,14 +95,12 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     last_bwd = first_use  # the backward visits stages in reverse
     out: list[Access] = []
 
-    def params(i):
-        return tuple(("param", c) for c in shape.stage_chunks[i])
+    params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
+    both = [params[i] + tuple(("grad", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
+    last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(shape.stage_chunks)]
 
-    def grads(i):
-        return tuple(("grad", c) for c in shape.stage_chunks[i])
-
-    def drops(i, last):
-        return tuple(("param", c) for c in shape.stage_chunks[i] if last and last_bwd[c] == i)
+    def drops(i, last):  # params after their last backward use, in the last micro-batch
+        return last_drops[i] if last else ()
 
     def updates(i):
         for c in updated_at.get(i, ()):
@@ -120,14 +118,16 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
         for i in range(head):
             if m == 0:
                 out.extend(updates(i))
-            out.append(Access("fwd", i, m, params(i), shape.fwd_non_model[i], shape.fwd_flops[i]))
+            out.append(Access("fwd", i, m, params[i], shape.fwd_non_model[i], shape.fwd_flops[i]))
         if m == 0:
             out.extend(updates(head))
-        out.append(Access("head", head, m, params(head) + grads(head), shape.head_non_model,
+        out.append(Access("head", head, m, both[head], shape.head_non_model,
                           shape.head_flops, drops(head, last)))
         for i in reversed(range(head)):
-            out.append(Access("bwd", i, m, params(i) + grads(i), shape.bwd_non_model[i],
+            out.append(Access("bwd", i, m, both[i], shape.bwd_non_model[i],
                               shape.bwd_flops[i], drops(i, last)))
+    if not any(streamed):
+        return out
     extra = [0] * len(out)  # streamed state on the device beside other moments' own data
     for u, a in enumerate(out):
         for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
