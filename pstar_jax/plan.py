@@ -147,13 +147,16 @@ def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: i
     while need_bytes > capacity:
         candidates = [it for it in resident if it not in protect and it not in extra]
         if not candidates:
-            where = f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
-            raise Infeasible(where, need_bytes - capacity)
+            raise Infeasible(_where(a), need_bytes - capacity)
         out = victim(candidates, t, resident)
         del resident[out]
         evicted.append(out)
         need_bytes -= item_bytes
     return evicted, [it for it in missing if it in state.host]
+
+
+def _where(a: Access) -> str:
+    return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
 
 
 def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, item_bytes: int
@@ -189,6 +192,9 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     state = _State({}, {("grad", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
     try:
+        for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
+            if len(a.needs) * shape.item_bytes > room:
+                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
         for _ in range(8):  # to the fixed point: the step ends where it started
             start = _State(state.device, state.host)
             moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
@@ -210,6 +216,16 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
+
+
+def host_needed_bytes(shape: StepShape, device_bytes: int, k: int) -> int:
+    """A lower bound on the peak host memory of any plan with ``k`` chunks' optimizer state on the
+    device: every chunk has a bf16 item (params or grad) at every moment, on the device or the
+    host, and at the moment with the most non-model data the device holds the fewest."""
+    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    room = device_bytes - k * shape.opt_state_bytes - busiest
+    on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
+    return (shape.n_chunks - on_device) * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -252,6 +268,9 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
+        if first_fit and host_needed_bytes(shape, device_bytes, sum(opt_on_device)) > host_bytes:
+            return Plan((), (), tuple(opt_on_device), (), (), shape.item_bytes, shape.opt_state_bytes, device_bytes,
+                        0, 0, 0, 0, float("inf"), False, "host memory runs out")
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
         if plan.fits or not stream:
             return plan

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200
 from pstar_jax.eviction import policy_for
-from pstar_jax.plan import _State, make_plan, plan_step, simulate
+from pstar_jax.plan import _State, choose, host_needed_bytes, make_plan, plan_step, simulate
 from pstar_jax.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
@@ -105,3 +105,40 @@ def test_a_grad_written_after_a_fetch_is_dirty_again(n_blocks, per_block, micro,
     plan = plan_step(shape, 300 + 2 * (per_block + 1) * 100 + extra, 10**9, H200, opt)
     if plan.fits:
         assert all(dirty for (kind, _), dirty in plan.initial_device if kind == "grad")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.integers(0, 4000), st.integers(0, 6000))
+def test_first_fit_answers_as_make_plan(n_blocks, per_block, micro, extra, host):
+    """The searches' quick question (does anything fit?) gets make_plan's answer, and the host
+    bound they reject with never exceeds what a simulated plan needs."""
+    shape = gpt_like_shape(n_blocks, per_block, micro)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    full = make_plan(shape, device, host, H200)
+    assert make_plan(shape, device, host, H200, first_fit=True).fits == full.fits
+    for k in (0, shape.n_chunks // 2, shape.n_chunks):
+        plan = plan_step(shape, device, 10**9, H200, [c < k for c in range(shape.n_chunks)])
+        if plan.fits:
+            assert host_needed_bytes(shape, device, k) <= plan.peak_host_bytes
+
+
+def test_near_ties_go_to_the_plan_that_keeps_more_on_the_device():
+    """Two fitting plans predicted within the margin: the one with more resident chunks wins
+    whichever is a hair faster, and whichever comes first; beyond the margin the faster wins."""
+    shape = gpt_like_shape(4, 2)
+    resident = plan_step(shape, 10**6, 10**9, H200, [True] * shape.n_chunks)
+    moving = plan_step(shape, 300 + 900, 10**9, H200, [False] * shape.n_chunks)
+    assert resident.fits and moving.fits and resident.resident_fraction > moving.resident_fraction
+    for factor in (0.97, 1.0, 1.03):
+        near = dc.replace(moving, predicted_step_s=resident.predicted_step_s * factor)
+        assert choose([near, resident]) is resident and choose([resident, near]) is resident
+    far = dc.replace(moving, predicted_step_s=resident.predicted_step_s * 0.9)
+    assert choose([far, resident]) is far and choose([resident, far]) is far
+    assert choose([dc.replace(resident, fits=False, predicted_step_s=1e-9), far]) is far
+
+
+def test_same_inputs_give_the_same_plan():
+    shape = gpt_like_shape(5, 2, micro_batches=2)
+    a = make_plan(shape, 300 + 1100, 10**9, H200)
+    b = make_plan(shape, 300 + 1100, 10**9, H200)
+    assert a.fits and a == b and a.to_json() == b.to_json()
