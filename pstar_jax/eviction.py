@@ -40,11 +40,27 @@ def next_use(uses: dict[Item, list[int]], item: Item, t: int, period: int) -> in
 
 
 def belady(accesses: Sequence[Access]) -> EvictionPolicy:
-    """Furthest next use first; among equals a clean item (free to drop), then the higher chunk id."""
+    """Furthest next use first; among equals a clean item (free to drop), then the higher chunk id.
+
+    The planner asks at moments in increasing order (starting over for each replay of the step),
+    so the next use of every item is kept up to date as moments pass instead of searched for each
+    candidate: the key of a candidate is ``next_use(uses, item, t, period)``, read from a dict."""
     uses, period = uses_of(accesses), len(accesses)
+    after = [[(item, next_use(uses, item, t, period)) for item in a.needs] for t, a in enumerate(accesses)]
+    first = {item: times[0] for item, times in uses.items()}
+    upcoming = dict(first)  # item -> its next use after the moments seen so far
+    seen = [-1]  # the last moment whose uses ``upcoming`` reflects
 
     def victim(candidates: list[Item], t: int, resident: Mapping[Item, bool]) -> Item:
-        return max(candidates, key=lambda it: (next_use(uses, it, t, period), not resident[it], it[1]))
+        if t < seen[0]:  # a new replay of the step
+            upcoming.clear()
+            upcoming.update(first)
+            seen[0] = -1
+        for u in range(seen[0] + 1, t + 1):
+            upcoming.update(after[u])
+        seen[0] = max(seen[0], t)
+        never = 2 * period
+        return max(candidates, key=lambda it: (upcoming.get(it, never), not resident[it], it[1]))
     return victim
 
 

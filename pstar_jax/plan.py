@@ -218,14 +218,29 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
 
-def host_needed_bytes(shape: StepShape, device_bytes: int, k: int) -> int:
+def host_needed_bytes(shape: StepShape, device_bytes: int, k: int, streamed: bool = False) -> int:
     """A lower bound on the peak host memory of any plan with ``k`` chunks' optimizer state on the
-    device: every chunk has a bf16 item (params or grad) at every moment, on the device or the
-    host, and at the moment with the most non-model data the device holds the fewest."""
+    device (the rest updated on the host, or ``streamed``). Every chunk has a bf16 item (params or
+    grad) at every moment, on the device or the host, and at the moment with the most non-model
+    data the device holds the fewest; and params made by host Adam all sit on the host once the
+    last update has run (a copy fetched to the device leaves the host copy valid)."""
     busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
     room = device_bytes - k * shape.opt_state_bytes - busiest
     on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
-    return (shape.n_chunks - on_device) * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
+    host_adam = 0 if streamed else shape.n_chunks - k
+    items = max(shape.n_chunks - on_device, host_adam)
+    return items * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
+
+
+def device_short(shape: StepShape, device_bytes: int, k: int) -> bool:
+    """Whether some moment's own chunk items and non-model data, beside ``k`` chunks' optimizer state,
+    exceed the device whatever else the plan does (streamed state only adds to it)."""
+    room = device_bytes - k * shape.opt_state_bytes
+    head = len(shape.stage_chunks) - 1
+    own = [(len(shape.stage_chunks[i]), nm) for i, nm in enumerate(shape.fwd_non_model)]
+    own += [(2 * len(shape.stage_chunks[i]), nm) for i, nm in enumerate(shape.bwd_non_model)]
+    own += [(2 * len(shape.stage_chunks[head]), shape.head_non_model), (1 if k else 0, 0)]
+    return any(items * shape.item_bytes + nm > room for items, nm in own)
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -268,7 +283,9 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
-        if first_fit and host_needed_bytes(shape, device_bytes, sum(opt_on_device)) > host_bytes:
+        k = sum(opt_on_device)
+        if first_fit and (device_short(shape, device_bytes, k)
+                          or host_needed_bytes(shape, device_bytes, k, stream) > host_bytes):
             return Plan((), (), tuple(opt_on_device), (), (), shape.item_bytes, shape.opt_state_bytes, device_bytes,
                         0, 0, 0, 0, float("inf"), False, "host memory runs out")
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)

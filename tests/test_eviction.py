@@ -82,3 +82,21 @@ def test_policies_choose_as_named():
     assert policy_for("belady", accesses)(candidates, 2, resident) == ("param", 1)
     assert policy_for("lru", accesses)(candidates, 2, resident) == ("param", 0)
     assert policy_for("fifo", accesses)(candidates, 2, resident) == ("param", 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(), st.lists(st.integers(0, 9), min_size=1, max_size=12))
+def test_belady_keys_are_next_uses_at_any_moment(trace, moments):
+    """Asked at moments in any order (replays start over), Belady picks the furthest next use."""
+    from pstar_jax.eviction import next_use, uses_of
+    accesses, n, _ = trace
+    policy = policy_for("belady", accesses)
+    uses, period = uses_of(accesses), len(accesses)
+    items = [("param", c) for c in range(n)]
+    for t in moments:
+        t = t % period
+        candidates = [it for it in items if it not in accesses[t].needs]
+        if candidates:
+            resident = {it: bool(it[1] % 2) for it in candidates}
+            expected = max(candidates, key=lambda it: (next_use(uses, it, t, period), not resident[it], it[1]))
+            assert policy(candidates, t, resident) == expected
