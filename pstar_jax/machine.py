@@ -108,12 +108,17 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
                    adam[Space.HOST], call_s, duplex=copies_overlap(h2d_s, d2h_s, both_s))
 
 
+def cache_dir() -> Path:
+    """pstar_jax's directory under the user's cache directory ($XDG_CACHE_HOME or ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "pstar_jax"
+
+
 def machines_dir() -> Path:
-    """Where measured machines are kept: $PSTAR_MACHINES_DIR, else the user's cache directory."""
+    """Where measured machines are kept: $PSTAR_MACHINES_DIR, else machines/ in ``cache_dir()``."""
     if os.environ.get(MACHINES_DIR_ENV):
         return Path(os.environ[MACHINES_DIR_ENV])
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "pstar_jax" / "machines"
+    return cache_dir() / "machines"
 
 
 def machine_key(param_dtype) -> str:

@@ -274,7 +274,7 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     How many chunks keep their state on the device (PatrickStar's margin), and whether the
     others update on the host or stream their state through the device. ``adam_placement``
     "device", "host" or "stream" forces one way for all chunks. Streamed state is sent down far
-    enough ahead to hide its copy, or, when no such plan fits, one moment ahead.
+    enough ahead to hide its copy, or, when device memory is short for that, one moment ahead.
 
     The counts tried: a grid of about 12 steps over 0..n, then finer grids (a quarter of the
     spacing each time) around the chosen one, so a deep model costs a few dozen plans, not n.
@@ -289,7 +289,7 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
             return Plan((), (), tuple(opt_on_device), (), (), shape.item_bytes, shape.opt_state_bytes, device_bytes,
                         0, 0, 0, 0, float("inf"), False, "host memory runs out")
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
-        if plan.fits or not stream:
+        if plan.fits or not stream or not plan.problem.startswith("device"):  # the retry saves device memory
             return plan
         return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n,
                          hide_state=False)

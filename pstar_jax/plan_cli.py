@@ -22,6 +22,7 @@ from pstar_jax.config import ConfigError, format_bytes, parse_bytes, parse_count
 from pstar_jax.train import _model, _Parser
 
 MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
+MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -113,6 +114,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
         if W > 1:
             jax.config.update("jax_num_cpu_devices", W)
+    if jax.config.jax_compilation_cache_dir is None:
+        # The trace compiles each distinct stage once; keeping the compiled stages makes the same
+        # question asked again answer in a few seconds (most of a first answer is compiling).
+        from pstar_jax.machine import cache_dir
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if len(jax.devices()) < W:
         raise ConfigError(f"--data-parallel {W} needs {W} devices to trace with; {len(jax.devices())} are here")
     import numpy as np
@@ -226,14 +233,20 @@ def search(args, model, planned, engine_cfg, mesh, machine, host_bytes: int, mak
 
     # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
     busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
-    batch_limit = max(1, min(1 << 16, device_bytes * micro // max(busiest, 1)))
+    memory_limit = device_bytes * micro // max(busiest, 1)
+    batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
 
     def batch_fits(batch: int) -> bool:
         return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, args.adam_placement,
                          first_fit=True).fits
     batch = largest(batch_fits, micro, batch_limit)
-    print(f"largest batch that fits at this depth: {batch * args.micro_batches} sequences per step"
-          if batch else "no batch fits at this depth", "(activation memory scaled linearly from the trace)")
+    note = "(activation memory scaled linearly from the trace)"
+    if batch == MAX_SEARCH_BATCH < memory_limit:
+        print(f"largest batch that fits at this depth: at least {batch * args.micro_batches} sequences per step "
+              f"(the search stops there) {note}")
+    else:
+        print(f"largest batch that fits at this depth: {batch * args.micro_batches} sequences per step {note}"
+              if batch else f"no batch fits at this depth {note}")
 
 
 def plot_timeline(planned, path: str) -> None:
