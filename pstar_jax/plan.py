@@ -195,6 +195,11 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
             if len(a.needs) * shape.item_bytes > room:
                 raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+        host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
+        if host_needed > host_bytes:  # no replay needed to know
+            return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+                        device_bytes, 0, 0, 0, host_needed, float("inf"), False,
+                        f"host memory runs out by at least {format_bytes(host_needed - host_bytes)}")
         for _ in range(8):  # to the fixed point: the step ends where it started
             start = _State(state.device, state.host)
             moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
@@ -218,29 +223,20 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
 
-def host_needed_bytes(shape: StepShape, device_bytes: int, k: int, streamed: bool = False) -> int:
-    """A lower bound on the peak host memory of any plan with ``k`` chunks' optimizer state on the
-    device (the rest updated on the host, or ``streamed``). Every chunk has a bf16 item (params or
-    grad) at every moment, on the device or the host, and at the moment with the most non-model
-    data the device holds the fewest; and params made by host Adam all sit on the host once the
-    last update has run (a copy fetched to the device leaves the host copy valid)."""
+def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
+                      streamed: Sequence[bool]) -> int:
+    """A lower bound on the peak host memory of any plan with this optimizer placement. Every
+    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and at the
+    moment with the most non-model data the device holds the fewest; and params made by host Adam
+    all sit on the host once the last update has run (a copy fetched to the device leaves the
+    host copy valid)."""
+    k = sum(opt_on_device)
     busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
     room = device_bytes - k * shape.opt_state_bytes - busiest
     on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
-    host_adam = 0 if streamed else shape.n_chunks - k
+    host_adam = sum(not d and not s for d, s in zip(opt_on_device, streamed))
     items = max(shape.n_chunks - on_device, host_adam)
     return items * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
-
-
-def device_short(shape: StepShape, device_bytes: int, k: int) -> bool:
-    """Whether some moment's own chunk items and non-model data, beside ``k`` chunks' optimizer state,
-    exceed the device whatever else the plan does (streamed state only adds to it)."""
-    room = device_bytes - k * shape.opt_state_bytes
-    head = len(shape.stage_chunks) - 1
-    own = [(len(shape.stage_chunks[i]), nm) for i, nm in enumerate(shape.fwd_non_model)]
-    own += [(2 * len(shape.stage_chunks[i]), nm) for i, nm in enumerate(shape.bwd_non_model)]
-    own += [(2 * len(shape.stage_chunks[head]), shape.head_non_model), (1 if k else 0, 0)]
-    return any(items * shape.item_bytes + nm > room for items, nm in own)
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -256,12 +252,14 @@ def preference(plan: Plan) -> tuple:
 
 
 def choose(plans: Sequence[Plan]) -> Plan:
-    """The plan make_plan returns among ``plans``: a fitting one over any that does not (when none
-    does, the one predicted fastest, whose problem is the one to report); among those that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of
-    the fastest; earlier in ``plans`` on full ties."""
+    """The plan make_plan returns among ``plans``: a fitting one over any that does not; among those
+    that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of the
+    fastest; earlier in ``plans`` on full ties. When none fits: the one short of the least host
+    memory (its device side worked), else the first; its problem is the one to report."""
     fitting = [p for p in plans if p.fits]
-    if not fitting:  # the one that got furthest: a host shortfall has a prediction, a device one none
-        return min(plans, key=lambda p: p.predicted_step_s)
+    if not fitting:
+        host_short = [p for p in plans if p.problem.startswith("host")]
+        return min(host_short, key=lambda p: p.peak_host_bytes) if host_short else plans[0]
     fastest = min(p.predicted_step_s for p in fitting)
     near = [p for p in fitting if p.predicted_step_s <= fastest * (1 + TIE_MARGIN)]
     return max(near, key=preference)  # max keeps the first of equal keys
@@ -279,15 +277,11 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     The counts tried: a grid of about 12 steps over 0..n, then finer grids (a quarter of the
     spacing each time) around the chosen one, so a deep model costs a few dozen plans, not n.
     Near ties are broken by ``choose``. ``first_fit``: return the first plan that fits (for
-    searches that only ask whether anything fits; the same candidates, so the same answer)."""
+    searches that only ask whether anything fits: the same candidates in the same order until
+    then, so the same answer)."""
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
-        k = sum(opt_on_device)
-        if first_fit and (device_short(shape, device_bytes, k)
-                          or host_needed_bytes(shape, device_bytes, k, stream) > host_bytes):
-            return Plan((), (), tuple(opt_on_device), (), (), shape.item_bytes, shape.opt_state_bytes, device_bytes,
-                        0, 0, 0, 0, float("inf"), False, "host memory runs out")
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
         if plan.fits or not stream or not plan.problem.startswith("device"):  # the retry saves device memory
             return plan

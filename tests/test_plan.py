@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200
 from pstar_jax.eviction import policy_for
-from pstar_jax.plan import _State, choose, device_short, host_needed_bytes, make_plan, plan_step, simulate
+from pstar_jax.plan import _State, choose, host_needed_bytes, make_plan, plan_step, simulate
 from pstar_jax.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
@@ -110,19 +110,19 @@ def test_a_grad_written_after_a_fetch_is_dirty_again(n_blocks, per_block, micro,
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.integers(0, 4000), st.integers(0, 6000))
 def test_first_fit_answers_as_make_plan(n_blocks, per_block, micro, extra, host):
-    """The searches' quick question (does anything fit?) gets make_plan's answer: the host bound they
-    reject with never exceeds what a replayed plan needs, and a device they call short is short."""
+    """The searches' quick question (does anything fit?) gets make_plan's answer, and the host
+    bound plan_step rejects with before replaying never exceeds what a replayed plan needs."""
     shape = gpt_like_shape(n_blocks, per_block, micro)
     device = 300 + 2 * (per_block + 1) * 100 + extra
     full = make_plan(shape, device, host, H200)
     assert make_plan(shape, device, host, H200, first_fit=True).fits == full.fits
-    for k in (0, shape.n_chunks // 2, shape.n_chunks):
+    n = shape.n_chunks
+    for k in (0, n // 2, n):
         for stream in (False, True):
-            plan = plan_step(shape, device, 10**9, H200, [c < k for c in range(shape.n_chunks)],
-                             streamed=[stream] * shape.n_chunks)
-            assert device_short(shape, device, k) <= ("device memory runs out" in (plan.problem or ""))
+            opt, streamed = [c < k for c in range(n)], [stream and c >= k for c in range(n)]
+            plan = plan_step(shape, device, 10**9, H200, opt, streamed=streamed)
             if plan.fits:
-                assert host_needed_bytes(shape, device, k, stream) <= plan.peak_host_bytes
+                assert host_needed_bytes(shape, device, opt, streamed) <= plan.peak_host_bytes
 
 
 def test_near_ties_go_to_the_plan_that_keeps_more_on_the_device():
