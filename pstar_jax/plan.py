@@ -183,23 +183,23 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
     else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
+    host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
+    if host_needed > host_bytes:  # known without building the step, let alone replaying it
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+                    shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
+                    f"host memory runs out by at least {format_bytes(host_needed - host_bytes)}")
     leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    victim = policy_for(victim_rule, accesses)
     state = _State({}, {("grad", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
             if len(a.needs) * shape.item_bytes > room:
                 raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
-        host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
-        if host_needed > host_bytes:  # no replay needed to know
-            return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
-                        device_bytes, 0, 0, 0, host_needed, float("inf"), False,
-                        f"host memory runs out by at least {format_bytes(host_needed - host_bytes)}")
+        victim = policy_for(victim_rule, accesses)
         for _ in range(8):  # to the fixed point: the step ends where it started
             start = _State(state.device, state.host)
             moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
