@@ -154,8 +154,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         on_device, streamed = sum(plan.opt_on_device), sum(plan.opt_streamed)
         tokens = args.batch_size * cfg.seq_len
         print(f"model {model_label(args, cfg)}: {model.n_params():,} params "
-              f"({format_bytes(14 * model.n_params())} of model data at 14 B/param), batch {args.batch_size}x{cfg.seq_len} in {args.micro_batches} "
-              f"micro-batch(es), {args.precision}")
+              f"({format_bytes(14 * model.n_params())} of model data at 14 B/param), batch "
+              f"{args.batch_size}x{cfg.seq_len} in {args.micro_batches} micro-batch(es), {args.precision}")
         print(f"capacity per device: device {format_bytes(device_bytes)}, host {format_bytes(host_bytes)}; "
               f"{W} data-parallel device(s); rates: {machine.name}")
         print(f"chunks: {n} of {planned.layout.chunk_numel:,} elements "

@@ -66,9 +66,10 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
 
     def f(values):
         return tuple(v * factor for v in values)
-    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model), head_non_model=int(shape.head_non_model * factor),
-                               bwd_non_model=s(shape.bwd_non_model), fwd_flops=f(shape.fwd_flops),
-                               head_flops=shape.head_flops * factor, bwd_flops=f(shape.bwd_flops))
+    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model),
+                               head_non_model=int(shape.head_non_model * factor), bwd_non_model=s(shape.bwd_non_model),
+                               fwd_flops=f(shape.fwd_flops), head_flops=shape.head_flops * factor,
+                               bwd_flops=f(shape.bwd_flops))
 
 
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],

@@ -84,7 +84,8 @@ def test_streamed_state_goes_down_ahead_far_enough_to_hide_its_copy():
     """When one moment's compute is shorter than a state copy, the state is sent several moments
     ahead: faster than one moment ahead, for more device memory."""
     shape = gpt_like_shape(6, 1)
-    machine = dc.replace(H200, h2d_bytes_per_s=600 / 3e-6, d2h_bytes_per_s=600 / 3e-6, flops_per_s=1e15)  # copy 3 us, stage 1-2 us
+    # a state copy takes 3 us, a stage 1-2 us
+    machine = dc.replace(H200, h2d_bytes_per_s=600 / 3e-6, d2h_bytes_per_s=600 / 3e-6, flops_per_s=1e15)
     n = shape.n_chunks
     hidden = plan_step(shape, 10**5, 10**9, machine, [False] * n, streamed=[True] * n)
     near = plan_step(shape, 10**5, 10**9, machine, [False] * n, streamed=[True] * n, hide_state=False)
