@@ -75,7 +75,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
 
 
 def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
-    return jnp.take(wte_VxD, tokens_BxL, axis=0) + wpe_LxD[: tokens_BxL.shape[1]]
+    return jnp.take(wte_VxD, tokens_BxL, axis=0) + wpe_LxD[None, : tokens_BxL.shape[1]]
 
 
 def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:

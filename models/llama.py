@@ -189,7 +189,7 @@ def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> 
     """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does."""
     half = x_BxLxHxK.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxLxHxK[..., half:], x_BxLxHxK[..., :half]], axis=-1)
-    cos, sin = cos_LxK[:, None, :].astype(x_BxLxHxK.dtype), sin_LxK[:, None, :].astype(x_BxLxHxK.dtype)
+    cos, sin = (t[None, :, None, :].astype(x_BxLxHxK.dtype) for t in (cos_LxK, sin_LxK))
     return x_BxLxHxK * cos + rotated * sin
 
 
@@ -200,7 +200,7 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     q_BxLxNxGxK = q_BxLxHxK.reshape(B, L, N, H // N, K)
     scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK) * (K ** -0.5)
     causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-    scores32 = jnp.where(causal_LxL, scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
+    scores32 = jnp.where(causal_LxL[None, None, None], scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxLxHxK.dtype)
     return jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK).reshape(B, L, H, K)
 

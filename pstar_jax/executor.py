@@ -38,8 +38,9 @@ from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.model import StagedModel
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Access, Plan, PlanMoment, staged_after
+from pstar_jax.plan import Plan, PlanMoment
 from pstar_jax.planning import Planned, plan_model, require_fit
+from pstar_jax.schedule import Access, staged_after
 from pstar_jax.zero import replicated_value, to_numpy
 
 

@@ -2,17 +2,33 @@
 
 The planner predicts step time from these. ``H200`` holds figures measured on the project's
 GPU machine; ``measure`` takes a quick reading of the machine at hand (about a second).
+
+A reading is noisy, and a plan made from a fresh one can differ run to run. So a machine is
+measured once and its rates kept in a JSON file named by what they depend on (platform,
+device kind, jax version, core count, compute dtype) under ``machines_dir()``;
+``saved_machine`` reads it back, measuring only when there is none. Re-measure with
+``python -m pstar_jax.machine --remeasure``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
+import re
+import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pstar_jax.config import ConfigError
+
+MACHINES_DIR_ENV = "PSTAR_MACHINES_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +106,91 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     call_s = _best_time(lambda: call(tiny), repeats=20)
     return Machine(f"{jax.devices()[0].platform} (measured)", nbytes / h2d_s, nbytes / d2h_s, flops, adam[Space.DEVICE],
                    adam[Space.HOST], call_s, duplex=copies_overlap(h2d_s, d2h_s, both_s))
+
+
+def cache_dir() -> Path:
+    """pstar_jax's directory under the user's cache directory ($XDG_CACHE_HOME or ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "pstar_jax"
+
+
+def machines_dir() -> Path:
+    """Where measured machines are kept: $PSTAR_MACHINES_DIR, else machines/ in ``cache_dir()``."""
+    if os.environ.get(MACHINES_DIR_ENV):
+        return Path(os.environ[MACHINES_DIR_ENV])
+    return cache_dir() / "machines"
+
+
+def machine_key(param_dtype) -> str:
+    """The file name (without .json) of this machine's rates for ``param_dtype``."""
+    device = jax.devices()[0]
+    parts = (device.platform, device.device_kind, f"jax{jax.__version__}", f"{os.cpu_count()}cores",
+             jnp.dtype(param_dtype).name)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
+
+
+def save_machine(machine: Machine, path: str | os.PathLike) -> None:
+    """Write ``machine`` as JSON (whole or not at all: written beside, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(machine), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_machine(source: str | os.PathLike) -> Machine:
+    """A machine by name (``MACHINES``) or from a JSON file that ``save_machine`` wrote."""
+    if str(source) in MACHINES:
+        return MACHINES[str(source)]
+    try:
+        fields = json.loads(Path(source).read_text())
+        machine = Machine(**fields)
+    except OSError as err:
+        raise ConfigError(f"machine {str(source)!r} is neither one of {', '.join(MACHINES)} nor a readable "
+                          f"file ({err.strerror}); measure one with python -m pstar_jax.machine") from None
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"machine file {str(source)!r} is not a saved machine ({err}); measure it again "
+                          f"with python -m pstar_jax.machine --remeasure") from None
+    def number(value, low: float) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < float("inf")
+    rates = (machine.h2d_bytes_per_s, machine.d2h_bytes_per_s, machine.flops_per_s,
+             machine.device_adam_params_per_s, machine.host_adam_params_per_s)
+    if not all(number(r, 1e-300) for r in rates) or not number(machine.call_s, 0.0):
+        raise ConfigError(f"machine file {str(source)!r} holds a rate that is not a positive number")
+    return machine
+
+
+def saved_machine(placement, optimizer, remeasure: bool = False) -> Machine:
+    """This machine's saved rates, measured (with ``measure``) and saved first when there are none
+    or ``remeasure`` says so: the same machine then always plans with the same rates."""
+    path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
+    if path.exists() and not remeasure:
+        return load_machine(path)
+    machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
+    save_machine(machine, path)
+    return machine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure this machine (its first device) and save the rates where pstar-train looks for them."""
+    p = argparse.ArgumentParser(prog="python -m pstar_jax.machine", description=main.__doc__)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--remeasure", action="store_true", help="measure again even if rates are saved")
+    args = p.parse_args(argv)
+    from jax.sharding import Mesh
+
+    from pstar_jax.config import OptimConfig
+    from pstar_jax.memory import Placement
+    from pstar_jax.optim import ChunkOptimizer, default_tx
+
+    placement = Placement(Mesh(np.array(jax.devices()[:1]), ("data",)))
+    optimizer = ChunkOptimizer(default_tx(OptimConfig()), placement,
+                               jnp.bfloat16 if args.precision == "bf16" else jnp.float32)
+    machine = saved_machine(placement, optimizer, args.remeasure)
+    print(f"{machines_dir() / (machine_key(optimizer.param_dtype) + '.json')}")
+    print(json.dumps(dataclasses.asdict(machine), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

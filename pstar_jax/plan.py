@@ -7,11 +7,8 @@ fetched; when the device would overflow, the resident chunk whose next use is fu
 evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy is still
 valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
 
-A step's optimizer update is deferred into the next step's forward: the update of chunk c runs
-right before the first forward stage that reads c. The update needs the global gradient norm,
-known only when the backward ends, so updating during the backward would change the math;
-updating during the next forward does not, and it gives the optimizer's copies (streamed state,
-grads going to host Adam) the forward's compute to hide under instead of a phase of their own.
+The step's moments and what each needs come from schedule.py (where the deferred optimizer
+update is explained), the eviction rule from eviction.py, the step time from predict.py.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -24,33 +21,15 @@ and nothing else; the planner never touches arrays.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
-from typing import Callable, Sequence
+from typing import Sequence
 
 from pstar_jax.config import format_bytes
+from pstar_jax.eviction import EvictionPolicy, policy_for
 from pstar_jax.machine import Machine
-
-Item = tuple[str, int]  # ("param" | "grad", chunk id)
-
-
-@dataclasses.dataclass(frozen=True)
-class Access:
-    """One moment of a step as the planner sees it."""
-    phase: str  # "fwd", "head", "bwd", "adam"
-    index: int  # stage index; chunk id for "adam"
-    micro: int
-    needs: tuple[Item, ...]  # on the device during the moment (created if absent)
-    non_model_bytes: int
-    flops: float = 0.0
-    drops: tuple[Item, ...] = ()  # gone after the moment (params after their last backward use)
-    to_host: tuple[Item, ...] = ()  # must be on the host for the moment (grads for host Adam)
-    consumes: tuple[Item, ...] = ()  # used up by the moment (grads by Adam)
-    creates_host: tuple[Item, ...] = ()  # made on the host by the moment (params from host Adam)
-    creates_device: tuple[Item, ...] = ()  # made on the device, dirty (params from device Adam)
-    state_bytes_each_way: int = 0  # optimizer state streamed down and back up (streamed Adam)
-    state_lead: int = 0  # the state is sent down right after this many earlier moments are issued
+from pstar_jax.predict import predict_step_s, state_leads
+from pstar_jax.schedule import Access, Item, StepShape, step_accesses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,40 +91,8 @@ class _State:
         return tuple(sorted(self.device.items())), tuple(sorted(self.host))
 
 
-def _next_uses(accesses: Sequence[Access]) -> dict[Item, list[int]]:
-    uses: dict[Item, list[int]] = {}
-    for t, a in enumerate(accesses):
-        for item in a.needs:
-            uses.setdefault(item, []).append(t)
-    return uses
-
-
-def _next_use(uses: dict[Item, list[int]], item: Item, t: int, period: int) -> int:
-    times = uses.get(item, [])
-    i = bisect.bisect_right(times, t)
-    if i < len(times):
-        return times[i]
-    return period + times[0] if times else 2 * period  # next step, or never
-
-
-Victim = Callable[[list[Item], int, _State], Item]
-
-
-def belady(uses: dict[Item, list[int]], period: int) -> Victim:
-    """Furthest next use first; among equals a clean chunk (free to drop), then the higher id."""
-    def victim(candidates: list[Item], t: int, state: _State) -> Item:
-        return max(candidates, key=lambda it: (_next_use(uses, it, t, period), not state.device[it], it[1]))
-    return victim
-
-
-def victim_for(rule: str, accesses: Sequence[Access]) -> Victim:
-    if rule == "belady":
-        return belady(_next_uses(accesses), len(accesses))
-    return {"lru": lambda: _lru(accesses), "fifo": _fifo}[rule]()
-
-
 def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: int, state: _State,
-             victim: Victim, prefetch: bool = True) -> tuple[list[PlanMoment], _State]:
+             victim: EvictionPolicy, prefetch: bool = True) -> tuple[list[PlanMoment], _State]:
     """Replay one step from ``state``; returns the moments' actions and the end state.
 
     ``capacity[t]`` is the device memory for chunk items at moment t. Raises Infeasible when a
@@ -186,25 +133,30 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: in
 
 
 def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: int, state: _State,
-             victim: Victim, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
+             victim: EvictionPolicy, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
     """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
 
     Items created at this moment (grads at first use) count as needed but are not fetched.
     ``extra`` are items still occupying memory (dropped after the previous moment runs)."""
     missing = [it for it in a.needs if it not in state.device]
+    need_bytes = (len(state.device) + len(missing) + len([e for e in extra if e not in state.device])) * item_bytes
+    if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
+        return [], [it for it in missing if it in state.host]
     resident = dict(state.device)
-    need_bytes = (len(resident) + len(missing) + len([e for e in extra if e not in resident])) * item_bytes
     evicted = []
     while need_bytes > capacity:
         candidates = [it for it in resident if it not in protect and it not in extra]
         if not candidates:
-            where = f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
-            raise Infeasible(where, need_bytes - capacity)
-        out = victim(candidates, t, _State(resident, state.host))
+            raise Infeasible(_where(a), need_bytes - capacity)
+        out = victim(candidates, t, resident)
         del resident[out]
         evicted.append(out)
         need_bytes -= item_bytes
     return evicted, [it for it in missing if it in state.host]
+
+
+def _where(a: Access) -> str:
+    return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
 
 
 def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, item_bytes: int
@@ -223,100 +175,6 @@ def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, i
     return len(fetched) * item_bytes, d2h
 
 
-# -- from a trace to a plan ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """What the planner needs to know of a chunked step (no arrays)."""
-    stage_chunks: tuple[tuple[int, ...], ...]  # per stage: chunk ids it reads
-    fwd_non_model: tuple[int, ...]  # per stage but the last: forward moment's non-model bytes
-    head_non_model: int
-    bwd_non_model: tuple[int, ...]  # per stage but the last
-    fwd_flops: tuple[float, ...]
-    head_flops: float
-    bwd_flops: tuple[float, ...]
-    n_chunks: int
-    chunk_numel: int  # per device
-    item_bytes: int  # one bf16 param (or grad) chunk, per device
-    opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
-    micro_batches: int = 1
-
-
-def scale_batch(shape: StepShape, factor: float) -> StepShape:
-    """The step at ``factor`` times the traced batch: activation memory and FLOPs scale linearly.
-
-    An estimate (temporaries that do not grow with the batch are scaled too, so it errs on the
-    safe side for larger batches); pstar-plan uses it to search the largest batch quickly."""
-    def s(values):
-        return tuple(int(v * factor) for v in values)
-
-    def f(values):
-        return tuple(v * factor for v in values)
-    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model), head_non_model=int(shape.head_non_model * factor),
-                               bwd_non_model=s(shape.bwd_non_model), fwd_flops=f(shape.fwd_flops),
-                               head_flops=shape.head_flops * factor, bwd_flops=f(shape.bwd_flops))
-
-
-def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
-                  streamed: Sequence[bool] | None = None, leads: Sequence[int] | None = None) -> list[Access]:
-    """The moments of one step in the executor's order, with what each needs.
-
-    The previous step's update of chunk c (its "adam" moment) comes right before the first
-    forward stage of the first micro-batch that reads c. It is one of three: state resident on
-    the device; state on the host, updated there (compute_on host: the grad goes down to it); or
-    state on the host, streamed to the device, updated there and streamed back (the grad stays,
-    the new params stay on the device). Streamed state is sent down ``leads[c]`` moments ahead
-    (default 1), so its copy hides under their compute, and goes back up during the next moment:
-    its device copy is non-model memory of all those moments."""
-    streamed = streamed or [False] * shape.n_chunks
-    leads = leads or [1] * shape.n_chunks
-    head = len(shape.stage_chunks) - 1
-    first_use = {c: min(i for i, cs in enumerate(shape.stage_chunks) if c in cs) for c in range(shape.n_chunks)}
-    last_bwd = first_use  # the backward visits stages in reverse
-    out: list[Access] = []
-
-    def params(i):
-        return tuple(("param", c) for c in shape.stage_chunks[i])
-
-    def grads(i):
-        return tuple(("grad", c) for c in shape.stage_chunks[i])
-
-    def drops(i, last):
-        return tuple(("param", c) for c in shape.stage_chunks[i] if last and last_bwd[c] == i)
-
-    def updates(i):
-        for c in sorted(c for c in range(shape.n_chunks) if first_use[c] == i):
-            g, p = ("grad", c), ("param", c)
-            if opt_on_device[c]:
-                yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
-            elif streamed[c]:
-                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
-                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
-            else:
-                yield Access("adam", c, 0, (), 0, to_host=(g,), consumes=(g,), creates_host=(p,))
-
-    for m in range(shape.micro_batches):
-        last = m == shape.micro_batches - 1
-        for i in range(head):
-            if m == 0:
-                out.extend(updates(i))
-            out.append(Access("fwd", i, m, params(i), shape.fwd_non_model[i], shape.fwd_flops[i]))
-        if m == 0:
-            out.extend(updates(head))
-        out.append(Access("head", head, m, params(head) + grads(head), shape.head_non_model,
-                          shape.head_flops, drops(head, last)))
-        for i in reversed(range(head)):
-            out.append(Access("bwd", i, m, params(i) + grads(i), shape.bwd_non_model[i],
-                              shape.bwd_flops[i], drops(i, last)))
-    extra = [0] * len(out)  # streamed state on the device beside other moments' own data
-    for u, a in enumerate(out):
-        for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
-            if t != u:
-                extra[t] += a.state_bytes_each_way
-    return [dataclasses.replace(a, non_model_bytes=a.non_model_bytes + x) if x else a for a, x in zip(out, extra)]
-
-
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
               streamed: Sequence[bool] | None = None, hide_state: bool = True) -> Plan:
@@ -325,15 +183,23 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
     else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
-    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine) if hide_state
-                  else [1] * shape.n_chunks)
+    host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
+    if host_needed > host_bytes:  # known without building the step, let alone replaying it
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+                    shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
+                    f"host memory runs out by at least {format_bytes(host_needed - host_bytes)}")
+    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
+                  if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    victim = victim_for(victim_rule, accesses)
     state = _State({}, {("grad", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
     try:
+        for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
+            if len(a.needs) * shape.item_bytes > room:
+                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+        victim = policy_for(victim_rule, accesses)
         for _ in range(8):  # to the fixed point: the step ends where it started
             start = _State(state.device, state.host)
             moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
@@ -357,147 +223,96 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
 
 
-def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
-    """A moment's predicted compute time (an update runs on the device when its grad stays there)."""
-    if a.phase == "adam":
-        return shape.chunk_numel / (machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s)
-    return a.flops / machine.flops_per_s
+def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
+                      streamed: Sequence[bool]) -> int:
+    """A lower bound on the peak host memory of any plan with this optimizer placement. Every
+    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and at the
+    moment with the most non-model data the device holds the fewest; and params made by host Adam
+    all sit on the host once the last update has run (a copy fetched to the device leaves the
+    host copy valid)."""
+    k = sum(opt_on_device)
+    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    room = device_bytes - k * shape.opt_state_bytes - busiest
+    on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
+    host_adam = sum(not d and not s for d, s in zip(opt_on_device, streamed))
+    items = max(shape.n_chunks - on_device, host_adam)
+    return items * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
 
 
-def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) -> list[int]:
-    """Per chunk: how many moments ahead its streamed state must be sent down for the copy to hide
-    under their compute (at least 1; the step's start at most)."""
-    leads = [1] * shape.n_chunks
-    copy_s = shape.opt_state_bytes / machine.h2d_bytes_per_s
-    for u, a in enumerate(accesses):
-        if a.state_bytes_each_way:
-            covered, lead = 0.0, 0
-            while lead < u and (lead == 0 or covered < copy_s):
-                lead += 1
-                covered += compute_s(accesses[u - lead], shape, machine)
-            leads[a.index] = max(lead, 1)
-    return leads
+TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
 
 
-def staged_after(accesses: Sequence[Access]) -> dict[int, list[int]]:
-    """Moment t -> the streamed updates whose state is sent down right after t is issued (-1: at
-    the step's start)."""
-    out: dict[int, list[int]] = {}
-    for u, a in enumerate(accesses):
-        if a.state_bytes_each_way:
-            out.setdefault(max(u - a.state_lead, -1), []).append(u)
-    return out
+def preference(plan: Plan) -> tuple:
+    """How the planner orders plans predicted equally fast (within ``TIE_MARGIN``), most preferred
+    last: more param chunks resident, then more optimizer state on the device, then fewer bytes
+    moved, then state updated on the host over streamed. Predictions are estimates; among near
+    ties the plan that moves less is the safer bet, and a fixed rule keeps plans reproducible."""
+    return (plan.resident_fraction, sum(plan.opt_on_device), -(plan.h2d_bytes + plan.d2h_bytes),
+            not any(plan.opt_streamed))
 
 
-def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], shape: StepShape,
-                   machine: Machine) -> float:
-    """Replay the step on the device's compute stream and its copy engines, in the executor's order.
-
-    Each moment computes after the previous one and after its own inputs have arrived. Copies
-    are issued when the executor issues them: a moment's evictions and fetches during the
-    previous moment when the plan prefetches it, else after it (evictions and grads bound for
-    host Adam go up first, then fetches come down into the room they freed); streamed state
-    ``state_lead`` moments ahead, and back up after its update. A copy waits for the copy engine
-    of its direction; with ``machine.duplex`` False both directions share one, so a step never
-    looks faster than one serial PCIe link allows."""
-    free = {"up": 0.0, "down": 0.0}  # when each copy engine is next free
-
-    def copy(direction: str, after: float, seconds: float) -> float:
-        start = max(after, free[direction] if machine.duplex else max(free.values()))
-        for d in ((direction,) if machine.duplex else tuple(free)):
-            free[d] = start + seconds
-        return start + seconds
-
-    def own_copies(t: int, at: float) -> float:
-        m, a = moments[t], accesses[t]
-        up = m.d2h_bytes - a.state_bytes_each_way
-        if up:
-            at = copy("up", at, up / machine.d2h_bytes_per_s)
-        fetch = m.h2d_bytes - a.state_bytes_each_way
-        return copy("down", at, fetch / machine.h2d_bytes_per_s) if fetch else at
-
-    staging = staged_after(accesses)
-    state_ready: dict[int, float] = {}
-
-    def stage(t: int, at: float) -> None:
-        for u in staging.get(t, ()):
-            state_ready[u] = copy("down", at, accesses[u].state_bytes_each_way / machine.h2d_bytes_per_s)
-
-    stage(-1, 0.0)
-    compute_start = compute_end = 0.0
-    ready = 0.0  # when the current moment's own copies are done
-    for t, (m, a) in enumerate(zip(moments, accesses)):
-        compute = compute_s(a, shape, machine)
-        if not m.prefetch:
-            ready = own_copies(t, compute_end)
-        compute_start = max(compute_end, ready, state_ready.get(t, 0.0))
-        compute_end = compute_start + compute + machine.call_s
-        if a.state_bytes_each_way:
-            copy("up", compute_end, a.state_bytes_each_way / machine.d2h_bytes_per_s)
-        if t + 1 < len(moments) and moments[t + 1].prefetch:
-            ready = own_copies(t + 1, compute_start)
-        stage(t, compute_start)
-    return max(compute_end, *free.values())
+def choose(plans: Sequence[Plan]) -> Plan:
+    """The plan make_plan returns among ``plans``: a fitting one over any that does not; among those
+    that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of the
+    fastest; earlier in ``plans`` on full ties. When none fits: the one short of the least host
+    memory (its device side worked), else the first; its problem is the one to report."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        host_short = [p for p in plans if p.problem.startswith("host")]
+        return min(host_short, key=lambda p: p.peak_host_bytes) if host_short else plans[0]
+    fastest = min(p.predicted_step_s for p in fitting)
+    near = [p for p in fitting if p.predicted_step_s <= fastest * (1 + TIE_MARGIN)]
+    return max(near, key=preference)  # max keeps the first of equal keys
 
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
-              adam_placement: str = "auto") -> Plan:
+              adam_placement: str = "auto", first_fit: bool = False) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     How many chunks keep their state on the device (PatrickStar's margin), and whether the
     others update on the host or stream their state through the device. ``adam_placement``
     "device", "host" or "stream" forces one way for all chunks. Streamed state is sent down far
-    enough ahead to hide its copy, or, when no such plan fits, one moment ahead."""
+    enough ahead to hide its copy, or, when device memory is short for that, one moment ahead.
+
+    The counts tried: a grid of about 12 steps over 0..n, then finer grids (a quarter of the
+    spacing each time) around the chosen one, so a deep model costs a few dozen plans, not n.
+    Near ties are broken by ``choose``. ``first_fit``: return the first plan that fits (for
+    searches that only ask whether anything fits: the same candidates in the same order until
+    then, so the same answer)."""
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
-        if plan.fits or not stream:
+        if plan.fits or not stream or not plan.problem.startswith("device"):  # the retry saves device memory
             return plan
         return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n,
                          hide_state=False)
 
     if adam_placement != "auto":
         return planned([adam_placement == "device"] * n, adam_placement == "stream")
-    step = max(1, n // 12)
-    best, best_key, scores = None, None, {}
+    scores: dict[tuple[int, bool], Plan] = {}
+
+    class _Fits(Exception):
+        pass
 
     def consider(k: int, stream: bool) -> None:
-        nonlocal best, best_key
-        if (k, stream) in scores:
-            return
-        plan = planned([c < k for c in range(n)], stream)
-        scores[k, stream] = plan
-        if best is None or (plan.fits, -plan.predicted_step_s) > (best.fits, -best.predicted_step_s):
-            best, best_key = plan, (k, stream)
+        if (k, stream) not in scores:
+            scores[k, stream] = planned([c < k for c in range(n)], stream)
+            if first_fit and scores[k, stream].fits:
+                raise _Fits
 
-    for k in sorted({n, 0, *range(0, n, step)}, reverse=True):
-        for stream in (False, True):
-            consider(k, stream)
-    k0, stream0 = best_key
-    for k in range(max(0, k0 - step + 1), min(n, k0 + step) + 1):  # refine around the best
-        consider(k, stream0)
-    return best
-
-
-def _lru(accesses: Sequence[Access]) -> Victim:
-    """Least recently used (for comparison)."""
-    uses = _next_uses(accesses)
-
-    def victim(candidates: list[Item], t: int, state: _State) -> Item:
-        def last_use(it):
-            times = uses.get(it, [])
-            i = bisect.bisect_right(times, t)
-            return times[i - 1] if i else -1
-        return min(candidates, key=lambda it: (last_use(it), it[1]))
-    return victim
-
-
-def _fifo() -> Victim:
-    """First in, first out: the chunk that came to the device earliest (for comparison)."""
-    def victim(candidates: list[Item], t: int, state: _State) -> Item:
-        return next(it for it in state.device if it in candidates)
-    return victim
-
-
-VICTIM_RULES = ("belady", "lru", "fifo")
+    spacing = max(1, n // 12)
+    try:
+        for k in sorted({n, 0, *range(0, n, spacing)}, reverse=True):
+            for stream in (False, True):
+                consider(k, stream)
+        while spacing > 1:  # refine around the chosen count, with its way of updating the rest
+            best = choose(list(scores.values()))
+            k0, stream0 = next(key for key, plan in scores.items() if plan is best)
+            finer = max(1, spacing // 4)
+            for k in range(max(0, k0 - spacing + finer), min(n, k0 + spacing) + 1, finer):
+                consider(k, stream0)
+            spacing = finer
+    except _Fits:
+        return next(plan for plan in scores.values() if plan.fits)
+    return choose(list(scores.values()))

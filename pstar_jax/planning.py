@@ -22,7 +22,8 @@ from pstar_jax.machine import Machine
 from pstar_jax.memory import Placement, device_total_bytes, host_budget_bytes
 from pstar_jax.model import StagedModel, decays, validate_stages
 from pstar_jax.optim import ChunkOptimizer, TxFactory, default_tx
-from pstar_jax.plan import Access, Plan, StepShape, make_plan, plan_step, step_accesses
+from pstar_jax.plan import Plan, make_plan, plan_step
+from pstar_jax.schedule import Access, StepShape, step_accesses
 from pstar_jax.stages import BoundStage, StageFunctions, bind
 from pstar_jax.trace import trace_step
 
@@ -133,10 +134,11 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
                            config.remat, mesh=mesh, init_params=init_params, skip_nonfinite=skip_nonfinite)
     resolved = resolve_engine_config(config, model, mesh)
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
-    if machine is None:
-        from pstar_jax.machine import measure
+    if machine is None:  # rates kept in a file: the same command plans the same way every time
+        from pstar_jax.machine import load_machine, saved_machine
         placement = Placement(mesh)
-        machine = measure(placement, ChunkOptimizer(make_tx, placement, resolved.compute_dtype))
+        machine = (load_machine(config.machine) if config.machine else
+                   saved_machine(placement, ChunkOptimizer(make_tx, placement, resolved.compute_dtype)))
     return ChunkedEngine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
                          host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite)
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.memory import Placement, Space
-from pstar_jax.plan import StepShape
+from pstar_jax.schedule import StepShape
 from pstar_jax.stages import BoundStage, StageFunctions
 
 

@@ -41,7 +41,7 @@ from pstar_jax.executor import ChunkedEngine  # noqa: E402
 from pstar_jax.machine import H200, measure  # noqa: E402
 from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes  # noqa: E402
 from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
-from pstar_jax.plan import predict_step_s  # noqa: E402
+from pstar_jax.predict import predict_step_s  # noqa: E402
 from pstar_jax.plain import PlainEngine  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 

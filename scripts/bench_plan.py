@@ -27,7 +27,8 @@ from pstar_jax.config import EngineConfig, OptimConfig, format_bytes  # noqa: E4
 from pstar_jax.executor import ChunkedEngine  # noqa: E402
 from pstar_jax.machine import H200  # noqa: E402
 from pstar_jax.optim import default_tx  # noqa: E402
-from pstar_jax.plan import plan_step, step_accesses  # noqa: E402
+from pstar_jax.plan import plan_step  # noqa: E402
+from pstar_jax.schedule import step_accesses  # noqa: E402
 
 
 def main() -> None:

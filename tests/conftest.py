@@ -5,6 +5,8 @@ import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Measured machine rates go to a folder of the test session, not the user's cache.
+os.environ["PSTAR_MACHINES_DIR"] = tempfile.mkdtemp(prefix="pstar_machines_")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

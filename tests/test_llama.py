@@ -106,7 +106,7 @@ def test_rms_norm_multiplies_the_weight_after_casting_back():
     normed = (x32 / jnp.sqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
     out = rms_norm(x, w, 1e-6)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(out, w * normed)
+    np.testing.assert_array_equal(out, w[None, :] * normed)
 
 
 def test_llama3_rope_scaling_keeps_high_slows_low_and_blends_between():

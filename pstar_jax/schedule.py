@@ -1,0 +1,147 @@
+"""The step as a sequence of moments and the chunk accesses of each: shared by trace, plan and executor.
+
+A *moment* is one stage call: each stage's forward, the head (forward and backward in one), each
+stage's backward, and one optimizer update per chunk. ``StepShape`` is what the warm-up trace
+learns of a step (which chunks each stage reads, its non-model bytes and FLOPs); ``step_accesses``
+lays the step out in the executor's order, saying for each moment which chunk items (a chunk's
+bf16 params or its grad) must be on the device, and which it drops, consumes or creates.
+
+A step's optimizer update is deferred into the next step's forward: the update of chunk c runs
+right before the first forward stage that reads c. The update needs the global gradient norm,
+known only when the backward ends, so updating during the backward would change the math;
+updating during the next forward does not, and it gives the optimizer's copies (streamed state,
+grads going to host Adam) the forward's compute to hide under instead of a phase of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+Item = tuple[str, int]  # ("param" | "grad", chunk id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """One moment of a step as the planner sees it."""
+    phase: str  # "fwd", "head", "bwd", "adam"
+    index: int  # stage index; chunk id for "adam"
+    micro: int
+    needs: tuple[Item, ...]  # on the device during the moment (created if absent)
+    non_model_bytes: int
+    flops: float = 0.0
+    drops: tuple[Item, ...] = ()  # gone after the moment (params after their last backward use)
+    to_host: tuple[Item, ...] = ()  # must be on the host for the moment (grads for host Adam)
+    consumes: tuple[Item, ...] = ()  # used up by the moment (grads by Adam)
+    creates_host: tuple[Item, ...] = ()  # made on the host by the moment (params from host Adam)
+    creates_device: tuple[Item, ...] = ()  # made on the device, dirty (params from device Adam)
+    state_bytes_each_way: int = 0  # optimizer state streamed down and back up (streamed Adam)
+    state_lead: int = 0  # the state is sent down right after this many earlier moments are issued
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What the planner needs to know of a chunked step (no arrays)."""
+    stage_chunks: tuple[tuple[int, ...], ...]  # per stage: chunk ids it reads
+    fwd_non_model: tuple[int, ...]  # per stage but the last: forward moment's non-model bytes
+    head_non_model: int
+    bwd_non_model: tuple[int, ...]  # per stage but the last
+    fwd_flops: tuple[float, ...]
+    head_flops: float
+    bwd_flops: tuple[float, ...]
+    n_chunks: int
+    chunk_numel: int  # per device
+    item_bytes: int  # one bf16 param (or grad) chunk, per device
+    opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
+    micro_batches: int = 1
+
+
+def scale_batch(shape: StepShape, factor: float) -> StepShape:
+    """The step at ``factor`` times the traced batch: activation memory and FLOPs scale linearly.
+
+    An estimate (temporaries that do not grow with the batch are scaled too, so it errs on the
+    safe side for larger batches); pstar-plan uses it to search the largest batch quickly."""
+    def s(values):
+        return tuple(int(v * factor) for v in values)
+
+    def f(values):
+        return tuple(v * factor for v in values)
+    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model),
+                               head_non_model=int(shape.head_non_model * factor), bwd_non_model=s(shape.bwd_non_model),
+                               fwd_flops=f(shape.fwd_flops), head_flops=shape.head_flops * factor,
+                               bwd_flops=f(shape.bwd_flops))
+
+
+def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
+                  streamed: Sequence[bool] | None = None, leads: Sequence[int] | None = None) -> list[Access]:
+    """The moments of one step in the executor's order, with what each needs.
+
+    The previous step's update of chunk c (its "adam" moment) comes right before the first
+    forward stage of the first micro-batch that reads c. It is one of three: state resident on
+    the device; state on the host, updated there (compute_on host: the grad goes down to it); or
+    state on the host, streamed to the device, updated there and streamed back (the grad stays,
+    the new params stay on the device). Streamed state is sent down ``leads[c]`` moments ahead
+    (default 1), so its copy hides under their compute, and goes back up during the next moment:
+    its device copy is non-model memory of all those moments."""
+    streamed = streamed or [False] * shape.n_chunks
+    leads = leads or [1] * shape.n_chunks
+    head = len(shape.stage_chunks) - 1
+    first_use: dict[int, int] = {}
+    for i, cs in enumerate(shape.stage_chunks):
+        for c in cs:
+            first_use.setdefault(c, i)
+    updated_at: dict[int, list[int]] = {}  # stage -> chunks whose update comes right before it
+    for c in range(shape.n_chunks):
+        updated_at.setdefault(first_use[c], []).append(c)
+    last_bwd = first_use  # the backward visits stages in reverse
+    out: list[Access] = []
+
+    params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
+    both = [params[i] + tuple(("grad", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
+    last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(shape.stage_chunks)]
+
+    def drops(i, last):  # params after their last backward use, in the last micro-batch
+        return last_drops[i] if last else ()
+
+    def updates(i):
+        for c in updated_at.get(i, ()):
+            g, p = ("grad", c), ("param", c)
+            if opt_on_device[c]:
+                yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
+            elif streamed[c]:
+                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
+                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
+            else:
+                yield Access("adam", c, 0, (), 0, to_host=(g,), consumes=(g,), creates_host=(p,))
+
+    for m in range(shape.micro_batches):
+        last = m == shape.micro_batches - 1
+        for i in range(head):
+            if m == 0:
+                out.extend(updates(i))
+            out.append(Access("fwd", i, m, params[i], shape.fwd_non_model[i], shape.fwd_flops[i]))
+        if m == 0:
+            out.extend(updates(head))
+        out.append(Access("head", head, m, both[head], shape.head_non_model,
+                          shape.head_flops, drops(head, last)))
+        for i in reversed(range(head)):
+            out.append(Access("bwd", i, m, both[i], shape.bwd_non_model[i],
+                              shape.bwd_flops[i], drops(i, last)))
+    if not any(streamed):
+        return out
+    extra = [0] * len(out)  # streamed state on the device beside other moments' own data
+    for u, a in enumerate(out):
+        for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
+            if t != u:
+                extra[t] += a.state_bytes_each_way
+    return [dataclasses.replace(a, non_model_bytes=a.non_model_bytes + x) if x else a for a, x in zip(out, extra)]
+
+
+def staged_after(accesses: Sequence[Access]) -> dict[int, list[int]]:
+    """Moment t -> the streamed updates whose state is sent down right after t is issued (-1: at
+    the step's start)."""
+    out: dict[int, list[int]] = {}
+    for u, a in enumerate(accesses):
+        if a.state_bytes_each_way:
+            out.setdefault(max(u - a.state_lead, -1), []).append(u)
+    return out

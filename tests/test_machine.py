@@ -1,0 +1,75 @@
+"""Machine rates: measured once, kept in a file, read back exactly; bad files are one clear error."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from pstar_jax import machine as mach
+from pstar_jax.config import ConfigError
+from pstar_jax.machine import H200, MACHINES, load_machine, machine_key, save_machine, saved_machine
+
+ODD = dataclasses.replace(H200, name="odd", h2d_bytes_per_s=1.2345678901234567e10, call_s=3.3e-5, duplex=True)
+
+
+def test_save_and_load_round_trip_exactly(tmp_path):
+    path = tmp_path / "sub" / "m.json"
+    save_machine(ODD, path)
+    assert load_machine(path) == ODD and load_machine(str(path)) == ODD
+    assert [p.name for p in path.parent.iterdir()] == ["m.json"]  # no temporary left behind
+
+
+def test_names_are_the_built_in_machines():
+    assert load_machine("h200") is MACHINES["h200"] and load_machine("h200-duplex").duplex
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"name": "x"}',
+                                     json.dumps({**dataclasses.asdict(H200), "flops_per_s": -1}),
+                                     json.dumps({**dataclasses.asdict(H200), "call_s": "slow"}),
+                                     json.dumps({**dataclasses.asdict(H200), "bogus": 1})])
+def test_bad_files_are_config_errors(tmp_path, content):
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="m.json"):
+        load_machine(path)
+
+
+def test_missing_machine_names_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="h200-duplex"):
+        load_machine(tmp_path / "absent.json")
+
+
+class _Optimizer:
+    param_dtype = jnp.bfloat16
+
+
+def test_saved_machine_measures_once(tmp_path, monkeypatch):
+    """The first call measures and saves; later calls read the file; remeasure measures again."""
+    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(tmp_path))
+    readings = iter([ODD, dataclasses.replace(ODD, flops_per_s=1.0)])
+    calls = []
+    monkeypatch.setattr(mach, "measure", lambda placement, optimizer: calls.append(1) or next(readings))
+    first = saved_machine(None, _Optimizer())
+    assert first == dataclasses.replace(ODD, name=machine_key(jnp.bfloat16)) and len(calls) == 1
+    assert (tmp_path / f"{machine_key(jnp.bfloat16)}.json").exists()
+    assert saved_machine(None, _Optimizer()) == first and len(calls) == 1
+    again = saved_machine(None, _Optimizer(), remeasure=True)
+    assert again.flops_per_s == 1.0 and len(calls) == 2 and saved_machine(None, _Optimizer()) == again
+
+
+def test_key_names_platform_versions_cores_and_dtype():
+    import os
+
+    import jax
+    key = machine_key(jnp.float32)
+    assert key.startswith("cpu-") and f"jax{jax.__version__}" in key and f"{os.cpu_count()}cores" in key
+    assert key.endswith("float32") and "/" not in key and " " not in key
+
+
+def test_main_measures_this_machine(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(tmp_path))
+    assert mach.main([]) == 0
+    path = capsys.readouterr().out.splitlines()[0]
+    saved = load_machine(path)
+    assert saved.name == machine_key(jnp.bfloat16) and saved.flops_per_s > 0 and saved.host_adam_params_per_s > 0

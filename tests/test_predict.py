@@ -1,0 +1,50 @@
+"""Step-time prediction: between full overlap and none; a duplex link is never slower."""
+
+import dataclasses as dc
+
+from hypothesis import given, settings, strategies as st
+
+from pstar_jax.machine import H200
+from pstar_jax.plan import plan_step
+from pstar_jax.predict import compute_s, predict_step_s, state_leads
+from pstar_jax.schedule import step_accesses
+from step_shapes import gpt_like_shape
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 3000), st.integers(0, 30), st.booleans())
+def test_predicted_time_lies_between_full_overlap_and_none(n_blocks, per_block, extra, k, stream):
+    """Never faster than the compute alone or the link alone, never slower than both in series;
+    a link that copies both ways at once is never slower."""
+    shape = gpt_like_shape(n_blocks, per_block)
+    slow_link = dc.replace(H200, h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3, flops_per_s=1e12)
+    opt = [c < k for c in range(shape.n_chunks)]
+    plan = plan_step(shape, 300 + 2 * (per_block + 1) * 100 + extra, 10**9, slow_link, opt,
+                     streamed=[stream] * shape.n_chunks)
+    if not plan.fits:
+        return
+    accesses = step_accesses(shape, opt, plan.opt_streamed, plan.state_leads)
+    compute = sum(compute_s(a, shape, slow_link) for a in accesses)
+    link = plan.h2d_bytes / 1e3 + plan.d2h_bytes / 1e3
+    eps = 1e-9 * (compute + link)
+    assert max(compute, link) - eps <= plan.predicted_step_s <= compute + link + eps
+    duplex = predict_step_s(plan.moments, accesses, shape, dc.replace(slow_link, duplex=True))
+    assert max(compute, plan.h2d_bytes / 1e3, plan.d2h_bytes / 1e3) - eps <= duplex <= plan.predicted_step_s + eps
+
+
+
+def test_state_leads_cover_the_copy_with_compute():
+    """Each streamed update's state goes down just far enough ahead for the moments between to
+    cover its copy (or from the step's start)."""
+    shape = gpt_like_shape(6, 1)
+    machine = dc.replace(H200, h2d_bytes_per_s=600 / 3e-6, flops_per_s=1e15)  # copy 3 us, stage 1-2 us
+    n = shape.n_chunks
+    accesses = step_accesses(shape, [False] * n, [True] * n)
+    leads = state_leads(accesses, shape, machine)
+    copy_s = shape.opt_state_bytes / machine.h2d_bytes_per_s
+    for u, a in enumerate(accesses):
+        if a.state_bytes_each_way:
+            lead = leads[a.index]
+            covered = sum(compute_s(accesses[t], shape, machine) for t in range(max(u - lead, 0), u))
+            assert lead >= u or covered >= copy_s
+            assert lead == 1 or covered - compute_s(accesses[u - lead], shape, machine) < copy_s

@@ -1,0 +1,69 @@
+"""The step's moments: every update once, right before the first forward that reads its chunk."""
+
+from hypothesis import given, settings, strategies as st
+
+from pstar_jax.schedule import scale_batch, staged_after, step_accesses
+from step_shapes import gpt_like_shape
+
+
+def test_each_update_comes_right_before_the_first_forward_that_reads_its_chunk():
+    shape = gpt_like_shape(3, 2, micro_batches=2)
+    accesses = step_accesses(shape, [True] * shape.n_chunks)
+    adam = [t for t, a in enumerate(accesses) if a.phase == "adam"]
+    assert sorted(accesses[t].index for t in adam) == list(range(shape.n_chunks))
+    for t in adam:
+        c = accesses[t].index
+        reader = next(u for u in range(t, len(accesses)) if accesses[u].phase != "adam")
+        assert ("param", c) in accesses[reader].needs and accesses[reader].micro == 0
+        assert all(("param", c) not in a.needs for a in accesses[:t])  # nothing reads it earlier
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 3), st.integers(0, 40), st.booleans())
+def test_moments_in_executor_order(n_blocks, per_block, micro, k, stream):
+    """Per micro-batch: forwards, head, backwards in reverse; params dropped once, at their last
+    backward use of the last micro-batch; each kind of update needs what its space implies."""
+    shape = gpt_like_shape(n_blocks, per_block, micro)
+    n, head = shape.n_chunks, len(shape.stage_chunks) - 1
+    opt = [c < k for c in range(n)]
+    accesses = step_accesses(shape, opt, [stream] * n)
+    stages = [(a.phase, a.index, a.micro) for a in accesses if a.phase != "adam"]
+    expected = [(p, i, m) for m in range(micro) for p, i in
+                [*(("fwd", i) for i in range(head)), ("head", head), *(("bwd", i) for i in reversed(range(head)))]]
+    assert stages == expected
+    dropped = [it for a in accesses for it in a.drops]
+    assert sorted(dropped) == [("param", c) for c in range(n)]
+    for a in accesses:
+        if a.phase == "adam":
+            c = a.index
+            if opt[c]:
+                assert a.needs == (("grad", c),) and a.creates_device == (("param", c),) and not a.state_bytes_each_way
+            elif stream:
+                assert a.state_bytes_each_way == shape.opt_state_bytes and a.creates_device == (("param", c),)
+            else:
+                assert a.needs == () and a.to_host == (("grad", c),) and a.creates_host == (("param", c),)
+    assert sum(len(v) for v in staged_after(accesses).values()) == sum(1 for a in accesses if a.state_bytes_each_way)
+
+
+def test_streamed_state_is_non_model_memory_of_the_moments_it_spans():
+    """State sent down ``lead`` moments ahead and back up after its update sits beside each of them."""
+    shape = gpt_like_shape(4, 1, non_model=(0, 0))
+    n = shape.n_chunks
+    leads = [3] * n
+    accesses = step_accesses(shape, [False] * n, [True] * n, leads)
+    plain = step_accesses(shape, [False] * n, [True] * n, [1] * n)
+    extra = [a.non_model_bytes for a in accesses]
+    for u, a in enumerate(accesses):
+        if a.state_bytes_each_way:
+            for t in range(max(0, u - 3), min(u + 2, len(accesses))):
+                assert extra[t] >= shape.opt_state_bytes
+    assert sum(extra) > sum(a.non_model_bytes for a in plain)
+
+
+def test_scale_batch_scales_activations_and_flops_only():
+    shape = gpt_like_shape(2, 1)
+    double = scale_batch(shape, 2.0)
+    assert double.fwd_non_model == tuple(2 * v for v in shape.fwd_non_model)
+    assert double.head_flops == 2 * shape.head_flops and double.stage_chunks == shape.stage_chunks
+    assert (double.item_bytes, double.opt_state_bytes, double.n_chunks) == (shape.item_bytes, shape.opt_state_bytes,
+                                                                            shape.n_chunks)
