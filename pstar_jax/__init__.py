@@ -22,6 +22,7 @@ from pstar_jax.loop import Run, load_model
 from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
 from pstar_jax.model import NNXStaged, Stage, StagedModel
 from pstar_jax.optim import default_tx
+from pstar_jax.planner import PlanReport, plan_report
 from pstar_jax.planning import Planned, build_engine, plan_model, resolve_engine_config
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "DistributedConfig", "OutputConfig", "ConfigError", "parse_bytes", "format_bytes",
     "StagedModel", "Stage", "NNXStaged", "load_model",
     "Engine", "StepResult", "NonFiniteLoss", "build_engine", "plan_model", "Planned", "resolve_engine_config",
-    "default_tx", "Run",
+    "default_tx", "Run", "plan_report", "PlanReport",
     "load_tokens", "default_corpus", "Batches", "DataError",
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any, Callable, Sequence
 
-from pstar_jax.config import SECTIONS, ConfigError
+from pstar_jax.config import SECTIONS, ConfigError, format_bytes, parse_device_memory, parse_optional_bytes
 
 _TITLES = {"model": "model", "train": "training", "optim": "optimizer", "engine": "engine", "data": "data",
            "checkpoint": "checkpoints", "distributed": "data parallelism (ZeRO) and multi-host",
@@ -67,6 +67,8 @@ def add_section(parser: argparse.ArgumentParser, section: str, skip: Sequence[st
         if defaults and field.name in defaults:
             kwargs["default"] = default
         shown = "auto" if default is None and meta.get("parse") else default
+        if meta.get("parse") in (parse_device_memory, parse_optional_bytes) and isinstance(default, int):
+            shown = format_bytes(default).replace(".00 ", "").replace(" ", "")
         if field.type in ("bool", "bool | None"):
             kwargs["action"] = "store_true" if field.default is False else argparse.BooleanOptionalAction
         else:

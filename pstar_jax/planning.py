@@ -38,6 +38,7 @@ class Planned:
     plan: Plan
     accesses: list[Access]
     device_budget_bytes: int
+    batch_shape: tuple[int, int]  # global (micro-batch rows, seq_len)
 
 
 def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
@@ -78,7 +79,8 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
             plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
     return Planned(layout, bound, fns, shape, plan,
-                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget)
+                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
+                   tuple(batch_shape))
 
 
 def require_fit(planned: Planned, host_bytes: int) -> None:

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from pstar_jax.machine import H200, save_machine
-from pstar_jax.plan_cli import MAX_SEARCH_CHUNKS, largest, main
+from pstar_jax.plan_cli import main
+from pstar_jax.planner import MAX_SEARCH_CHUNKS, largest
 
 TINY = ["--model", "tiny", "--batch-size", "4"]
 
@@ -51,7 +52,7 @@ def test_bad_input_exit_2(capsys):
     assert "unknown model preset" in err and "is not a size" in err
 
 
-@pytest.mark.parametrize("flags, words", [(["--micro-batches", "0"], "--micro-batches must be at least 1"),
+@pytest.mark.parametrize("flags, words", [(["--micro-batches", "0"], "--micro-batches must be a whole number of at least 1"),
                                           (["--devices-per-host", "-1"], "--devices-per-host must be at least 1"),
                                           (["--plot", "{tmp}"], "must name an image file"),
                                           (["--plot", "{tmp}/timeline"], "must name an image file"),
@@ -81,7 +82,7 @@ def test_the_model_is_named_by_its_shape(capsys):
     assert main(["--model", "GPT2_1B", "--d-model", "64", "--n-head", "2", "--n-layer", "2", "--seq-len", "32",
                  "--vocab-size", "128", "--no-search"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("model GPT2_1B with d_model 64, n_layer 2, n_head 2, vocab_size 128, seq_len 32 (")
+    assert first.startswith("model GPT2_1B with n_layer 2, d_model 64, n_head 2, vocab_size 128, seq_len 32 (")
     assert "d_model 64, n_layer 2, n_head 2" in first.split("(", 1)[1]
 
 

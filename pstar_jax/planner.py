@@ -1,0 +1,224 @@
+"""The planner as a library: will a model train here, and how? (pstar-plan's answers as data.)
+
+``plan_report`` lays out, traces and plans a model for a machine without allocating model data,
+then (optionally) searches the largest depth at this batch and the largest batch at this depth.
+The searches stay quick for any model: the largest depth lies below what host and device memory
+can hold at the model's bytes per layer, each probe asks only whether any placement fits
+(make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
+stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+from jax.sharding import Mesh
+
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
+from pstar_jax.machine import Machine
+from pstar_jax.model import StagedModel, decays, flops_per_token, n_params
+from pstar_jax.planning import Planned, plan_model, resolve_engine_config
+
+MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
+MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
+
+
+@dataclasses.dataclass(frozen=True)
+class Largest:
+    """A search's answer: ``value`` (0: nothing fits), and whether the search stopped at its cap
+    (``value`` is then a lower bound; ``memory_bound`` is what memory alone would allow)."""
+    value: int
+    capped: bool = False
+    memory_bound: int | None = None
+
+
+@dataclasses.dataclass
+class PlanReport:
+    label: str
+    n_params: int
+    planned: Planned
+    machine: Machine
+    host_bytes: int  # per device
+    data_parallel: int
+    batch_size: int
+    micro_batches: int
+    seq_len: int
+    precision: str
+    flops_per_token: float
+    depth: Largest | None = None  # layers at this batch (None: not searched)
+    batch: Largest | None = None  # sequences per step at this depth
+    width: str = "this width"
+
+    @property
+    def plan(self):
+        return self.planned.plan
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def model_tflops(self) -> float:
+        return self.flops_per_token * self.tokens_per_step / self.plan.predicted_step_s / 1e12
+
+    def to_json(self) -> dict:
+        layout = self.planned.layout
+        out = {"label": self.label, "n_params": self.n_params, "chunk_numel": layout.chunk_numel,
+               "n_chunks": layout.n_chunks, "plan": self.plan.to_json()}
+        for name in ("depth", "batch"):
+            if getattr(self, name) is not None:
+                out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    def lines(self) -> list[str]:
+        """What pstar-plan prints."""
+        plan, layout, W = self.plan, self.planned.layout, self.data_parallel
+        out = [f"model {self.label}: {self.n_params:,} params ({format_bytes(14 * self.n_params)} of model data at "
+               f"14 B/param), batch {self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), "
+               f"{self.precision}",
+               f"capacity per device: device {format_bytes(self.planned.device_budget_bytes)}, host "
+               f"{format_bytes(self.host_bytes)}; {W} data-parallel device(s); rates: {self.machine.name}",
+               f"chunks: {layout.n_chunks} of {layout.chunk_numel:,} elements "
+               f"({100 * layout.numel / layout.padded_numel:.1f}% used)"]
+        if plan.fits:
+            n, on_device, streamed = layout.n_chunks, sum(plan.opt_on_device), sum(plan.opt_streamed)
+            step_s, tflops = plan.predicted_step_s, self.model_tflops
+            out += [f"fits: peak device {format_bytes(plan.peak_device_bytes)}, peak host "
+                    f"{format_bytes(plan.peak_host_bytes)}",
+                    f"resident: {100 * plan.resident_fraction:.0f}% of param chunks never leave the device",
+                    f"adam: on the device for {on_device} chunks, on the host for {n - on_device - streamed}, "
+                    f"state streamed through the device for {streamed}",
+                    f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
+                    f"device->host",
+                    f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
+                    "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
+        if self.depth is not None:
+            d = self.depth
+            if d.capped:
+                out.append(f"largest depth that fits with this batch: at least {d.value} layers at {self.width} (the "
+                           f"search stops at {MAX_SEARCH_CHUNKS} chunks; memory alone would allow up to "
+                           f"{d.memory_bound})")
+            else:
+                out.append(f"largest depth that fits with this batch: {d.value} layers at {self.width}" if d.value
+                           else f"no depth fits at {self.width} with this batch")
+        if self.batch is not None:
+            b, note = self.batch, "(activation memory scaled linearly from the trace)"
+            per_step = b.value * self.micro_batches
+            if b.capped:
+                out.append(f"largest batch that fits at this depth: at least {per_step} sequences per step "
+                           f"(the search stops there) {note}")
+            else:
+                out.append(f"largest batch that fits at this depth: {per_step} sequences per step {note}"
+                           if b.value else f"no batch fits at this depth {note}")
+        return out
+
+
+def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
+    """The largest n in [1, limit] with fits(n), assuming fits is monotone; 0 if not even 1 fits.
+    Doubles from ``start``, then bisects: about 2 log2(answer / start) probes."""
+    if not fits(1):
+        return 0
+    low, high = 1, max(2, min(start, limit))
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
+                host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
+                search: bool = True) -> PlanReport:
+    """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
+    ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
+    depth search (no depth search without it). No model data is allocated."""
+    if batch_size < 1 or batch_size % config.micro_batches:
+        raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
+                          f"EngineConfig.micro_batches {config.micro_batches}")
+    W = mesh.devices.size
+    micro = batch_size // config.micro_batches
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree {W} "
+                          "(DistributedConfig.data_parallel)")
+    resolved = resolve_engine_config(config, model, mesh)
+    make_tx = default_tx_for_shapes()
+    cache: dict = {}
+    planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
+                         trace_cache=cache)
+    cfg = getattr(model, "config", None)
+    report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
+                        config.micro_batches, model.seq_len, config.precision, flops_per_token(model),
+                        width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width")
+    if search:
+        if model_at is not None and getattr(cfg, "n_layer", None):
+            report.depth = _largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
+                                          cache, cfg.n_layer)
+        report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
+    return report
+
+
+def default_tx_for_shapes():
+    """AdamW's state shapes (the schedule does not matter for a plan)."""
+    from pstar_jax.optim import default_tx
+    return default_tx(OptimConfig(total_steps=1))
+
+
+def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
+                   cache: dict, depth0: int) -> Largest:
+    from pstar_jax.chunks import build_layout
+    from pstar_jax.memory import Placement
+    from pstar_jax.optim import ChunkOptimizer
+    from pstar_jax.plan import make_plan
+    from pstar_jax.stages import bind
+    from pstar_jax.trace import trace_step
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    placement = Placement(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
+
+    def depth_fits(n_layer: int) -> bool:
+        # The trace of plan_model without its full placement search: only "does any placement fit?".
+        deeper = model_at(n_layer)
+        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
+        bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
+        traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
+                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
+        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True).fits
+    # Every parameter needs its bf16 item and its optimizer state somewhere: no deeper model fits
+    # in device and host memory together. The search also stops at MAX_SEARCH_CHUNKS chunks.
+    layer_numel = n_params(model_at(depth0 + 1)) - n_params(model)
+    if layer_numel <= 0:
+        return Largest(depth0)
+    bytes_per_numel = (shape.item_bytes + shape.opt_state_bytes) / shape.chunk_numel / mesh.devices.size
+    memory_bound = depth0 + int((device_bytes + host_bytes - n_params(model) * bytes_per_numel)
+                                // (layer_numel * bytes_per_numel))
+    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
+    limit = max(1, min(memory_bound, chunk_bound))
+    depth = largest(depth_fits, depth0, limit)
+    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+
+
+def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig) -> Largest:
+    from pstar_jax.plan import make_plan
+    from pstar_jax.schedule import scale_batch
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
+    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    memory_limit = device_bytes * micro // max(busiest, 1)
+    batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
+
+    def batch_fits(batch: int) -> bool:
+        return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
+                         first_fit=True).fits
+    batch = largest(batch_fits, micro, batch_limit)
+    return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
+
+
+__all__ = ["PlanReport", "Largest", "plan_report", "largest", "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH"]
