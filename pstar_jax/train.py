@@ -120,15 +120,19 @@ def _validate(args) -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
+    from pstar_jax.checkpoint import check_export_dir, check_init_and_resume
+    check_init_and_resume(args.init_from_flax, args.resume)
+    if args.export_flax:
+        check_export_dir(args.export_flax)
     from pstar_jax.memory import configure_backend, host_budget_bytes
     host_bytes = host_budget_bytes(args.host_memory)
     configure_backend("0.9" if args.device_memory == "auto" else args.device_memory, host_bytes)
     import jax
     if args.local_devices:  # CPU only: fake devices, to try data parallelism on one machine
         jax.config.update("jax_num_cpu_devices", args.local_devices)
-    from pstar_jax import zero
-    zero.initialize(args.coordinator, args.num_processes, args.process_id,
-                    heartbeat_timeout_s=args.heartbeat_timeout)
+    from pstar_jax import distributed, zero
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           heartbeat_timeout_s=args.heartbeat_timeout)
 
     from pstar_jax.checkpoint import (StopSignal, export_flax, import_flax, open_run_checkpoints, restore_engine,
                                       save_engine)
@@ -153,7 +157,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("--resume needs --checkpoint-dir")
     if args.checkpoint_dir and args.engine == "plain":
         raise ConfigError("--checkpoint-dir works with the chunked engine; drop it or --engine plain")
-    ckpt = (open_run_checkpoints(args.checkpoint_dir, args.resume, args.steps, args.keep_checkpoints)
+    ckpt = (open_run_checkpoints(args.checkpoint_dir, args.resume, args.steps, args.keep_checkpoints,
+                                 lock=distributed.is_main_process())
             if args.checkpoint_dir else None)
     engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init, host_bytes)
     position = 0
@@ -162,7 +167,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         position = meta["data_position"]
     batches = Batches(tokens, micro, cfg.seq_len, args.seed, process_index=jax.process_index(),
                       process_count=jax.process_count(), position=position)  # yields this process's rows
-    main_process = zero.is_main_process()
+    main_process = distributed.is_main_process()
     if main_process:
         print(engine.summary(), flush=True)
         if engine.step_count:
@@ -174,35 +179,40 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     writer = MetricsWriter(args.metrics_out if main_process else None)
     progress = Progress(args.steps, initial=engine.step_count, enabled=main_process and not args.quiet)
-    watchdog = zero.Watchdog(args.step_timeout)
+    watchdog = distributed.Watchdog(args.step_timeout, process_index=jax.process_index())
     stop = StopSignal()
     step_tokens = args.batch_size * cfg.seq_len
     result = record = None
+    stopping = last = False
     first_step = engine.step_count
     try:
-        for step in range(engine.step_count, args.steps):
-            result = engine.step([next(batches) for _ in range(args.micro_batches)])
-            watchdog.progress(step + 1)
-            record = step_record(step, result, step_tokens, model.flops_per_token(),
-                                 predicted_h2d_bytes=result.predicted_h2d_bytes,
-                                 predicted_d2h_bytes=result.predicted_d2h_bytes, skipped=result.skipped)
-            writer.write(record)
-            progress.update(record)
-            last = step + 1 == args.steps or (args.stop_after and step + 1 - first_step >= args.stop_after)
-            if ckpt and (last or stop.signum or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-                save(step + 1)
-            if stop.signum or last:
-                break
+        with distributed.peer_failures_end_the_process():
+            for step in range(engine.step_count, args.steps):
+                result = engine.step([next(batches) for _ in range(args.micro_batches)])
+                watchdog.progress(step + 1)
+                record = step_record(step, result, step_tokens, model.flops_per_token(),
+                                     predicted_h2d_bytes=result.predicted_h2d_bytes,
+                                     predicted_d2h_bytes=result.predicted_d2h_bytes, skipped=result.skipped)
+                writer.write(record)
+                progress.update(record)
+                last = step + 1 == args.steps or (args.stop_after and step + 1 - first_step >= args.stop_after)
+                stopping = distributed.agree_to_stop(stop.signum != 0)  # every process stops after the same step
+                if ckpt and (last or stopping or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                    save(step + 1)
+                if stopping or last:
+                    break
     finally:
+        watchdog.stop()
         progress.close()
         writer.close()
         if ckpt:
             ckpt.close()  # waits for the last asynchronous save
         stop.restore()
-    if stop.signum and main_process:
-        where = f"; checkpoint saved in {ckpt.directory}" if ckpt else " (no --checkpoint-dir: nothing saved)"
-        print(f"pstar-train: stopped by {signal.Signals(stop.signum).name} after step {engine.step_count}{where}",
-              file=sys.stderr)
+    if stopping and not last:
+        if main_process:
+            where = f"; checkpoint saved in {ckpt.directory}" if ckpt else " (no --checkpoint-dir: nothing saved)"
+            cause = signal.Signals(stop.signum).name if stop.signum else "a signal to another process"
+            print(f"pstar-train: stopped by {cause} after step {engine.step_count}{where}", file=sys.stderr)
         return 0
     if args.export_flax:
         params = engine.params_numpy() if args.engine == "plain" else engine.params()
@@ -250,8 +260,12 @@ def _engine(args, model, mesh, make_tx, clip_norm, init_params, host_bytes: int)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pstar_jax.checkpoint import CheckpointSaveError
     try:
         return run(argv)
+    except CheckpointSaveError as err:  # orbax threads may wait forever on the failed save: leave now
+        from pstar_jax.distributed import hard_exit
+        hard_exit(1, f"pstar-train: error: {err}")
     except (ConfigError, DataError) as err:
         print(f"pstar-train: error: {err}", file=sys.stderr)
         return 2
