@@ -114,24 +114,24 @@ class DirectoryLock:
 
     def __init__(self, directory: str, what: str = "--checkpoint-dir"):
         self.path = os.path.join(directory, LOCK_NAME)
-        self._file = open(self.path, "a+")
+        # Locked through a read-only descriptor: an open writable file would keep the file system
+        # from being remounted, and the pid is only for messages.
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            self._file.seek(0)
-            owner = self._file.read().strip() or "unknown"
-            self._file.close()
+            os.close(self._fd)
+            with open(self.path) as f:
+                owner = f.read().strip() or "unknown"
             raise CheckpointError(f"another run (pid {owner}) is using {what} {directory}; wait for it to end "
                                   "or choose another directory") from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"{os.getpid()}\n")
-        self._file.flush()
+        with open(self.path, "w") as f:
+            f.write(f"{os.getpid()}\n")
 
     def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the lock
+            self._fd = -1
 
 
 @jax.jit

@@ -64,8 +64,12 @@ def tmpfs(path, size):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def remount_read_only(path):
-    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+def remount_read_only(path, timeout_s=60):
+    """Retried: the kernel refuses while a file is open for writing (mid-save)."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode:
+        assert time.monotonic() < deadline, "could not remount read-only"
+        time.sleep(0.01)
 
 
 # -- data loss ----------------------------------------------------------------------------------
@@ -101,6 +105,7 @@ def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capsys)
     assert Checkpointer(str(d)).latest_step() == 2
 
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_into_one_directory(tmp_path):
     """Exactly one trains; the other is refused in one line and deletes nothing."""
     d = tmp_path / "ck"
@@ -210,21 +215,22 @@ def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
 # -- full and read-only file systems during saves -------------------------------------------------
 
 
-def check_failed_save(proc, d, cause, timeout_s=120):
+def check_failed_save(proc, d, cause, timeout_s=120, read_only=False):
     out, err = proc.communicate(timeout=timeout_s)  # a hang at exit fails here
     assert proc.returncode == 1, err[-3000:]
     line = one_line(err.strip().splitlines()[-1] if err.strip() else "", cause, "the latest good checkpoint is step")
     assert "Traceback" not in err and "ERROR:absl" not in err, err[-3000:]
     good = int(line.rsplit("step ", 1)[1])
     names = os.listdir(d)
-    assert not [n for n in names if "tmp" in n], names
+    if not read_only:  # nothing can be removed from a read-only file system; resume skips it
+        assert not [n for n in names if "tmp" in n], names
     ckpt = Checkpointer(str(d))
     assert ckpt.latest_step() == good and ckpt.meta(good)["step"] == good
     return good
 
 
 def test_full_disk_during_a_save_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
-    with tmpfs(tmp_path / "small", "3m") as fs:
+    with tmpfs(tmp_path / "small", "1400k") as fs:
         d = fs / "ck"
         proc = run_cli(["--steps", "1000", "--checkpoint-every", "1", "--keep-checkpoints", "100",
                         "--checkpoint-dir", str(d)])
@@ -239,7 +245,7 @@ def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
                         "--metrics-out", str(metrics)])
         wait_for(lambda: d.exists() and any(n.isdigit() for n in os.listdir(d)), 180, proc)
         remount_read_only(fs)
-        check_failed_save(proc, d, "the file system is read-only")
+        check_failed_save(proc, d, "the file system is read-only", read_only=True)
 
 
 # -- signals to multi-process runs and to the launcher --------------------------------------------
