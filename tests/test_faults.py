@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -33,7 +34,10 @@ def one_line(err: str, *words: str) -> str:
 
 
 def env_without_fake_devices():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """Each process makes its own devices; compilations are shared through conftest's cache."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return dict(env, JAX_COMPILATION_CACHE_DIR=os.path.join(tempfile.gettempdir(), "pstar_jax_test_xla_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def run_cli(args, **kw):
