@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -51,39 +52,60 @@ def exit_status(code: int) -> int:
 
 
 class Trainers:
-    """The trainer processes and what became of them."""
+    """The trainer processes and what became of them, in the order they ended.
 
-    def __init__(self, procs: list[subprocess.Popen]):
-        self.procs = procs
-        self.failed: tuple[int, int] | None = None  # (process index, return code) of the first failure
+    A thread per trainer waits for it, so the first to fail is known even when a peer's death
+    makes the others fail within milliseconds (the launcher must name the cause, not the echo)."""
 
-    def poll(self) -> bool:
-        """Record the first failure (in any process); True while any trainer runs."""
-        running = False
-        for i, proc in enumerate(self.procs):
-            code = proc.poll()
-            running |= code is None
-            if code not in (None, 0) and self.failed is None:
-                self.failed = (i, code)
-        return running
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.ended: list[tuple[int, int]] = []  # (process index, return code), first ended first
+        self._lock = threading.Lock()
+
+    def start(self, proc: subprocess.Popen) -> None:
+        i = len(self.procs)
+        self.procs.append(proc)
+        threading.Thread(target=self._wait_for, args=(i, proc), daemon=True).start()
+
+    def _wait_for(self, i: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            self.ended.append((i, code))
+
+    @property
+    def failed(self) -> tuple[int, int] | None:
+        """(process index, return code) of the first trainer that failed."""
+        with self._lock:
+            return next(((i, code) for i, code in self.ended if code != 0), None)
+
+    def running(self) -> bool:
+        with self._lock:
+            return len(self.ended) < len(self.procs)
+
+    def _alive(self) -> list[subprocess.Popen]:
+        with self._lock:
+            done = {i for i, _ in self.ended}
+        return [proc for i, proc in enumerate(self.procs) if i not in done]
 
     def send(self, signum: int) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signum)
-                except ProcessLookupError:
-                    pass
+        for proc in self._alive():
+            try:
+                os.kill(proc.pid, signum)  # not send_signal: its poll() would race the waiting thread
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout_s: float) -> None:
-        """Wait for all (recording failures); kill those still running after ``timeout_s``."""
+        """Wait for all; kill those still running after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while self.poll() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in self._alive():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while self.running():
+            time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                   "checkpoints", file=sys.stderr, flush=True)
         trainers.send(signum)
 
-    trainers = Trainers([])
+    trainers = Trainers()
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     logs = []
     try:
@@ -122,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 out = open(os.path.join(log_dir, f"pstar_process_{i}.log"), "w")
                 logs.append(out)
-            trainers.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            trainers.start(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                                    start_new_session=True, preexec_fn=_die_with_parent))
             if signalled:  # a signal during the start-up reaches the trainers started after it too
                 trainers.send(signalled[-1])
         start = time.monotonic()
-        while trainers.poll():
+        while trainers.running():
             if trainers.failed:
                 i, code = trainers.failed
                 print(f"launch_local: process {i} {describe(code)}; stopping the others", file=sys.stderr, flush=True)
@@ -139,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 trainers.send(signal.SIGTERM)
                 trainers.wait(GRACE_S)
                 return 124
-            time.sleep(0.2)
+            time.sleep(0.05)
         if trainers.failed:
             i, code = trainers.failed
             print(f"launch_local: process {i} {describe(code)}", file=sys.stderr, flush=True)
