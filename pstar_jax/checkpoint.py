@@ -398,7 +398,8 @@ def check_export_dir(directory: str) -> None:
 def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dict) -> None:
     """Write parameters as a plain nested dict (names split at '.'), restorable with orbax alone.
 
-    Written beside the target and renamed into place: a failed export leaves no half export."""
+    Written beside the target (DIR.pstar-tmp) and renamed into place: a failed export leaves no
+    half export in DIR."""
     check_export_dir(directory)
     directory = os.path.abspath(directory)
     nested: dict = {}
@@ -408,19 +409,33 @@ def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dic
         for key in path:
             node = node.setdefault(key, {})
         node[leaf] = np.asarray(value, np.float32)
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".pstar-tmp-", dir=os.path.dirname(directory))
+    # Every process takes part in the orbax save, as orbax expects; process 0 renames.
+    main = jax.process_index() == 0
+    staging = directory + ".pstar-tmp"
     try:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by an export that failed
+            os.makedirs(staging)
+        _barrier("pstar_jax export: staging ready")
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(os.path.join(staging, "params"), nested)
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(model_config, f, indent=1)
-        if os.path.isdir(directory):  # empty, or an earlier export (checked above)
-            shutil.rmtree(directory)
-        os.rename(staging, directory)
+        if main:
+            with open(os.path.join(staging, "config.json"), "w") as f:
+                json.dump(model_config, f, indent=1)
+            if os.path.isdir(directory):  # empty, or an earlier export (checked above)
+                shutil.rmtree(directory)
+            os.rename(staging, directory)
     except Exception as err:
-        shutil.rmtree(staging, ignore_errors=True)
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointSaveError(f"--export-flax {directory} failed: {_cause(err)}") from None
+    _barrier("pstar_jax export: done")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def import_flax(directory: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--process-id", type=int, default=None, help="or PSTAR_PROCESS_ID")
     d.add_argument("--heartbeat-timeout", type=int, default=60,
                    help="seconds before a silent process counts as dead and the others stop")
+    d.add_argument("--coordinator-timeout", type=float, default=120,
+                   help="seconds for every process to join through the coordinator before giving up")
     d.add_argument("--step-timeout", type=float, default=None,
                    help="end with an error if a step makes no progress for this many seconds")
     d.add_argument("--local-devices", type=int, default=None,
@@ -132,7 +134,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", args.local_devices)
     from pstar_jax import distributed, zero
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                           heartbeat_timeout_s=args.heartbeat_timeout)
+                           timeout_s=args.coordinator_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
 
     from pstar_jax.checkpoint import (StopSignal, export_flax, import_flax, open_run_checkpoints, restore_engine,
                                       save_engine)

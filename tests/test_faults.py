@@ -216,6 +216,19 @@ def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
     one_line(capsys.readouterr().err, "does not match the model", first)
 
 
+@pytest.mark.parametrize("argv, env, words", [
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"], {},
+     "--num-processes must be at least 1, got 0"),
+    ([], {"PSTAR_COORDINATOR": "127.0.0.1:1", "PSTAR_NUM_PROCESSES": "abc", "PSTAR_PROCESS_ID": "0"},
+     "PSTAR_NUM_PROCESSES='abc' is not an integer"),
+])
+def test_bad_process_settings_are_one_line(monkeypatch, capsys, argv, env, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main([*BASE, "--steps", "1", *argv]) == 2
+    one_line(capsys.readouterr().err, words)
+
+
 # -- full and read-only file systems during saves -------------------------------------------------
 
 

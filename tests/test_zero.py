@@ -114,8 +114,10 @@ def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
     port = free_port()
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
     procs = [spawn(i, port, ["--steps", "4", "--stop-after", "2", "--checkpoint-dir", str(ck),
-                             "--metrics-out", str(metrics)], logs[i]) for i in range(2)]
+                             "--metrics-out", str(metrics), "--export-flax", str(tmp_path / "export")], logs[i])
+             for i in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
+    assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "params"]  # written once, by all
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     base = [sys.executable, "-m", "pstar_jax.train", "--quiet", "--precision", "fp32", "--batch-size", "8",
             "--steps", "4"]
