@@ -322,12 +322,8 @@ def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int,
 
     Refuses, creating nothing: a path that cannot be a writable directory, --resume from none,
     another run's checkpoints without --resume, a directory another live run is using."""
-    check_output_dir(directory, "--checkpoint-dir")
+    check_run_checkpoints(directory, resume, keep)
     directory = os.path.abspath(directory)
-    if keep < 1:
-        raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), got {keep}")
-    if resume and not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoint in {directory} to resume from; drop --resume to start afresh")
     os.makedirs(directory, exist_ok=True)
     owner = DirectoryLock(directory) if lock else None
     try:
@@ -346,6 +342,16 @@ def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int,
             owner.release()
         raise
     return ckpt
+
+
+def check_run_checkpoints(directory: str, resume: bool, keep: int) -> None:
+    """What can be refused about --checkpoint-dir before any work, creating nothing."""
+    check_output_dir(directory, "--checkpoint-dir")
+    if keep < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), got {keep}")
+    if resume and not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint in {os.path.abspath(directory)} to resume from; drop --resume to "
+                              "start afresh")
 
 
 def check_init_and_resume(init_from_flax: str | None, resume: bool) -> None:

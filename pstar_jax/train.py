@@ -122,8 +122,10 @@ def _validate(args) -> None:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
-    from pstar_jax.checkpoint import check_export_dir, check_init_and_resume
+    from pstar_jax.checkpoint import check_export_dir, check_init_and_resume, check_run_checkpoints
     check_init_and_resume(args.init_from_flax, args.resume)
+    if args.checkpoint_dir:
+        check_run_checkpoints(args.checkpoint_dir, args.resume, args.keep_checkpoints)
     if args.export_flax:
         check_export_dir(args.export_flax)
     from pstar_jax.memory import configure_backend, host_budget_bytes
