@@ -114,23 +114,26 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def _is_collective_failure(err: BaseException) -> bool:
-    return isinstance(err, jax.errors.JaxRuntimeError) or type(err).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
+PEER_WORDS = ("gloo", "connection", "peer", "unavailable", "heartbeat", "deadline", "socket", "closed", "nccl")
 
 
 @contextlib.contextmanager
 def peer_failures_end_the_process(prog: str = "pstar-train") -> Iterator[None]:
-    """In a multi-process run, a runtime error from the backend (a collective whose peer died)
-    ends this process with one line and exit 3, before any cleanup that would wait for the peer."""
+    """In a multi-process run, a runtime error from the backend (most often a collective whose
+    peer died) ends this process with one line and exit 3, skipping every cleanup that would
+    wait for the peer (jax's exit-time shutdown would abort with a native stack)."""
     try:
         yield
-    except Exception as err:
-        if jax.process_count() == 1 or not _is_collective_failure(err):
+    except jax.errors.JaxRuntimeError as err:
+        if jax.process_count() == 1:
             raise
         cause = " ".join(str(err).split())
-        cause = cause[:200] + ("..." if len(cause) > 200 else "")
-        hard_exit(EXIT_PEER_FAILED, f"{prog}: error: process {jax.process_index()}: a collective with another "
-                  f"process failed; another process probably died ({cause})")
+        short = cause[:200] + ("..." if len(cause) > 200 else "")
+        where = f"{prog}: error: process {jax.process_index()}"
+        if any(w in cause.lower() for w in PEER_WORDS):
+            hard_exit(EXIT_PEER_FAILED, f"{where}: a collective with another process failed; another process "
+                      f"probably died ({short})")
+        hard_exit(EXIT_PEER_FAILED, f"{where}: the backend failed ({short}); the other processes stop too")
 
 
 def agree_to_stop(local_stop: bool) -> bool:
