@@ -328,28 +328,45 @@ def alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def reap_orphans(pids):
+    """Whatever the outcome, leave no trainer of this test running."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
-def test_launcher_forwards_one_signal_and_waits_for_the_checkpoints(tmp_path):
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_launcher_forwards_one_signal_and_waits_for_the_checkpoints(tmp_path, sig, to_group):
+    """SIGTERM to the launcher, or Ctrl-C at its terminal (SIGINT to its process group): one
+    signal reaches each trainer, they save the same step, nothing is left running."""
     d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
            "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--checkpoint-dir", str(d),
            "--metrics-out", str(metrics)]
+    trainers = []
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: lines(metrics) >= 2, 180, launcher)
-        trainers = children(launcher.pid)
+        trainers[:] = children(launcher.pid)
         assert len(trainers) == 2
-        launcher.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(launcher.pid, sig)
+        else:
+            launcher.send_signal(sig)
         out, err = launcher.communicate(timeout=120)
+        orphans = [pid for pid in trainers if alive(pid)]
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        reap_orphans(trainers)
     assert launcher.returncode == 0, err[-3000:]
-    assert "Traceback" not in err and "forwarding SIGTERM" in err, err[-3000:]
+    assert "Traceback" not in err and f"forwarding {sig.name}" in err, err[-3000:]
+    assert err.count("stopped by") == 1 and "interrupted" not in err, err[-3000:]
     step = Checkpointer(str(d)).latest_step()
     assert step == lines(metrics) and f"after step {step}; checkpoint saved" in err
-    assert not any(alive(pid) for pid in trainers)
+    assert not orphans, "orphaned trainers"
 
 
 @pytest.mark.slow
@@ -357,19 +374,22 @@ def test_launcher_reports_whichever_trainer_fails_first_and_stops_the_rest(tmp_p
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
            "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--metrics-out", str(metrics)]
+    trainers = []
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: lines(metrics) >= 2, 180, launcher)
-        trainers = children(launcher.pid)
+        trainers[:] = children(launcher.pid)
         os.kill(trainers[1], signal.SIGKILL)
         out, err = launcher.communicate(timeout=120)
+        orphans = [pid for pid in trainers if alive(pid)]
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        reap_orphans(trainers)
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "launch_local: process 1 was killed by SIGKILL; stopping the others" in err, err[-3000:]
-    assert not any(alive(pid) for pid in trainers)
+    assert not orphans, "orphaned trainers"
 
 
 @pytest.mark.slow
