@@ -116,15 +116,17 @@ class DirectoryLock:
         self.path = os.path.join(directory, LOCK_NAME)
         # Locked through a read-only descriptor: an open writable file would keep the file system
         # from being remounted, and the pid is only for messages.
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        self._fd = -1
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(self._fd)
+            os.close(fd)
             with open(self.path) as f:
                 owner = f.read().strip() or "unknown"
             raise CheckpointError(f"another run (pid {owner}) is using {what} {directory}; wait for it to end "
                                   "or choose another directory") from None
+        self._fd = fd
         with open(self.path, "w") as f:
             f.write(f"{os.getpid()}\n")
 
@@ -132,6 +134,9 @@ class DirectoryLock:
         if self._fd >= 0:
             os.close(self._fd)  # drops the lock
             self._fd = -1
+
+    def __del__(self) -> None:  # a Checkpointer dropped without close() does not keep its directory
+        self.release()
 
 
 @jax.jit

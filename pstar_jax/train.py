@@ -164,11 +164,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     ckpt = (open_run_checkpoints(args.checkpoint_dir, args.resume, args.steps, args.keep_checkpoints,
                                  lock=distributed.is_main_process())
             if args.checkpoint_dir else None)
-    engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init, host_bytes)
-    position = 0
-    if ckpt and args.resume:
-        meta = restore_engine(ckpt, engine)
-        position = meta["data_position"]
+    try:  # a refused restore or plan releases the directory (in-process callers run again)
+        engine = _engine(args, model, mesh, default_tx(optim), optim.clip_norm, init, host_bytes)
+        position = 0
+        if ckpt and args.resume:
+            meta = restore_engine(ckpt, engine)
+            position = meta["data_position"]
+    except BaseException:
+        if ckpt:
+            ckpt.close()
+        raise
     batches = Batches(tokens, micro, cfg.seq_len, args.seed, process_index=jax.process_index(),
                       process_count=jax.process_count(), position=position)  # yields this process's rows
     main_process = distributed.is_main_process()
