@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from typing import Any
 
@@ -108,6 +109,23 @@ def _silence_orbax_errors() -> None:
         logger.addFilter(_DropOrbaxErrors())
 
 
+class _DropClosedLoopErrors:
+    """sys.excepthook minus one message: after a failed save, tensorstore's remaining write
+    callbacks (native threads) find orbax's event loop closed and print a traceback each."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            self.previous(kind, value, tb)
+
+
+def _drop_closed_loop_errors() -> None:
+    if not isinstance(sys.excepthook, _DropClosedLoopErrors):
+        sys.excepthook = _DropClosedLoopErrors(sys.excepthook)
+
+
 class DirectoryLock:
     """An exclusive flock on ``directory``/.pstar-run.lock, holding the owner's pid for messages.
     The kernel releases it when the process ends, however it ends."""
@@ -171,6 +189,7 @@ class Checkpointer:
             raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), "
                               f"got {max_to_keep}")
         _silence_orbax_errors()
+        _drop_closed_loop_errors()
         self.directory = os.path.abspath(directory)
         self._lock = lock
         self._pending: int | None = None  # the step of the save in flight
