@@ -109,21 +109,28 @@ def _silence_orbax_errors() -> None:
         logger.addFilter(_DropOrbaxErrors())
 
 
-class _DropClosedLoopErrors:
-    """sys.excepthook minus one message: after a failed save, tensorstore's remaining write
-    callbacks (native threads) find orbax's event loop closed and print a traceback each."""
-
-    def __init__(self, previous) -> None:
-        self.previous = previous
-
-    def __call__(self, kind, value, tb) -> None:
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            self.previous(kind, value, tb)
+def _is_closed_loop(kind, value) -> bool:
+    return kind is RuntimeError and str(value) == "Event loop is closed"
 
 
 def _drop_closed_loop_errors() -> None:
-    if not isinstance(sys.excepthook, _DropClosedLoopErrors):
-        sys.excepthook = _DropClosedLoopErrors(sys.excepthook)
+    """After a failed save, tensorstore's remaining write callbacks (native threads) find orbax's
+    event loop closed and print a traceback each; the failure itself is reported as one line.
+    Both hooks are wrapped (the callbacks report through one or the other), for that error only."""
+    if getattr(sys.unraisablehook, "pstar_drops_closed_loop", False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(kind, value, tb) -> None:
+        if not _is_closed_loop(kind, value):
+            excepthook(kind, value, tb)
+
+    def on_unraisable(args) -> None:
+        if not _is_closed_loop(args.exc_type, args.exc_value):
+            unraisablehook(args)
+
+    on_unraisable.pstar_drops_closed_loop = True
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
 
 
 class DirectoryLock:
