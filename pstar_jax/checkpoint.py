@@ -10,13 +10,26 @@ the checksums against the data before anything is replaced.
 The same chunk size restores straight into the current mesh, whatever its number of devices
 or processes (orbax reshards). Another chunk size is re-laid out on the host: tensors are
 unpacked with the saved layout and packed with the new one.
+
+A run owns its checkpoint directory: process 0 holds an flock on a file inside it, which the
+kernel drops when the process dies, so a second run into the same directory is refused while
+the first lives and a crashed run never blocks the next. A save that fails (full disk, read-only
+file system) ends the run with one line naming the cause and the latest good step; its
+temporary directory is removed and earlier steps are kept. The latest step is never deleted:
+``--keep-checkpoints`` is at least 1.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
+import shutil
 import signal
+import sys
+import tempfile
 from typing import Any, Iterator
 
 import jax
@@ -30,10 +43,125 @@ from pstar_jax.config import ConfigError
 from pstar_jax.zero import to_numpy
 
 FORMAT = 1
+LOCK_NAME = ".pstar-run.lock"
+META_KEYS = ("format", "step", "checksums")
 
 
 class CheckpointError(ConfigError):
     """A missing, corrupt or incompatible checkpoint: one sentence, nothing overwritten."""
+
+
+class CheckpointSaveError(Exception):
+    """A save failed (disk full, read-only file system): one sentence naming the cause and the
+    latest good step. orbax may leave worker threads waiting on the failed save, so a CLI ends the
+    process with ``pstar_jax.distributed.hard_exit`` rather than returning."""
+
+
+def check_output_dir(path: str, what: str) -> None:
+    """Refuse, before any work, a directory that could not be written: a file, a path under a
+    file, or a place this process cannot write. Creates nothing."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a file, not a directory; choose a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{what} {path} is under the file {existing}; choose a directory")
+    try:  # os.access says yes to root on a read-only file system: try it
+        fd, probe = tempfile.mkstemp(prefix=".pstar-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be written ({existing}: {_cause(err)}); "
+                          "choose a writable place") from None
+
+
+def _cause(err: BaseException) -> str:
+    """What went wrong on the file system, in words, from an exception chain or its message."""
+    text = ""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno is not None:
+            return {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+                    errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded",
+                    errno.ENOENT: "a directory vanished"}.get(err.errno, os.strerror(err.errno).lower())
+        text += f" {err}"
+        err = err.__cause__ or err.__context__
+    for words, cause in (("No space left", "the disk is full"), ("os_error_code='28'", "the disk is full"),
+                         ("Read-only file system", "the file system is read-only"),
+                         ("Permission denied", "permission denied"), ("quota", "the disk quota is exceeded")):
+        if words in text:
+            return cause
+    first = " ".join(text.split())
+    return first[:160] or "unknown error"
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """orbax logs a traceback per failed save thread; the caller reports the failure as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR)
+
+
+def _silence_orbax_errors() -> None:
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+        logger.addFilter(_DropOrbaxErrors())
+
+
+def _is_closed_loop(kind, value) -> bool:
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _drop_closed_loop_errors() -> None:
+    """After a failed save, tensorstore's remaining write callbacks (native threads) find orbax's
+    event loop closed and print a traceback each; the failure itself is reported as one line.
+    Both hooks are wrapped (the callbacks report through one or the other), for that error only."""
+    if getattr(sys.unraisablehook, "pstar_drops_closed_loop", False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(kind, value, tb) -> None:
+        if not _is_closed_loop(kind, value):
+            excepthook(kind, value, tb)
+
+    def on_unraisable(args) -> None:
+        if not _is_closed_loop(args.exc_type, args.exc_value):
+            unraisablehook(args)
+
+    on_unraisable.pstar_drops_closed_loop = True
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+
+
+class DirectoryLock:
+    """An exclusive flock on ``directory``/.pstar-run.lock, holding the owner's pid for messages.
+    The kernel releases it when the process ends, however it ends."""
+
+    def __init__(self, directory: str, what: str = "--checkpoint-dir"):
+        self.path = os.path.join(directory, LOCK_NAME)
+        # Locked through a read-only descriptor: an open writable file would keep the file system
+        # from being remounted, and the pid is only for messages.
+        self._fd = -1
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            with open(self.path) as f:
+                owner = f.read().strip() or "unknown"
+            raise CheckpointError(f"another run (pid {owner}) is using {what} {directory}; wait for it to end "
+                                  "or choose another directory") from None
+        self._fd = fd
+        with open(self.path, "w") as f:
+            f.write(f"{os.getpid()}\n")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the lock
+            self._fd = -1
+
+    def __del__(self) -> None:  # a Checkpointer dropped without close() does not keep its directory
+        self.release()
 
 
 @jax.jit
@@ -63,46 +191,91 @@ def checksums(state: Any) -> list[int]:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, max_to_keep: int = 3):
+    def __init__(self, directory: str, max_to_keep: int = 3, lock: DirectoryLock | None = None):
+        if max_to_keep < 1:
+            raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), "
+                              f"got {max_to_keep}")
+        _silence_orbax_errors()
+        _drop_closed_loop_errors()
         self.directory = os.path.abspath(directory)
+        self._lock = lock
+        self._pending: int | None = None  # the step of the save in flight
+        self.failed = False  # a save failed: orbax threads may never finish, do not wait for them
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def committed_steps(self) -> list[int]:
+        """Steps whose directories orbax finished (renamed from their temporary names)."""
+        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        return sorted(int(n) for n in names if n.isdigit())
+
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Start an asynchronous save; the previous one is finished first."""
-        self._manager.wait_until_finished()
+        self.wait()
         meta = {**meta, "format": FORMAT, "step": step, "checksums": checksums(state)}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)))
+        self._pending = step
+        try:
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)))
+        except Exception as err:
+            self._fail(err)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Finish the save in flight; CheckpointSaveError if it failed."""
+        if self.failed:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._fail(err)
+        self._pending = None
 
-    def meta(self, step: int | None = None) -> dict:
+    def _fail(self, err: BaseException) -> None:
+        self.failed = True
+        step = self._pending
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else []:
+            if step is not None and name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        good = [s for s in self.committed_steps() if s != step]
+        latest = f"step {good[-1]}" if good else "none"
+        raise CheckpointSaveError(f"saving checkpoint step {step} in {self.directory} failed: {_cause(err)}; "
+                                  f"the latest good checkpoint is {latest}") from None
+
+    def meta(self, step: int | None = None, required: tuple[str, ...] = ()) -> dict:
+        """The JSON metadata of ``step`` (default: the latest), checked to belong to that step."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}; train without --resume first")
+        where = f"checkpoint step {step} in {self.directory}"
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as err:  # orbax raises many kinds; all mean the files are unreadable
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable ({type(err).__name__}); "
-                                  "remove it to fall back to an earlier one") from None
+            raise CheckpointError(f"{where} is unreadable ({type(err).__name__}); "
+                                  f"remove {self.directory}/{step} to fall back to an earlier one") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is not a pstar_jax checkpoint")
+            raise CheckpointError(f"{where} is not a pstar_jax checkpoint")
+        missing = [k for k in (*META_KEYS, *required) if k not in meta]
+        if missing:
+            raise CheckpointError(f"{where} has incomplete metadata (no {', '.join(missing)}); "
+                                  f"remove {self.directory}/{step} to fall back to an earlier one")
+        if meta["step"] != step:
+            raise CheckpointError(f"{where} holds metadata of step {meta['step']}, so it was altered or copied; "
+                                  f"remove {self.directory}/{step} to fall back to an earlier one")
         return meta
 
     def restore(self, step: int, abstract: Any, expected_checksums: list[int]) -> Any:
+        where = f"checkpoint step {step} in {self.directory}"
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
         except Exception as err:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt or incomplete "
-                                  f"({type(err).__name__}); remove it to fall back to an earlier one") from None
+            raise CheckpointError(f"{where} is corrupt or incomplete ({type(err).__name__}); "
+                                  f"remove {self.directory}/{step} to fall back to an earlier one") from None
         if checksums(state) != expected_checksums:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} fails its checksums; "
-                                  "remove it to fall back to an earlier one")
+            raise CheckpointError(f"{where} fails its checksums; remove {self.directory}/{step} to fall back "
+                                  "to an earlier one")
         return state
 
     def restore_chunk(self, step: int, kind: str, chunk: int, numel: int, expected_checksum: int) -> np.ndarray:
@@ -122,8 +295,14 @@ class Checkpointer:
         return value
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Finish the last save (CheckpointSaveError if it failed) and release the directory."""
+        try:
+            self.wait()
+        finally:
+            if not self.failed:
+                self._manager.close()
+            if self._lock:
+                self._lock.release()
 
 
 def save_engine(ckpt: Checkpointer, engine, step: int, extra: dict) -> None:
@@ -159,9 +338,11 @@ def check_compatible(meta: dict, layout: ChunkLayout, precision: str, directory:
     return saved
 
 
-def restore_engine(ckpt: Checkpointer, engine, step: int | None = None) -> dict:
-    """Load the latest (or given) checkpoint into ``engine``; returns its metadata."""
-    meta = ckpt.meta(step)
+def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
+                   required: tuple[str, ...] = ("data_position",)) -> dict:
+    """Load the latest (or given) checkpoint into ``engine``; returns its metadata, which holds
+    at least the ``required`` keys (those the caller saved)."""
+    meta = ckpt.meta(step, ("layout", "precision", *required))
     saved = check_compatible(meta, engine.layout, engine.cfg.precision, ckpt.directory)
     ours = engine.layout
     if saved.chunk_numel == ours.chunk_numel and saved.slots == ours.slots:
@@ -195,21 +376,49 @@ def relayout(state: dict, saved: ChunkLayout, ours: ChunkLayout) -> dict:
     return {kind: {str(c): v for c, v in chunks.items()} for kind, chunks in out.items()}
 
 
-def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int) -> Checkpointer:
-    """A run's Checkpointer; refuses to overwrite another run's checkpoints or resume from none."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"--checkpoint-dir {directory} is a file, not a directory")
-    ckpt = Checkpointer(directory, keep)
-    latest = ckpt.latest_step()
-    if resume and latest is None:
-        raise CheckpointError(f"no checkpoint in {ckpt.directory} to resume from; drop --resume to start afresh")
-    if not resume and latest is not None:
-        raise CheckpointError(f"{ckpt.directory} already holds checkpoints up to step {latest}; pass --resume "
-                              "to continue them or choose another --checkpoint-dir")
-    if resume and latest >= steps:
-        raise CheckpointError(f"the checkpoint is at step {latest}, not before --steps {steps}; "
-                              "raise --steps to train further")
+def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int,
+                         lock: bool = True) -> Checkpointer:
+    """A run's Checkpointer, owning ``directory`` (``lock``: process 0 only; the others share it).
+
+    Refuses, creating nothing: a path that cannot be a writable directory, --resume from none,
+    another run's checkpoints without --resume, a directory another live run is using."""
+    check_run_checkpoints(directory, resume, keep)
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    owner = DirectoryLock(directory) if lock else None
+    try:
+        ckpt = Checkpointer(directory, keep, owner)
+        latest = ckpt.latest_step()
+        if resume and latest is None:
+            raise CheckpointError(f"no checkpoint in {directory} to resume from; drop --resume to start afresh")
+        if not resume and latest is not None:
+            raise CheckpointError(f"{directory} already holds checkpoints up to step {latest}; pass --resume "
+                                  "to continue them or choose another --checkpoint-dir")
+        if resume and latest >= steps:
+            raise CheckpointError(f"the checkpoint is at step {latest}, not before --steps {steps}; "
+                                  "raise --steps to train further")
+    except BaseException:
+        if owner:
+            owner.release()
+        raise
     return ckpt
+
+
+def check_run_checkpoints(directory: str, resume: bool, keep: int) -> None:
+    """What can be refused about --checkpoint-dir before any work, creating nothing."""
+    check_output_dir(directory, "--checkpoint-dir")
+    if keep < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), got {keep}")
+    if resume and not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoint in {os.path.abspath(directory)} to resume from; drop --resume to "
+                              "start afresh")
+
+
+def check_init_and_resume(init_from_flax: str | None, resume: bool) -> None:
+    """--init-from-flax starts a run from an export; --resume continues one: never both."""
+    if init_from_flax and resume:
+        raise ConfigError("--init-from-flax starts a new run and --resume continues one from its checkpoint; "
+                          "pass only one of them")
 
 
 class StopSignal:
@@ -238,28 +447,27 @@ class StopSignal:
 # -- plain Flax interchange ---------------------------------------------------------------------
 
 
+EXPORT_FILES = {"params", "config.json"}
+
+
 def check_export_dir(directory: str) -> None:
-    """Refuse, before training, an export directory that is a file, unwritable, or holds anything
-    but an earlier export (whose files a new export would overwrite)."""
-    directory = os.path.abspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"export directory {directory} is a file; choose a directory")
-    if os.path.isdir(directory):
-        if os.path.exists(os.path.join(directory, "params")):
-            raise CheckpointError(f"{directory} already holds an export; choose another export directory")
-        if os.listdir(directory):
-            raise CheckpointError(f"export directory {directory} is not empty; choose an empty or new directory")
-    existing = directory
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise CheckpointError(f"export directory {directory} cannot be created under {existing}; choose another")
+    """An --export-flax target must be writable and absent, empty, or an earlier export (which
+    is replaced); anything else in it (a user's files) is never overwritten."""
+    check_output_dir(directory, "CheckpointConfig.export_flax")
+    names = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    if names and not ("params" in names and names <= EXPORT_FILES):
+        raise ConfigError(f"CheckpointConfig.export_flax {os.path.abspath(directory)} holds other files "
+                          f"({', '.join(sorted(names - EXPORT_FILES)[:3]) or 'no params/'}); "
+                          "choose an empty or new directory")
 
 
 def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dict) -> None:
-    """Write parameters as a plain nested dict (names split at '.'), restorable with orbax alone."""
-    directory = os.path.abspath(directory)
+    """Write parameters as a plain nested dict (names split at '.'), restorable with orbax alone.
+
+    Written beside the target (DIR.pstar-tmp) and renamed into place: a failed export leaves no
+    half export in DIR."""
     check_export_dir(directory)
+    directory = os.path.abspath(directory)
     nested: dict = {}
     for name, value in params.items():
         node = nested
@@ -267,24 +475,57 @@ def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dic
         for key in path:
             node = node.setdefault(key, {})
         node[leaf] = np.asarray(value, np.float32)
-    os.makedirs(directory, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(directory, "params"), nested)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model_config, f, indent=1)
+    # Every process takes part in the orbax save, as orbax expects; process 0 renames.
+    main = jax.process_index() == 0
+    staging = directory + ".pstar-tmp"
+    try:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by an export that failed
+            os.makedirs(staging)
+        _barrier("pstar_jax export: staging ready")
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(staging, "params"), nested)
+        if main:
+            with open(os.path.join(staging, "config.json"), "w") as f:
+                json.dump(model_config, f, indent=1)
+            if os.path.isdir(directory):  # empty, or an earlier export (checked above)
+                shutil.rmtree(directory)
+            os.rename(staging, directory)
+    except Exception as err:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointSaveError(f"--export-flax {directory} failed: {_cause(err)}") from None
+    _barrier("pstar_jax export: done")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def import_flax(directory: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Parameters by flat name from an export (or any orbax pytree of the same nested names)."""
+    """Parameters by flat name from an export (or any orbax pytree of the same nested names),
+    checked: every tensor present with the model's shape, every value finite."""
     path = os.path.join(os.path.abspath(directory), "params")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{directory} holds no Flax export (no params/ inside); check --init-from-flax")
-    with ocp.StandardCheckpointer() as ckptr:
-        nested = ckptr.restore(path)
-    flat = {".".join(str(getattr(k, "key", k)) for k in key): np.asarray(v)
-            for key, v in jax.tree_util.tree_flatten_with_path(nested)[0]}
-    if {n: tuple(v.shape) for n, v in flat.items()} != dict(shapes):
-        missing = sorted(set(shapes) - set(flat))[:3]
-        raise CheckpointError(f"the Flax export in {directory} does not match the model (missing or "
-                              f"reshaped: {missing or 'shapes differ'}); use the model flags it was made with")
+    if not os.path.isdir(path) or not os.listdir(path):
+        raise CheckpointError(f"{directory} holds no Flax export (no params/ inside, or it is empty); "
+                              "check --init-from-flax")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            nested = ckptr.restore(path)
+        flat = {".".join(str(getattr(k, "key", k)) for k in key): np.asarray(v)
+                for key, v in jax.tree_util.tree_flatten_with_path(nested)[0]}
+    except Exception as err:
+        raise CheckpointError(f"the Flax export in {directory} is unreadable ({type(err).__name__}); "
+                              "export it again") from None
+    got = {n: tuple(v.shape) for n, v in flat.items()}
+    if got != dict(shapes):
+        wrong = sorted(n for n in set(shapes) | set(got) if got.get(n) != shapes.get(n))[:3]
+        raise CheckpointError(f"the Flax export in {directory} does not match the model (missing, extra or "
+                              f"reshaped: {', '.join(wrong)}); use the model flags it was made with")
+    bad = [n for n, v in flat.items() if not np.all(np.isfinite(v))]
+    if bad:
+        raise CheckpointError(f"the Flax export in {directory} holds non-finite values (in {', '.join(bad[:3])}); "
+                              "export it again from a good checkpoint")
     return flat

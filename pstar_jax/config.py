@@ -314,6 +314,8 @@ class DistributedConfig:
     num_processes: int | None = option(None, "processes in the run (or PSTAR_NUM_PROCESSES)")
     process_id: int | None = option(None, "this process's index (or PSTAR_PROCESS_ID)")
     heartbeat_timeout: int = option(60, "seconds before a silent process counts as dead and the others stop")
+    coordinator_timeout: float = option(120.0, "seconds for every process to join through the coordinator before "
+                                        "giving up with one line")
     step_timeout: float | None = option(None, "end with an error if a step makes no progress for this many "
                                         "seconds")
     local_devices: int | None = option(None, "CPU only: fake this many devices per process (for trying data "
@@ -324,6 +326,7 @@ class DistributedConfig:
         _positive_int(self, "heartbeat_timeout", upper=10**6)
         if self.step_timeout is not None:
             _finite(self, "step_timeout", 0)
+        _finite(self, "coordinator_timeout", 0)
         if self.process_id is not None and (isinstance(self.process_id, bool) or not isinstance(self.process_id, int)
                                             or self.process_id < 0):
             raise ConfigError(f"DistributedConfig.process_id must be a whole number of at least 0, "

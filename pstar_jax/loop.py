@@ -72,10 +72,13 @@ class Run:
 
     def __init__(self, config: RunConfig, model: StagedModel | None = None, tokens: np.ndarray | None = None,
                  writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True):
-        from pstar_jax.checkpoint import check_export_dir
+        from pstar_jax.checkpoint import check_export_dir, check_run_checkpoints
         self.config = cfg = config
         self._writers: list[MetricsWriter] = list(writers)
         self._ckpt = None
+        self.stopped_by, self.stopped_by_peer = 0, False
+        if cfg.checkpoint.directory:
+            check_run_checkpoints(cfg.checkpoint.directory, cfg.checkpoint.resume, cfg.checkpoint.keep)
         if cfg.output.metrics_out:
             from pstar_jax.metrics import check_output_file
             check_output_file(cfg.output.metrics_out, "OutputConfig.metrics_out")
@@ -91,10 +94,11 @@ class Run:
         import jax
         if cfg.distributed.local_devices:  # CPU only: fake devices, to try data parallelism on one machine
             jax.config.update("jax_num_cpu_devices", cfg.distributed.local_devices)
-        from pstar_jax import zero
+        from pstar_jax import distributed, zero
         d = cfg.distributed
-        zero.initialize(d.coordinator, d.num_processes, d.process_id, heartbeat_timeout_s=d.heartbeat_timeout)
-        self.main_process = zero.is_main_process()
+        distributed.initialize(d.coordinator, d.num_processes, d.process_id, timeout_s=d.coordinator_timeout,
+                               heartbeat_timeout_s=d.heartbeat_timeout)
+        self.main_process = distributed.is_main_process()
         self.verbose = verbose and self.main_process
 
         self.model = model if model is not None else load_model(cfg)
@@ -134,7 +138,8 @@ class Run:
     def _open_checkpoints(self):
         from pstar_jax.checkpoint import open_run_checkpoints
         c = self.config.checkpoint
-        ckpt = open_run_checkpoints(c.directory, c.resume, self.config.train.steps, c.keep)
+        ckpt = open_run_checkpoints(c.directory, c.resume, self.config.train.steps, c.keep,
+                                    lock=self.main_process)  # a run owns its directory
         if c.resume:
             saved = ckpt.meta().get("config")
             differences = math_differences(from_dict(RunConfig, saved), self.config) if saved else []
@@ -160,9 +165,15 @@ class Run:
 
     def fit(self) -> Iterator[dict]:
         """Train to ``train.steps`` (or ``checkpoint.stop_after`` more steps, or a stop signal),
-        yielding each step's record. Checkpoints are saved as configured and at the end."""
+        yielding each step's record. Checkpoints are saved as configured and at the end.
+
+        SIGINT/SIGTERM to any process stops every process after the same step (they agree on it
+        each step), with a checkpoint; ``stopped_by`` then names the signal (0: none reached this
+        process, ``stopped_by_peer``: another process got it)."""
+        import jax
+
+        from pstar_jax import distributed
         from pstar_jax.checkpoint import StopSignal
-        from pstar_jax.zero import Watchdog
         cfg, engine = self.config, self.engine
         writers = list(self._writers)
         if self.main_process and cfg.output.metrics_out:
@@ -171,33 +182,35 @@ class Run:
             writers.append(TensorBoardWriter(cfg.output.tensorboard))
         progress = Progress(cfg.train.steps, initial=engine.step_count,
                             enabled=self.verbose and not cfg.output.quiet)
-        watchdog = Watchdog(cfg.distributed.step_timeout)
+        watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
         stop = StopSignal()
-        self.stopped_by: int = 0
         step_tokens = cfg.train.batch_size * self.model.seq_len
         flops = flops_per_token(self.model)
         first_step, every = engine.step_count, cfg.checkpoint.every
         try:
-            for step in range(engine.step_count, cfg.train.steps):
-                result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
-                watchdog.progress(step + 1)
-                record = step_record(step, result, step_tokens, flops)
-                for writer in writers:
-                    writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
-                progress.update(record)
-                last = step + 1 == cfg.train.steps or bool(
-                    cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
-                if self._ckpt is not None and (last or stop.signum or (every and (step + 1) % every == 0)):
-                    self.save()
-                yield record
-                if stop.signum or last:
-                    break
+            with distributed.peer_failures_end_the_process():
+                for step in range(engine.step_count, cfg.train.steps):
+                    result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
+                    watchdog.progress(step + 1)
+                    record = step_record(step, result, step_tokens, flops)
+                    for writer in writers:
+                        writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
+                    progress.update(record)
+                    last = step + 1 == cfg.train.steps or bool(
+                        cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
+                    stopping = distributed.agree_to_stop(stop.signum != 0)  # all processes stop after one step
+                    if stopping and not last:
+                        self.stopped_by, self.stopped_by_peer = stop.signum, not stop.signum
+                    if self._ckpt is not None and (last or stopping or (every and (step + 1) % every == 0)):
+                        self.save()
+                    yield record
+                    if stopping or last:
+                        break
         finally:
-            self.stopped_by = stop.signum
+            watchdog.stop()
             progress.close()
             for writer in writers[len(self._writers):]:
                 writer.close()
-            watchdog.stop() if hasattr(watchdog, "stop") else None
             stop.restore()
             if self._ckpt is not None:
                 self._ckpt.wait()

@@ -37,12 +37,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         record = None
         for record in r.fit():
             pass
-        if r.stopped_by:
+        if r.stopped_by or r.stopped_by_peer:
             if r.main_process:
                 where = (f"; checkpoint saved in {r.checkpoint_directory}" if r.checkpoint_directory
                          else " (no --checkpoint-dir: nothing saved)")
-                print(f"pstar-train: stopped by {signal_name(r.stopped_by)} after step {r.engine.step_count}{where}",
-                      file=sys.stderr)
+                cause = signal_name(r.stopped_by) if r.stopped_by else "a signal to another process"
+                print(f"pstar-train: stopped by {cause} after step {r.engine.step_count}{where}", file=sys.stderr)
             return 0
         if config.checkpoint.export_flax:
             r.export_flax(config.checkpoint.export_flax)
@@ -58,10 +58,15 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pstar_jax.checkpoint import CheckpointSaveError
     try:
         return cli.run_main("pstar-train", run, argv, (DataError,))
     except FloatingPointError as err:  # NonFiniteLoss: the state before the bad step is intact
         print(f"pstar-train: error: {err}", file=sys.stderr)
+        return 1
+    except CheckpointSaveError as err:  # orbax threads may wait forever on the failed save: leave now
+        from pstar_jax.distributed import hard_exit
+        hard_exit(1, f"pstar-train: error: {err}")
         return 1
 
 

@@ -2,11 +2,9 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -110,40 +108,16 @@ def test_two_processes_match_single_process(tmp_path):
     assert len(losses(multi)) == 4  # only process 0 wrote metrics
 
 
-def test_killed_process_stops_the_other_with_a_clear_error(tmp_path):
-    """kill -9 one process: the survivor exits non-zero, saying a peer died, within a bounded time."""
-    port = free_port()
-    metrics = tmp_path / "m.jsonl"
-    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
-    procs = [spawn(i, port, ["--steps", "100000", "--metrics-out", str(metrics), "--step-timeout", "30"], logs[i])
-             for i in range(2)]
-    try:
-        deadline = time.monotonic() + 180
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline, (tmp_path / "p0.log").read_text()[-2000:]
-            assert procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-2000:]
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        code = procs[0].wait(timeout=90)
-        waited = time.monotonic() - killed
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    log = (tmp_path / "p0.log").read_text()
-    assert code != 0 and waited < 90
-    assert "another task died" in log or "another process probably died" in log, log[-2000:]
-
-
 def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
     """Saved by 2 processes x 2 devices (W=4), resumed by 1 process with 1 device: same losses."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     port = free_port()
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
     procs = [spawn(i, port, ["--steps", "4", "--stop-after", "2", "--checkpoint-dir", str(ck),
-                             "--metrics-out", str(metrics)], logs[i]) for i in range(2)]
+                             "--metrics-out", str(metrics), "--export-flax", str(tmp_path / "export")], logs[i])
+             for i in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
+    assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "params"]  # written once, by all
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     base = [sys.executable, "-m", "pstar_jax.train", "--quiet", "--precision", "fp32", "--batch-size", "8",
             "--steps", "4"]

@@ -1,0 +1,416 @@
+"""Fault injection: bad checkpoint and export paths, concurrent runs, corrupted metadata and
+exports, full and read-only file systems mid-run, signals to multi-process runs and the launcher.
+
+Full and read-only file systems are small tmpfs mounts made by the test (skipped where mounting
+is not allowed). Every case ends in one line and a defined exit, never a hang or a traceback.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from pstar_jax.checkpoint import Checkpointer, DirectoryLock
+from pstar_jax.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "3e-3"]
+
+
+def one_line(err: str, *words: str) -> str:
+    err = err.strip()
+    assert err.startswith("pstar-train: error:") and "\n" not in err and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def env_without_fake_devices():
+    """Each process makes its own devices; compilations are shared through conftest's cache."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return dict(env, JAX_COMPILATION_CACHE_DIR=os.path.join(tempfile.gettempdir(), "pstar_jax_test_xla_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def run_cli(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *BASE, *args], cwd=ROOT,
+                            env=env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def wait_for(predicate, timeout_s, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited early with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def tmpfs(path, size):
+    """A small file system of its own at ``path``; skips the test where mounting is not allowed."""
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_read_only(path, timeout_s=60):
+    """Retried: the kernel refuses while a file is open for writing (mid-save)."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode:
+        assert time.monotonic() < deadline, "could not remount read-only"
+        time.sleep(0.01)
+
+
+# -- data loss ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", ["0", "-1"])
+def test_keep_checkpoints_below_one_is_refused_before_work(tmp_path, capsys, keep):
+    d = tmp_path / "ck"
+    assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(d), "--keep-checkpoints", keep]) == 2
+    one_line(capsys.readouterr().err, "--keep-checkpoints must be at least 1")
+    assert not d.exists()
+
+
+def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capsys):
+    d = tmp_path / "ck"
+    d.mkdir()
+    lock = DirectoryLock(str(d))  # another run, alive
+    try:
+        assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(d)]) == 2
+        one_line(capsys.readouterr().err, f"another run (pid {os.getpid()}) is using --checkpoint-dir")
+        assert sorted(os.listdir(d)) == [".pstar-run.lock"]
+    finally:
+        lock.release()
+    # A run killed while holding the lock does not hold it any more.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from pstar_jax.checkpoint import DirectoryLock; DirectoryLock(sys.argv[2]); "
+                               "print('locked', flush=True); time.sleep(600)", ROOT, str(d)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    holder.kill()
+    holder.wait()
+    assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(d)]) == 0
+    assert Checkpointer(str(d)).latest_step() == 2
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_into_one_directory(tmp_path):
+    """Exactly one trains; the other is refused in one line and deletes nothing."""
+    d = tmp_path / "ck"
+    procs = [run_cli(["--steps", "3", "--checkpoint-every", "1", "--keep-checkpoints", "5", "--checkpoint-dir", str(d)])
+             for _ in range(2)]
+    results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "another run" in refused or "already holds checkpoints" in refused, refused
+    one_line(refused)
+    assert Checkpointer(str(d)).committed_steps() == [1, 2, 3]
+
+
+def test_export_never_overwrites_other_files_and_is_checked_before_training(tmp_path, capsys):
+    out, metrics = tmp_path / "export", tmp_path / "m.jsonl"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    assert main([*BASE, "--steps", "1", "--export-flax", str(out), "--metrics-out", str(metrics)]) == 2
+    one_line(capsys.readouterr().err, "--export-flax", "holds other files")
+    assert (out / "config.json").read_text() == "mine" and not metrics.exists()
+    (tmp_path / "file").write_text("x")
+    for bad, words in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "is under the file")):
+        assert main([*BASE, "--steps", "1", "--export-flax", str(bad), "--metrics-out", str(metrics)]) == 2
+        one_line(capsys.readouterr().err, words)
+        assert not metrics.exists()
+    # An earlier export is replaced.
+    fresh = tmp_path / "fresh"
+    assert main([*BASE, "--steps", "1", "--export-flax", str(fresh)]) == 0
+    assert main([*BASE, "--steps", "2", "--export-flax", str(fresh)]) == 0
+    assert sorted(os.listdir(fresh)) == ["config.json", "params"]
+    assert not [n for n in os.listdir(tmp_path) if "pstar-tmp" in n]
+
+
+def test_export_to_a_read_only_place_is_refused_before_training(tmp_path, capsys):
+    with tmpfs(tmp_path / "ro", "1m") as ro:
+        remount_read_only(ro)
+        assert main([*BASE, "--steps", "1", "--export-flax", str(ro / "out")]) == 2
+        one_line(capsys.readouterr().err, "cannot be written", "read-only")
+
+
+def two_checkpoints(tmp_path):
+    d = tmp_path / "ck"
+    assert main([*BASE, "--steps", "4", "--stop-after", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(d)]) == 0
+    assert Checkpointer(str(d)).committed_steps() == [2, 4]
+    return d
+
+
+def meta_file(d, step):
+    return d / str(step) / "meta" / "metadata"
+
+
+def test_metadata_naming_another_step_blames_that_step(tmp_path, capsys):
+    d = two_checkpoints(tmp_path)
+    shutil.copyfile(meta_file(d, 2), meta_file(d, 4))
+    assert main([*BASE, "--steps", "6", "--resume", "--checkpoint-dir", str(d)]) == 2
+    err = one_line(capsys.readouterr().err, "checkpoint step 4", "metadata of step 2", f"remove {d}/4 ")
+    assert f"{d}/2 " not in err
+    assert Checkpointer(str(d)).committed_steps() == [2, 4]
+
+
+def test_metadata_missing_a_key_is_one_line(tmp_path, capsys):
+    d = two_checkpoints(tmp_path)
+    meta = json.loads(meta_file(d, 4).read_text())
+    del meta["data_position"]
+    meta_file(d, 4).write_text(json.dumps(meta))
+    assert main([*BASE, "--steps", "6", "--resume", "--checkpoint-dir", str(d)]) == 2
+    one_line(capsys.readouterr().err, "checkpoint step 4", "incomplete metadata (no data_position)")
+
+
+def test_refused_resume_creates_nothing_and_checkpoint_dir_under_a_file(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main([*BASE, "--steps", "2", "--resume", "--checkpoint-dir", str(missing)]) == 2
+    one_line(capsys.readouterr().err, "no checkpoint in")
+    assert not missing.exists()
+    (tmp_path / "file").write_text("x")
+    assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(tmp_path / "file" / "ck")]) == 2
+    one_line(capsys.readouterr().err, "is under the file")
+
+
+def test_init_from_flax_with_resume_is_refused(tmp_path, capsys):
+    assert main([*BASE, "--steps", "2", "--resume", "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--init-from-flax", str(tmp_path / "x")]) == 2
+    one_line(capsys.readouterr().err, "pass only one of them")
+
+
+def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
+    from models.gpt import build_model
+    from pstar_jax.checkpoint import export_flax
+    shapes = build_model("tiny").param_shapes()
+    empty = tmp_path / "empty"
+    (empty / "params").mkdir(parents=True)
+    assert main([*BASE, "--steps", "1", "--init-from-flax", str(empty)]) == 2
+    one_line(capsys.readouterr().err, "no Flax export")
+    params = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    first = sorted(params)[0]
+    params[first].flat[0] = np.nan
+    export_flax(str(tmp_path / "nan"), params, {})
+    assert main([*BASE, "--steps", "1", "--init-from-flax", str(tmp_path / "nan")]) == 2
+    one_line(capsys.readouterr().err, "non-finite values", first)
+    params[first] = np.zeros((3,), np.float32)
+    export_flax(str(tmp_path / "shape"), params, {})
+    assert main([*BASE, "--steps", "1", "--init-from-flax", str(tmp_path / "shape")]) == 2
+    one_line(capsys.readouterr().err, "does not match the model", first)
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"], {},
+     "--num-processes must be at least 1, got 0"),
+    ([], {"PSTAR_COORDINATOR": "127.0.0.1:1", "PSTAR_NUM_PROCESSES": "abc", "PSTAR_PROCESS_ID": "0"},
+     "PSTAR_NUM_PROCESSES='abc' is not an integer"),
+])
+def test_bad_process_settings_are_one_line(monkeypatch, capsys, argv, env, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main([*BASE, "--steps", "1", *argv]) == 2
+    one_line(capsys.readouterr().err, words)
+
+
+# -- full and read-only file systems during saves -------------------------------------------------
+
+
+def check_failed_save(proc, d, cause, timeout_s=120, read_only=False):
+    out, err = proc.communicate(timeout=timeout_s)  # a hang at exit fails here
+    assert proc.returncode == 1, err[-3000:]
+    line = one_line(err.strip().splitlines()[-1] if err.strip() else "", cause, "the latest good checkpoint is step")
+    assert "Traceback" not in err and "ERROR:absl" not in err, err[-3000:]
+    good = int(line.rsplit("step ", 1)[1])
+    names = os.listdir(d)
+    if not read_only:  # nothing can be removed from a read-only file system; resume skips it
+        assert not [n for n in names if "tmp" in n], names
+    ckpt = Checkpointer(str(d))
+    assert ckpt.latest_step() == good and ckpt.meta(good)["step"] == good
+    return good
+
+
+def test_full_disk_during_a_save_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
+    with tmpfs(tmp_path / "small", "1400k") as fs:
+        d = fs / "ck"
+        proc = run_cli(["--steps", "1000", "--checkpoint-every", "1", "--keep-checkpoints", "100",
+                        "--checkpoint-dir", str(d)])
+        good = check_failed_save(proc, d, "the disk is full")
+        assert good >= 1
+
+
+def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
+    with tmpfs(tmp_path / "fs", "64m") as fs:
+        d, metrics = fs / "ck", tmp_path / "m.jsonl"
+        proc = run_cli(["--steps", "100000", "--checkpoint-every", "2", "--checkpoint-dir", str(d),
+                        "--metrics-out", str(metrics)])
+        wait_for(lambda: d.exists() and any(n.isdigit() for n in os.listdir(d)), 180, proc)
+        remount_read_only(fs)
+        check_failed_save(proc, d, "the file system is read-only", read_only=True)
+
+
+# -- signals to multi-process runs and to the launcher --------------------------------------------
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(i, port, extra, log):
+    env = dict(env_without_fake_devices(), PSTAR_COORDINATOR=f"127.0.0.1:{port}", PSTAR_NUM_PROCESSES="2",
+               PSTAR_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pstar_jax.train", "--local-devices", "1", *BASE, "--heartbeat-timeout", "10", *extra]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def lines(path):
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets, gap_s", [((1,), 0.0), ((0, 1), 0.03)])
+def test_signal_to_some_processes_stops_all_at_one_step_with_a_checkpoint(tmp_path, targets, gap_s):
+    """SIGTERM to process 1 only, or SIGINT to both 30 ms apart: both save the same step, exit 0."""
+    d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    port = free_port()
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [spawn(i, port, ["--steps", "100000", "--checkpoint-dir", str(d), "--metrics-out", str(metrics)], logs[i])
+             for i in range(2)]
+    try:
+        wait_for(lambda: lines(metrics) >= 3, 180, procs[0])
+        sig = signal.SIGTERM if targets == (1,) else signal.SIGINT
+        for i in targets:
+            procs[i].send_signal(sig)
+            time.sleep(gap_s)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
+    step = Checkpointer(str(d)).latest_step()
+    assert step is not None and step == lines(metrics), (step, lines(metrics))
+    assert f"after step {step}; checkpoint saved" in text[0]
+    assert not any("Traceback" in t for t in text)
+
+
+def children(pid):
+    path = f"/proc/{pid}/task/{pid}/children"
+    return [int(c) for c in open(path).read().split()] if os.path.exists(path) else []
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def reap_orphans(pids):
+    """Whatever the outcome, leave no trainer of this test running."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_launcher_forwards_one_signal_and_waits_for_the_checkpoints(tmp_path, sig, to_group):
+    """SIGTERM to the launcher, or Ctrl-C at its terminal (SIGINT to its process group): one
+    signal reaches each trainer, they save the same step, nothing is left running."""
+    d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
+           "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--checkpoint-dir", str(d),
+           "--metrics-out", str(metrics)]
+    trainers = []
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: lines(metrics) >= 2, 180, launcher)
+        trainers[:] = children(launcher.pid)
+        assert len(trainers) == 2
+        if to_group:
+            os.killpg(launcher.pid, sig)
+        else:
+            launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=120)
+        orphans = [pid for pid in trainers if alive(pid)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        reap_orphans(trainers)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and f"forwarding {sig.name}" in err, err[-3000:]
+    assert err.count("stopped by") == 1 and "interrupted" not in err, err[-3000:]
+    step = Checkpointer(str(d)).latest_step()
+    assert step == lines(metrics) and f"after step {step}; checkpoint saved" in err
+    assert not orphans, "orphaned trainers"
+
+
+@pytest.mark.slow
+def test_launcher_reports_whichever_trainer_fails_first_and_stops_the_rest(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
+           "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--metrics-out", str(metrics)]
+    trainers = []
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: lines(metrics) >= 2, 180, launcher)
+        trainers[:] = children(launcher.pid)
+        os.kill(trainers[1], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=120)
+        orphans = [pid for pid in trainers if alive(pid)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        reap_orphans(trainers)
+    assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "launch_local: process 1 was killed by SIGKILL; stopping the others" in err, err[-3000:]
+    assert not orphans, "orphaned trainers"
+
+
+@pytest.mark.slow
+def test_dead_peer_is_one_line_without_a_native_stack(tmp_path):
+    """kill -9 one process: the other ends with exit 3 and one line, within the heartbeat timeout."""
+    port = free_port()
+    metrics = tmp_path / "m.jsonl"
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    procs = [spawn(i, port, ["--steps", "100000", "--metrics-out", str(metrics), "--step-timeout", "60"], logs[i])
+             for i in range(2)]
+    try:
+        wait_for(lambda: lines(metrics) >= 2, 180, procs[0])
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = (tmp_path / "p0.log").read_text()
+    assert code == 3 and waited < 12, (code, waited, log[-3000:])
+    assert "Check failure stack trace" not in log and "Traceback" not in log, log[-3000:]
+    one_line(log.strip().splitlines()[-1], "another process probably died")
