@@ -79,12 +79,20 @@ if numba is not None:
         return nb_types.uint32(nb_types.float32), codegen
 
     @intrinsic
+    def _fma(typingctx, a, b, c):
+        def codegen(context, builder, sig, args):
+            return builder.fma(*args)
+        return nb_types.float32(nb_types.float32, nb_types.float32, nb_types.float32), codegen
+
+    @intrinsic
     def _bits_f32(typingctx, x):
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.FloatType())
         return nb_types.float32(nb_types.uint32), codegen
 
-    _JIT = dict(nogil=True, error_model="numpy", cache=True)  # numpy errors: no checks, so it vectorises
+    # error_model numpy: no division checks, so the loop vectorises. No fast math: the kernel
+    # rounds exactly where it says (its FMAs are explicit).
+    _JIT = dict(nogil=True, error_model="numpy", cache=True)
 
     @numba.njit(inline="always", **_JIT)
     def _to_bf16(p):
@@ -95,32 +103,35 @@ if numba is not None:
         return np.uint16(((b >> np.uint32(16)) | np.uint32(0x40)) if nan else rounded)
 
     @numba.njit(inline="always", **_JIT)
-    def _adamw_one(g, p, m, v, scale, b1, b2, omb1, omb2, bc1, bc2, eps, eps_root, wd, step):
-        """optax.adamw on one element (omb1 = 1 - b1; bc1, bc2 the bias corrections; step = -lr)."""
+    def _adamw_one(g, p, m, v, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step, bf16):
+        """optax.adamw on one element (omb1 = 1 - b1; rbc1, rbc2 the reciprocal bias corrections;
+        step = -lr), rounded as XLA's CPU compiler rounds optax's expressions: a division by a
+        bias correction is a multiplication by its reciprocal, and multiply-adds are FMAs. Which
+        product of ``(1 - b1) * g + b1 * m`` LLVM fuses there depends on the grad's dtype."""
         g = g * scale
-        m = omb1 * g + b1 * m
-        v = omb2 * (g * g) + b2 * v
-        u = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
-        u = u + wd * p
-        return p + step * u, m, v
+        m = _fma(b1, m, omb1 * g) if bf16 else _fma(omb1, g, b1 * m)
+        v = _fma(b2, v, omb2 * (g * g))
+        u = (m * rbc1) / (np.sqrt(_fma(v, rbc2, eps_root)) + eps)
+        u = _fma(wd, p, u)
+        return _fma(step, u, p), m, v
 
     # The scalars travel as arguments, not in an array: LLVM can then keep them in registers
     # (it cannot prove an array of them is not written through the other arrays).
     @numba.njit(**_JIT)
-    def _adamw_bf16(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, bc1, bc2, eps, eps_root, wd, step):
+    def _adamw_bf16(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step):
         """grad_params: bf16 bits of the grad in, of the new params out."""
         for i in range(master.shape[0]):
             g = _bits_f32(np.uint32(grad_params[i]) << np.uint32(16))
-            p, mu[i], nu[i] = _adamw_one(g, master[i], mu[i], nu[i], scale, b1, b2, omb1, omb2, bc1, bc2,
-                                         eps, eps_root, wd, step)
+            p, mu[i], nu[i] = _adamw_one(g, master[i], mu[i], nu[i], scale, b1, b2, omb1, omb2, rbc1, rbc2,
+                                         eps, eps_root, wd, step, True)
             master[i] = p
             grad_params[i] = _to_bf16(p)
 
     @numba.njit(**_JIT)
-    def _adamw_f32(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, bc1, bc2, eps, eps_root, wd, step):
+    def _adamw_f32(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step):
         for i in range(master.shape[0]):
             p, mu[i], nu[i] = _adamw_one(grad_params[i], master[i], mu[i], nu[i], scale, b1, b2, omb1, omb2,
-                                         bc1, bc2, eps, eps_root, wd, step)
+                                         rbc1, rbc2, eps, eps_root, wd, step, False)
             master[i] = p
             grad_params[i] = p
 
@@ -236,7 +247,7 @@ class HostAdamW:
         return master, state, grad
 
     def _constants(self, scale: jax.Array, counts: list[jax.Array]) -> tuple[tuple, list[int]]:
-        """The kernel's scalars (scale, b1, b2, 1-b1, 1-b2, bc1, bc2, eps, eps_root, wd, step) and
+        """The kernel's scalars (scale, b1, b2, 1-b1, 1-b2, 1/bc1, 1/bc2, eps, eps_root, wd, step) and
         the new counts, from the host count buffers."""
         values = tuple(int(host_view(c.addressable_shards[0].data, np.int32)[0]) for c in counts)
         key = (*values, float(np.asarray(scale)))
@@ -244,8 +255,8 @@ class HostAdamW:
             if len(self._scalar_cache) > 64:
                 self._scalar_cache.clear()
             s, f = self.spec, np.float32
-            bc1, bc2, step, new_counts = self._scalars(*values)
-            k = (f(key[-1]), f(s.b1), f(s.b2), f(1 - s.b1), f(1 - s.b2), f(bc1), f(bc2), f(s.eps), f(s.eps_root),
+            rbc1, rbc2, step, new_counts = self._scalars(*values)
+            k = (f(key[-1]), f(s.b1), f(s.b2), f(1 - s.b1), f(1 - s.b2), f(rbc1), f(rbc2), f(s.eps), f(s.eps_root),
                  f(s.weight_decay), f(step))
             self._scalar_cache[key] = (k, new_counts)
         return self._scalar_cache[key]
@@ -264,12 +275,12 @@ def _adam_leaves(state: Any) -> tuple[list[jax.Array], jax.Array, jax.Array]:
 
 
 def _scalar_fn(spec: AdamW) -> Callable[..., tuple]:
-    """(adam count[, schedule count]) -> (bc1, bc2, step, new counts), by optax's own expressions,
-    evaluated on the CPU backend so the host path never waits on the accelerator's queue."""
+    """(adam count[, schedule count]) -> (1/bc1, 1/bc2, step, new counts), by optax's own
+    expressions, evaluated on the CPU backend so the host path never waits on the accelerator."""
     def fn(count, sched_count=None):
         count_inc = optax.safe_increment(count)
-        bc1 = 1 - spec.b1 ** count_inc
-        bc2 = 1 - spec.b2 ** count_inc
+        bc1 = 1 / (1 - spec.b1 ** count_inc)
+        bc2 = 1 / (1 - spec.b2 ** count_inc)
         lr = spec.learning_rate(sched_count) if callable(spec.learning_rate) else spec.learning_rate
         step = jnp.array(-1 * lr, dtype=jnp.float32)
         new_counts = (count_inc,) if sched_count is None else (count_inc, optax.safe_increment(sched_count))

@@ -12,8 +12,7 @@ from pstar_jax.optim import ChunkOptimizer, clip_scale, default_tx
 
 N, N_DECAY = 96, 40  # a chunk of N elements whose first N_DECAY take weight decay
 CFG = OptimConfig(lr=0.1, warmup_steps=2, total_steps=10, weight_decay=0.5)
-# The fused host AdamW does optax's operations in optax's order, but XLA may contract a multiply
-# and an add into one FMA where the kernel rounds twice: values differ by about one fp32 ulp a step.
+# optax's AdamW compiled by XLA and by another compiler round differently: about an fp32 ulp a step.
 CLOSE = dict(rtol=1e-6, atol=1e-7)
 
 
@@ -50,8 +49,12 @@ def run_steps(space: Space, grads: list[np.ndarray], master: np.ndarray, param_d
     return history
 
 
-def steps3(seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
-    return inputs(seed)[0], [inputs(s)[1] for s in (seed + 1, seed + 2, seed + 3)]
+def steps3(seed: int = 0, n: int = N) -> tuple[np.ndarray, list[np.ndarray]]:
+    return inputs(seed, n)[0], [inputs(s, n)[1] for s in (seed + 1, seed + 2, seed + 3)]
+
+
+def assert_same(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y, strict=True), a, b)
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -60,29 +63,23 @@ def test_generic_host_and_device_paths_bitwise_equal(param_dtype):
     master, grads = steps3()
     on_device = run_steps(Space.DEVICE, grads, master, param_dtype, scale=0.75)
     on_host = run_steps(Space.HOST, grads, master, param_dtype, scale=0.75, fused_host=False)
-    for dev, host in zip(on_device, on_host):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), dev, host)
+    assert_same(on_device, on_host)
     assert not np.array_equal(on_device[-1][0], master)  # the steps did move the master
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_fused_host_close_to_device(param_dtype):
-    """The fused host AdamW equals the device update to fp32 rounding (not bit for bit); its
-    params are exactly its own master cast, and its counts are exact."""
+def test_fused_host_equals_device_bitwise(param_dtype):
+    """The fused host AdamW gives the same bits as XLA's update on a CPU (it rounds where XLA's CPU
+    compiler does), on a chunk long enough for vector loops and their remainders."""
     assert ChunkOptimizer(default_tx(CFG), placement(), param_dtype).fused_host
-    master, grads = steps3()
-    on_device = run_steps(Space.DEVICE, grads, master, param_dtype, scale=0.75)
-    on_host = run_steps(Space.HOST, grads, master, param_dtype, scale=0.75)
-    for (dm, ds, _), (hm, hs, hp) in zip(on_device, on_host):
-        np.testing.assert_allclose(hm, dm, **CLOSE)
-        for d, h in zip(jax.tree.leaves(ds), jax.tree.leaves(hs)):
-            assert d.dtype == h.dtype and d.shape == h.shape
-            if d.dtype == np.int32:
-                np.testing.assert_array_equal(h, d)
-            else:
-                np.testing.assert_allclose(h, d, **CLOSE)
-        np.testing.assert_array_equal(hp, np.asarray(jnp.asarray(hm).astype(param_dtype)), strict=True)
+    n = 4099
+    master, grads = steps3(0, n)
+    on_device = run_steps(Space.DEVICE, grads, master, param_dtype, scale=0.75, n_decay=1000)
+    on_host = run_steps(Space.HOST, grads, master, param_dtype, scale=0.75, n_decay=1000, slice_numel=512)
+    for dev, host in zip(on_device, on_host):
+        assert_same(dev, host)
     assert int(on_host[-1][1][0].count) == 3 and int(on_host[-1][1][2].count) == 3
+    assert not np.array_equal(on_host[-1][0], master)
 
 
 @pytest.mark.parametrize("space", list(Space), ids=[s.name for s in Space])
@@ -107,7 +104,7 @@ def test_fused_decay_boundary_on_shards_and_slices(n_decay):
     kw = dict(make_tx=default_tx(cfg), n_decay=n_decay, n_devices=2)
     on_device = run_steps(Space.DEVICE, grads[:1], master, **kw)
     on_host = run_steps(Space.HOST, grads[:1], master, host_threads=3, slice_numel=16, **kw)
-    np.testing.assert_allclose(on_host[0][0], on_device[0][0], **CLOSE)
+    assert_same(on_host, on_device)
     zero = run_steps(Space.HOST, [np.zeros(N, np.float32)], master, host_threads=3, slice_numel=16, **kw)[0][0]
     np.testing.assert_array_equal(zero[n_decay:], master[n_decay:])
     assert np.all(np.abs(zero[:n_decay]) < np.abs(master[:n_decay]))
@@ -131,7 +128,7 @@ def test_multicore_equals_single_core_exactly():
             m, state, params = opt.update(Space.HOST, g, m, state, jnp.float32(0.5), 1000)
         outs.append(jax.tree.map(lambda x: np.array(x, copy=True), (m, state, params)))
     for other in outs[1:]:
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), outs[0], other)
+        assert_same(outs[0], other)
 
 
 def test_fused_constant_learning_rate():
@@ -141,9 +138,7 @@ def test_fused_constant_learning_rate():
     on_device = run_steps(Space.DEVICE, grads, master, jnp.bfloat16, make_tx=spec)
     on_host = run_steps(Space.HOST, grads, master, jnp.bfloat16, make_tx=spec)
     assert isinstance(on_host[0][1][2], optax.EmptyState)
-    for (dm, ds, _), (hm, hs, _) in zip(on_device, on_host):
-        np.testing.assert_allclose(hm, dm, **CLOSE)
-        assert int(hs[0].count) == int(ds[0].count)
+    assert_same(on_host, on_device)
 
 
 def test_non_adam_transform_takes_the_generic_path():
@@ -159,7 +154,7 @@ def test_non_adam_transform_takes_the_generic_path():
     tx = make_tx((jnp.arange(N) < N_DECAY).astype(jnp.float32))
     p, state = jnp.asarray(master), tx.init(jnp.asarray(master))
     for grad, dev, host in zip(grads, on_device, on_host):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), dev, host)
+        assert_same(dev, host)
         updates, state = tx.update(jnp.asarray(grad), state, p)
         p = optax.apply_updates(p, updates)
         np.testing.assert_allclose(host[0], p, rtol=1e-6)
