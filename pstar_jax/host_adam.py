@@ -3,12 +3,13 @@
 XLA runs a host update (``compute_on('device_host')`` or a CPU-backend jit) on one thread, and
 the CPU client runs its computations one after another, even on separate CPU devices or when
 called from separate Python threads (measured: scripts/bench_host_adam.py). So for AdamW, the
-default optimizer, the host path is a numba kernel instead: one loop that reads the grad and the
-fp32 master, m and v and writes them back with the new params (28 bytes per parameter with bf16
-grads and params), cut into contiguous slices that a thread pool updates concurrently. Its
-arithmetic is optax.adamw's, operation for operation (no fused multiply-add, no fast math); the
-bias corrections and the learning rate come from optax's own expressions. Other optax
-transformations keep the generic XLA path (pstar_jax.optim).
+default optimizer, the host path is a numba kernel instead (pstar_jax.host_kernels): one loop that
+reads the grad and the fp32 master, m and v and writes them back with the new params (28 bytes per
+parameter with bf16 grads and params), cut into contiguous slices that a thread pool updates
+concurrently. Its arithmetic is optax.adamw's, rounded where XLA's CPU compiler rounds it, so on
+a CPU it gives the same bits as the generic path; the bias corrections and the learning rate come
+from optax's own expressions. Other optax transformations keep the generic XLA path
+(pstar_jax.optim).
 
 The update is in place. The inputs are first passed through a donating identity jit, so JAX
 hands over buffers nobody else can see (a buffer still viewed elsewhere, say by numpy, is
@@ -22,6 +23,7 @@ import concurrent.futures as cf
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 import os
 from typing import Any, Callable
 
@@ -31,14 +33,6 @@ import numpy as np
 import optax
 
 from pstar_jax import compat
-
-try:  # numba is a dependency; without it every transformation takes the generic path
-    import numba
-    from llvmlite import ir
-    from numba import types as nb_types
-    from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    numba = None
 
 Schedule = Callable[[Any], Any]
 
@@ -62,7 +56,8 @@ class AdamW:
 
 
 def available() -> bool:
-    return numba is not None
+    """Whether numba is installed (a dependency; without it every transformation takes the generic path)."""
+    return importlib.util.find_spec("numba") is not None
 
 
 def default_threads() -> int:
@@ -70,79 +65,13 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-# -- the kernels -------------------------------------------------------------------------------
-if numba is not None:
-    @intrinsic
-    def _f32_bits(typingctx, x):
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-        return nb_types.uint32(nb_types.float32), codegen
-
-    @intrinsic
-    def _fma(typingctx, a, b, c):
-        def codegen(context, builder, sig, args):
-            return builder.fma(*args)
-        return nb_types.float32(nb_types.float32, nb_types.float32, nb_types.float32), codegen
-
-    @intrinsic
-    def _bits_f32(typingctx, x):
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return nb_types.float32(nb_types.uint32), codegen
-
-    # error_model numpy: no division checks, so the loop vectorises. No fast math: the kernel
-    # rounds exactly where it says (its FMAs are explicit).
-    _JIT = dict(nogil=True, error_model="numpy", cache=True)
-
-    @numba.njit(inline="always", **_JIT)
-    def _to_bf16(p):
-        """Round to nearest even, as XLA's convert; a NaN stays a (quiet) NaN."""
-        b = _f32_bits(p)
-        rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        return np.uint16(((b >> np.uint32(16)) | np.uint32(0x40)) if nan else rounded)
-
-    @numba.njit(inline="always", **_JIT)
-    def _adamw_one(g, p, m, v, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step, bf16):
-        """optax.adamw on one element (omb1 = 1 - b1; rbc1, rbc2 the reciprocal bias corrections;
-        step = -lr), rounded as XLA's CPU compiler rounds optax's expressions: a division by a
-        bias correction is a multiplication by its reciprocal, and multiply-adds are FMAs. Which
-        product of ``(1 - b1) * g + b1 * m`` LLVM fuses there depends on the grad's dtype."""
-        g = g * scale
-        m = _fma(b1, m, omb1 * g) if bf16 else _fma(omb1, g, b1 * m)
-        v = _fma(b2, v, omb2 * (g * g))
-        u = (m * rbc1) / (np.sqrt(_fma(v, rbc2, eps_root)) + eps)
-        u = _fma(wd, p, u)
-        return _fma(step, u, p), m, v
-
-    # The scalars travel as arguments, not in an array: LLVM can then keep them in registers
-    # (it cannot prove an array of them is not written through the other arrays).
-    @numba.njit(**_JIT)
-    def _adamw_bf16(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step):
-        """grad_params: bf16 bits of the grad in, of the new params out."""
-        for i in range(master.shape[0]):
-            g = _bits_f32(np.uint32(grad_params[i]) << np.uint32(16))
-            p, mu[i], nu[i] = _adamw_one(g, master[i], mu[i], nu[i], scale, b1, b2, omb1, omb2, rbc1, rbc2,
-                                         eps, eps_root, wd, step, True)
-            master[i] = p
-            grad_params[i] = _to_bf16(p)
-
-    @numba.njit(**_JIT)
-    def _adamw_f32(grad_params, master, mu, nu, scale, b1, b2, omb1, omb2, rbc1, rbc2, eps, eps_root, wd, step):
-        for i in range(master.shape[0]):
-            p, mu[i], nu[i] = _adamw_one(grad_params[i], master[i], mu[i], nu[i], scale, b1, b2, omb1, omb2,
-                                         rbc1, rbc2, eps, eps_root, wd, step, False)
-            master[i] = p
-            grad_params[i] = p
-
-    @numba.njit(**_JIT)
-    def triad(a, b, c, s):
-        """STREAM's triad, a = b + s * c: the memory bandwidth the update can hope for."""
-        for i in range(a.shape[0]):
-            a[i] = b[i] + s * c[i]
+_KERNELS = {jnp.dtype(jnp.bfloat16): ("adamw_bf16", np.uint16), jnp.dtype(jnp.float32): ("adamw_f32", np.float32)}
 
 
-_KERNELS = {jnp.dtype(jnp.bfloat16): ("_adamw_bf16", np.uint16), jnp.dtype(jnp.float32): ("_adamw_f32", np.float32)}
+def kernels() -> Any:
+    """The numba kernels (pstar_jax.host_kernels), imported on first use: numba takes a second to load."""
+    from pstar_jax import host_kernels
+    return host_kernels
 
 
 def supports(param_dtype: Any) -> bool:
@@ -172,17 +101,22 @@ class SlicePool:
         return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
     def run(self, tasks: list[Callable[[], None]]) -> None:
-        """Run the tasks, this thread taking the last; the first error is raised after all finish."""
+        """Run the tasks, this thread taking the last. An error is raised only once every task has
+        finished, so no thread still writes into the buffers when the caller sees it."""
         if self._pool is None or len(tasks) == 1:
             for task in tasks:
                 task()
             return
         futures = [self._pool.submit(task) for task in tasks[:-1]]
+        error = None
         try:
             tasks[-1]()
-        finally:
-            for f in cf.as_completed(futures):
-                f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finish
+            error = e
+        for f in futures:
+            error = error or f.exception()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         if self._pool is not None:
@@ -214,7 +148,7 @@ class HostAdamW:
         self.spec = spec
         self.param_dtype = jnp.dtype(param_dtype)
         kernel_name, self._bits_dtype = _KERNELS[self.param_dtype]
-        self._kernel = globals()[kernel_name]
+        self._kernel = getattr(kernels(), kernel_name)
         self.pool = SlicePool(n_threads or default_threads(), min_slice_numel)
         self._scalars = _scalar_fn(spec)
         self._scalar_cache: dict[tuple, tuple[tuple, list[int]]] = {}
