@@ -88,3 +88,11 @@ def triad(a, b, c, s):
     """STREAM's triad, a = b + s * c: the memory bandwidth the update can hope for."""
     for i in range(a.shape[0]):
         a[i] = b[i] + s * c[i]
+
+
+@numba.njit(**_JIT)
+def triad_in_place(a, b, s):
+    """a = a + s * b: the triad with the update's access pattern (every array written is read
+    first, so no write-allocate traffic beyond the bytes counted)."""
+    for i in range(a.shape[0]):
+        a[i] = a[i] + s * b[i]
