@@ -95,7 +95,7 @@ class ChunkOptimizer:
 
     @functools.cached_property
     def _driver(self) -> cf.ThreadPoolExecutor:
-        # One thread: host updates run in the order they were begun.
+        # One thread, so begun updates run in order; it is joined at exit after its last update.
         return cf.ThreadPoolExecutor(1, thread_name_prefix="pstar-host-update")
 
     def init(self, master: jax.Array) -> Any:
@@ -120,19 +120,23 @@ class ChunkOptimizer:
 
         grad, master and state are donated: the update is in place. A host update blocks until
         done; ``begin_update`` does not."""
-        return self.begin_update(space, grad, master, state, scale, n_decay, wait=True).result()
+        if self._fused(space, grad):
+            return self._host_adam.run(*self._host_adam.hand_over(grad, master, state), scale, n_decay)
+        scalars = self.placement.put((scale, np.int32(n_decay)), space)
+        return self._update[space](grad, master, state, *scalars)
 
     def begin_update(self, space: Space, grad: jax.Array, master: jax.Array, state: Any, scale: jax.Array,
-                     n_decay: int, wait: bool = False) -> PendingUpdate:
-        """Start ``update``; the inputs are donated at once. Device updates are dispatched
-        asynchronously by JAX as usual; a fused host update runs on a worker thread."""
-        if space is Space.HOST and self.fused_host and grad.dtype == self.param_dtype:
+                     n_decay: int) -> PendingUpdate:
+        """Start ``update`` and return at once; the inputs are donated now. Device updates are
+        dispatched asynchronously by JAX as usual; a fused host update runs on a worker thread
+        (updates run in the order they were begun)."""
+        if self._fused(space, grad):
             owned = self._host_adam.hand_over(grad, master, state)
-            if wait:
-                return PendingUpdate(self._host_adam.run(*owned, scale, n_decay))
             return PendingUpdate(future=self._driver.submit(self._host_adam.run, *owned, scale, n_decay))
-        scalars = self.placement.put((scale, np.int32(n_decay)), space)
-        return PendingUpdate(self._update[space](grad, master, state, *scalars))
+        return PendingUpdate(self.update(space, grad, master, state, scale, n_decay))
+
+    def _fused(self, space: Space, grad: jax.Array) -> bool:
+        return space is Space.HOST and self.fused_host and grad.dtype == self.param_dtype
 
     def keep(self, space: Space, grad: jax.Array, master: jax.Array, state: Any) -> tuple[jax.Array, Any, jax.Array]:
         """A skipped step: the grad is dropped, master and state stay, params are cast again."""
