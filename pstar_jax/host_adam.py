@@ -154,7 +154,12 @@ class HostAdamW:
         self._scalar_cache: dict[tuple, tuple[tuple, list[int]]] = {}
 
     def hand_over(self, grad: jax.Array, master: jax.Array, state: Any) -> tuple:
-        """Donate the inputs: arrays over the same buffers that nothing else can see."""
+        """Donate the inputs: arrays over the same buffers that nothing else can see.
+
+        On an accelerator the identity is probably an executable on its compute stream, whose
+        outputs are ready only once the work queued before it is done (unverified: run
+        scripts/bench_host_adam.py --overlap there). ``run`` waits for them, so issue it from a
+        thread that may wait (``ChunkOptimizer.begin_update``) or when little work is queued."""
         leaves, treedef = jax.tree.flatten(state)
         owned = _own_fn(2 + len(leaves))(grad, master, *leaves)
         return owned[0], owned[1], jax.tree.unflatten(treedef, owned[2:])
