@@ -130,6 +130,21 @@ def _own_fn(n: int) -> Callable:
     return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(n)))
 
 
+def host_views_work(sharding: jax.sharding.Sharding) -> bool:
+    """Whether a host array in ``sharding`` can be written through ``host_view`` (checked on a
+    small array: written through views, then read back through JAX)."""
+    n = 16 * sharding.num_devices
+    (x,) = _own_fn(1)(jax.device_put(np.arange(n, dtype=np.float32), sharding))
+    try:
+        jax.block_until_ready(x)
+        for _, data in _shard_data(x):
+            host_view(data, np.float32)[:] += 1
+        return all(np.array_equal(np.asarray(s.data), np.arange(n, dtype=np.float32)[s.index] + 1)
+                   for s in x.addressable_shards)
+    except Exception:  # noqa: BLE001 - any failure means: use the generic path
+        return False
+
+
 def _shard_data(x: jax.Array) -> list[tuple[int, jax.Array]]:
     """(global offset, single-device array) of this process's shards of a 1-D array."""
     return [(s.index[0].start or 0, s.data) for s in x.addressable_shards] if x.ndim else [

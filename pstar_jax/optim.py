@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -136,7 +137,17 @@ class ChunkOptimizer:
         return PendingUpdate(self.update(space, grad, master, state, scale, n_decay))
 
     def _fused(self, space: Space, grad: jax.Array) -> bool:
-        return space is Space.HOST and self.fused_host and grad.dtype == self.param_dtype
+        return space is Space.HOST and self.fused_host and grad.dtype == self.param_dtype and self._views_work
+
+    @functools.cached_property
+    def _views_work(self) -> bool:
+        """Checked once: the fused kernel writes host buffers through raw pointers, which only a
+        CPU run of the tests proves; where that fails, host updates take the generic path."""
+        ok = host_adam.host_views_work(self.placement.sharding(Space.HOST))
+        if not ok:
+            warnings.warn("host arrays cannot be written in place here: the host optimizer update runs "
+                          "on one core (compute_on)", RuntimeWarning, stacklevel=3)
+        return ok
 
     def keep(self, space: Space, grad: jax.Array, master: jax.Array, state: Any) -> tuple[jax.Array, Any, jax.Array]:
         """A skipped step: the grad is dropped, master and state stay, params are cast again."""

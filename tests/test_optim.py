@@ -41,6 +41,7 @@ def run_steps(space: Space, grads: list[np.ndarray], master: np.ndarray, param_d
     for grad in grads:
         g = where.put(jnp.asarray(grad, param_dtype), space)
         s = where.put(jnp.float32(scale), Space.DEVICE)  # update() places it in ``space``
+        assert opt._fused(space, g) == (space is Space.HOST and opt.fused_host)  # the path we mean to test
         m, state, params = opt.update(space, g, m, state, s, n_decay)
         for out in (m, params, *jax.tree.leaves(state)):
             assert out.sharding.memory_kind == space.value
@@ -110,6 +111,12 @@ def test_fused_decay_boundary_on_shards_and_slices(n_decay):
     assert np.all(np.abs(zero[:n_decay]) < np.abs(master[:n_decay]))
 
 
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_host_views_write_the_host_buffers(n_devices):
+    """On a CPU the fused path's raw views of host arrays write the arrays' own buffers."""
+    assert host_adam.host_views_work(placement(n_devices).sharding(Space.HOST))
+
+
 def test_multicore_equals_single_core_exactly():
     """Slices on several threads give the same bits as one thread over the whole chunk."""
     n = 4099  # not a multiple of the slice alignment
@@ -120,7 +127,7 @@ def test_multicore_equals_single_core_exactly():
     for threads in (1, 2, 5):
         opt = ChunkOptimizer(spec, placement(), jnp.bfloat16, host_threads=threads)
         opt._host_adam.pool.min_slice_numel = 64  # several slices even for this small chunk
-        assert len(opt._host_adam.pool.cuts(n)) == threads
+        assert len(opt._host_adam.pool.cuts(n)) == threads and opt._views_work
         m = placement().put(jnp.asarray(master), Space.HOST)
         state = opt.init(m)
         for grad in grads:
