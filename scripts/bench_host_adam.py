@@ -10,7 +10,7 @@ host update of a bf16 chunk with fp32 master and Adam state
 through ChunkOptimizer (XLA's generic path, the fused kernel on one thread, the fused kernel on
 every thread), in parameters per second and as a share of the limit, triad bandwidth / 28 bytes
 per parameter (bf16 grad read and params written, fp32 master, m, v read and written), taking the
-higher of the two triads on every thread. Timings are
+highest of the triad figures. Timings are
 wall-clock minima, so other processes on the machine lower them: the CPU seconds per wall second
 beside each figure show how many cores it really had, and the load average is printed first.
 
@@ -153,7 +153,7 @@ def main() -> None:
             rate, cores = triad_rate(args.numel, threads, args.repeats, in_place)
             figures[f"{name.strip().replace(' ', '_').replace('-', '_')}_{'1' if threads == 1 else 'n'}_Bps"] = rate
             print(f"{name} {threads:2d} thread(s): {rate / 1e9:6.1f} GB/s  ({cores:.2f} cores)")
-    bandwidth = max(figures["triad_n_Bps"], figures["in_place_triad_n_Bps"])
+    bandwidth = max(v for k, v in figures.items() if k.endswith("_Bps"))  # the most this machine showed
     limit = figures["limit_params_per_s"] = bandwidth / ADAM_BYTES_PER_PARAM
     print(f"limit: {limit / 1e9:.2f} Gparams/s ({bandwidth / 1e9:.1f} GB/s / {ADAM_BYTES_PER_PARAM} bytes per param)")
     for label, key, fused, threads in (("XLA (compute_on)   ", "xla", False, None),
