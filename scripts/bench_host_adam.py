@@ -6,13 +6,12 @@
 One run prints: a STREAM-style triad (a = b + s*c, counted as 12 bytes per element as STREAM does,
 though a CPU without streaming stores also reads a before writing it) and an in-place triad
 (a = a + s*b, 12 bytes per element, all of them moved), on one thread and on every thread; the
-host update of a bf16 chunk with fp32 master and Adam state
-through ChunkOptimizer (XLA's generic path, the fused kernel on one thread, the fused kernel on
-every thread), in parameters per second and as a share of the limit, triad bandwidth / 28 bytes
-per parameter (bf16 grad read and params written, fp32 master, m, v read and written), taking the
-highest of the triad figures. Timings are
-wall-clock minima, so other processes on the machine lower them: the CPU seconds per wall second
-beside each figure show how many cores it really had, and the load average is printed first.
+host update of a bf16 chunk with fp32 master and Adam state through ChunkOptimizer (XLA's generic
+path, the fused kernel on one thread, the fused kernel on every thread), in parameters per second
+and as a share of the limit: the highest triad figure / 28 bytes per parameter (bf16 grad read and
+params written, fp32 master, m, v read and written). Timings are wall-clock minima, so other
+processes on the machine lower them: the CPU seconds per wall second beside each figure show how
+many cores it really had, and the load average is printed first.
 
 ``--overlap`` also times device work (a chain of matmuls) alone, a host update alone, and both
 issued together (the update through ``begin_update``, which returns at once): on an accelerator,
