@@ -12,7 +12,7 @@ from pstar_jax.optim import ChunkOptimizer, clip_scale, default_tx
 
 N, N_DECAY = 96, 40  # a chunk of N elements whose first N_DECAY take weight decay
 CFG = OptimConfig(lr=0.1, warmup_steps=2, total_steps=10, weight_decay=0.5)
-# optax's AdamW compiled by XLA and by another compiler round differently: about an fp32 ulp a step.
+# optax's AdamW compiled as another program (per-tensor groups) may round differently: an fp32 ulp a step.
 CLOSE = dict(rtol=1e-6, atol=1e-7)
 
 
