@@ -11,7 +11,8 @@ path, the fused kernel on one thread, the fused kernel on every thread), in para
 and as a share of the limit: the highest triad figure / 28 bytes per parameter (bf16 grad read and
 params written, fp32 master, m, v read and written). Timings are wall-clock minima, so other
 processes on the machine lower them: the CPU seconds per wall second beside each figure show how
-many cores it really had, and the load average is printed first.
+many cores it really had, and the load average is printed first. Parameters per CPU-second
+that stay the same from one thread to every thread mean the threads do not wait for each other.
 
 ``--overlap`` also times device work (a chain of matmuls) alone, a host update alone, and both
 issued together (the update through ``begin_update``, which returns at once): on an accelerator,
@@ -160,7 +161,8 @@ def main() -> None:
                                        (f"fused, {n:2d} threads ", "fused_n", True, n)):
         rate, cores = adam_rate(args.numel, args.repeats, fused, threads)
         figures[f"{key}_params_per_s"] = rate
-        print(f"adam {label}: {rate / 1e9:5.2f} Gparams/s  {100 * rate / limit:5.1f}% of the limit  ({cores:.2f} cores)")
+        print(f"adam {label}: {rate / 1e9:5.2f} Gparams/s  {100 * rate / limit:5.1f}% of the limit  ({cores:.2f} cores, "
+              f"{rate / cores / 1e9:.2f} Gparams per CPU-second)")
     print(f"speed-up from 1 to {n} threads: {figures['fused_n_params_per_s'] / figures['fused_1_params_per_s']:.2f}x; "
           f"fused on {n} threads over XLA: {figures['fused_n_params_per_s'] / figures['xla_params_per_s']:.2f}x")
     if args.overlap:
