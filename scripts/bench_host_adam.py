@@ -11,8 +11,8 @@ path, the fused kernel on one thread, the fused kernel on every thread), in para
 and as a share of the limit: the highest triad figure / 28 bytes per parameter (bf16 grad read and
 params written, fp32 master, m, v read and written). Timings are wall-clock minima, so other
 processes on the machine lower them: the CPU seconds per wall second beside each figure show how
-many cores it really had, and the load average is printed first. Parameters per CPU-second
-that stay the same from one thread to every thread mean the threads do not wait for each other.
+many cores it really had, and the load average is printed first. Parameters per CPU-second fall
+when threads share a saturated memory bus (or a cache with other processes).
 
 ``--overlap`` also times device work (a chain of matmuls) alone, a host update alone, and both
 issued together (the update through ``begin_update``, which returns at once): on an accelerator,
