@@ -53,3 +53,12 @@ def memory_stats(device: jax.Device) -> dict[str, int] | None:
         return device.memory_stats()
     except Exception:  # some plugins raise instead of returning None
         return None
+
+
+def cpu_device() -> jax.Device | None:
+    """A device of the CPU backend (present beside an accelerator unless JAX_PLATFORMS
+    excludes it), for small host-side computations that must not queue behind accelerator work."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None

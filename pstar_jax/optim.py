@@ -8,14 +8,22 @@ plain engine's per-tensor groups. The same factory drives both engines, so they 
 math. Global-norm clipping needs the norm of all grads before any update, so the executor
 sums the squares of each chunk's grad as soon as it is final and passes one scale factor in.
 
-Device-resident state is updated by a plain jit on the device; host-resident state by the
-same function under ``compute_on('device_host')`` on pinned-host arrays, so fp32 master, m and
-v never cross PCIe (only the bf16 grad goes down and the bf16 params come back up).
+Device-resident state is updated by a plain jit on the device; host-resident state on the host,
+so fp32 master, m and v never cross PCIe (only the bf16 grad goes down and the bf16 params come
+back up). On the host, AdamW (``default_tx``, or any ``host_adam.AdamW`` factory) runs as one
+fused kernel on every core (pstar_jax.host_adam); any other transformation runs as the same jit
+under ``compute_on('device_host')``, which XLA runs on one core.
+
+A host update blocks the thread that waits for it, so ``begin_update`` runs it on a worker
+thread and returns at once: the caller keeps dispatching device work and takes the result
+(``PendingUpdate.result()``) only when it needs the new params.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -24,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from pstar_jax import compat
+from pstar_jax import compat, host_adam
 from pstar_jax.config import OptimConfig
 from pstar_jax.memory import Placement, Space
 
@@ -41,11 +49,7 @@ def default_tx(cfg: OptimConfig) -> TxFactory:
         schedule = optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
             decay_steps=max(total, warmup + 1), end_value=cfg.lr * cfg.final_lr_fraction)
-
-    def make_tx(decay_mask: Any) -> optax.GradientTransformation:
-        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay * decay_mask)
-    return make_tx
+    return host_adam.AdamW(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def clip_scale(sumsq: jax.Array, clip_norm: float | None) -> jax.Array:
@@ -61,15 +65,44 @@ def sum_of_squares(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
-class ChunkOptimizer:
-    """Per-chunk optax updates, one compiled function per memory space."""
+class PendingUpdate:
+    """An update under way: ``result()`` waits for (new master, new state, new params) and
+    raises what the update raised."""
 
-    def __init__(self, make_tx: TxFactory, placement: Placement, param_dtype: Any):
+    def __init__(self, value: tuple | None = None, future: cf.Future | None = None):
+        self._value, self._future = value, future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def result(self) -> tuple[jax.Array, Any, jax.Array]:
+        return self._value if self._future is None else self._future.result()
+
+
+class ChunkOptimizer:
+    """Per-chunk optax updates, one compiled function per memory space (or the fused host AdamW).
+
+    ``host_threads``: the threads of the fused host AdamW (default: every core this process may
+    use); ``fused_host`` False keeps every transformation on the generic path."""
+
+    def __init__(self, make_tx: TxFactory, placement: Placement, param_dtype: Any,
+                 host_threads: int | None = None, fused_host: bool = True):
         self.make_tx = make_tx
         self.placement = placement
         self.param_dtype = param_dtype
+        self.host_threads = host_threads
+        self.fused_host = fused_host and isinstance(make_tx, host_adam.AdamW) and host_adam.supports(param_dtype)
         self._update = {space: self._build(space) for space in Space}
         self._keep = {space: self._build_keep(space) for space in Space}
+
+    @functools.cached_property
+    def _host_adam(self) -> host_adam.HostAdamW:
+        return host_adam.HostAdamW(self.make_tx, self.param_dtype, self.host_threads)
+
+    @functools.cached_property
+    def _driver(self) -> cf.ThreadPoolExecutor:
+        # One thread, so begun updates run in order; it is joined at exit after its last update.
+        return cf.ThreadPoolExecutor(1, thread_name_prefix="pstar-host-update")
 
     def init(self, master: jax.Array) -> Any:
         """Optimizer state for one master chunk, made directly in the master's space and sharding."""
@@ -91,9 +124,35 @@ class ChunkOptimizer:
                scale: jax.Array, n_decay: int) -> tuple[jax.Array, Any, jax.Array]:
         """(grad, master, state) in ``space`` -> (new master, new state, new params), in ``space``.
 
-        grad, master and state are donated: the update is in place."""
+        grad, master and state are donated: the update is in place. A host update blocks until
+        done; ``begin_update`` does not."""
+        if self._fused(space, grad):
+            return self._host_adam.run(*self._host_adam.hand_over(grad, master, state), scale, n_decay)
         scalars = self.placement.put((scale, np.int32(n_decay)), space)
         return self._update[space](grad, master, state, *scalars)
+
+    def begin_update(self, space: Space, grad: jax.Array, master: jax.Array, state: Any, scale: jax.Array,
+                     n_decay: int) -> PendingUpdate:
+        """Start ``update`` and return at once; the inputs are donated now. Device updates are
+        dispatched asynchronously by JAX as usual; a fused host update runs on a worker thread
+        (updates run in the order they were begun)."""
+        if self._fused(space, grad):
+            owned = self._host_adam.hand_over(grad, master, state)
+            return PendingUpdate(future=self._driver.submit(self._host_adam.run, *owned, scale, n_decay))
+        return PendingUpdate(self.update(space, grad, master, state, scale, n_decay))
+
+    def _fused(self, space: Space, grad: jax.Array) -> bool:
+        return space is Space.HOST and self.fused_host and grad.dtype == self.param_dtype and self._views_work
+
+    @functools.cached_property
+    def _views_work(self) -> bool:
+        """Checked once: the fused kernel writes host buffers through raw pointers, which only a
+        CPU run of the tests proves; where that fails, host updates take the generic path."""
+        ok = host_adam.host_views_work(self.placement.sharding(Space.HOST))
+        if not ok:
+            warnings.warn("host arrays cannot be written in place here: the host optimizer update runs "
+                          "on one core (compute_on)", RuntimeWarning, stacklevel=3)
+        return ok
 
     def keep(self, space: Space, grad: jax.Array, master: jax.Array, state: Any) -> tuple[jax.Array, Any, jax.Array]:
         """A skipped step: the grad is dropped, master and state stay, params are cast again."""
