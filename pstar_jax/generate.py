@@ -215,16 +215,13 @@ def generate(source: Source, prompt_ids: list[int], n_new: int, sampling: Any, p
                           f"{limit} positions; shorten the prompt or lower --max-new-tokens")
     prompt = np.asarray([prompt_ids], np.int32)
     budget = device_budget_bytes(device_memory, jax.devices()[0])
-    cached = None
-    if not stream and (budget is None or decode.params_bytes(model, dtype) < budget):
+    cached, why_stream = None, ""
+    if not stream and budget is not None and decode.params_bytes(model, dtype) >= budget:
+        why_stream = f"the parameters ({format_bytes(decode.params_bytes(model, dtype))})"
+    elif not stream:
         cached = decode.CachedDecoder(model, dtype, 1, len(prompt_ids), n_new, sampling)
         if budget is not None and cached.device_bytes() > budget:
-            log(f"note: decoding on the device needs {format_bytes(cached.device_bytes())}, over the device budget "
-                f"of {format_bytes(budget)}: streaming the parameters from host memory instead (slow)")
-            cached = None
-    elif not stream:
-        log(f"note: the parameters ({format_bytes(decode.params_bytes(model, dtype))}) exceed the device budget of "
-            f"{format_bytes(budget)}: streaming them from host memory stage by stage (slow)")
+            why_stream, cached = f"decoding on the device ({format_bytes(cached.device_bytes())})", None
     if cached is not None:
         params = {n: jax.device_put(np.asarray(v).astype(dtype)) for n, v in source.tensors()}
         start = time.perf_counter()
@@ -233,8 +230,11 @@ def generate(source: Source, prompt_ids: list[int], n_new: int, sampling: Any, p
     layer_bytes = decode.cache_bytes(model, 1, len(prompt_ids) + n_new, dtype) // model.n_layer
     peak = decode.stream_peak_bytes(streamed.stage_bytes(), layer_bytes)
     if budget is not None and peak > budget:
-        raise ConfigError(f"even streamed, two stages' parameters and a layer's cache need {format_bytes(peak)}, "
-                          f"over --device-memory {format_bytes(budget)}; raise --device-memory")
+        raise ConfigError(f"the model does not fit --device-memory {format_bytes(budget)} even streamed: two stages' "
+                          f"parameters and a layer's cache need {format_bytes(peak)}; raise --device-memory")
+    if not stream:
+        log(f"note: {why_stream} exceeds the device budget of {format_bytes(budget)}: streaming the parameters "
+            "from host memory stage by stage (slow)")
     streamed.load(source.tensors())
     start = time.perf_counter()
     return streamed(prompt, n_new, sampling)[0], "streamed", time.perf_counter() - start
