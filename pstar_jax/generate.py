@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -246,11 +247,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be a whole number in [0, {MAX_SEED}], got {args.seed}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     from pstar_jax.decode import Sampling
-    try:
-        Sampling(args.temperature, args.top_p, args.seed)
-    except ConfigError as err:
-        raise ConfigError(str(err).replace("the temperature", "--temperature").replace("top-p", "--top-p")) from None
 
     from pstar_jax.memory import configure_backend, host_budget_bytes
     configure_backend(args.device_memory, host_budget_bytes(None))  # before the backend starts

@@ -119,6 +119,24 @@ def test_seeded_sampling_is_reproducible(trained, capsys):
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
+def test_bf16_default_of_an_hf_directory_runs_both_paths(hf_dir, capsys):
+    for extra in ((), ("--stream",)):
+        code, out, err = generate(capsys, "--hf", hf_dir[0], "--prompt", "hello", "--max-new-tokens", 4, *extra)
+        assert code == 0 and out.startswith("hello") and "tokens/s" in err
+
+
+def test_run_from_hf_finds_the_tokenizer_of_its_source(hf_dir, tmp_path, capsys):
+    """A checkpoint of a run started with --init-from-hf decodes with that directory's tokenizer."""
+    from pstar_jax.train import main as train
+    assert train(["--quiet", "--precision", "fp32", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                  "--data-parallel", "1", "--init-from-hf", str(hf_dir[0]), "--checkpoint-dir",
+                  str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    code, out, _ = generate(capsys, "--checkpoint-dir", tmp_path / "ckpt", "--prompt", "hello world",
+                            "--max-new-tokens", 4, "--temperature", 0)
+    assert code == 0 and out.startswith("hello world")
+
+
 def test_hf_directory_with_its_tokenizer(hf_dir, capsys):
     path, model, params, tok = hf_dir
     prompt_ids = tok.encode("hello world", add_special_tokens=True).ids
