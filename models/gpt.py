@@ -4,7 +4,12 @@
 stages (embed, one per block, head) through pstar_jax's generic NNX adapter, the tensor names
 being the module's state paths joined with '.' ('blocks.0.attn.qkv.kernel').
 
-Shapes use nanodo's suffixes: B batch, L sequence, D model width, H heads, V vocabulary.
+Decoding with a KV cache (``GPT.init_cache``, ``GPT.decode``) runs the same modules on T new
+tokens at positions pos..pos+T-1, reading and writing a cache of S = max_len positions; the
+training path does not touch it.
+
+Shapes use nanodo's suffixes: B batch, L sequence, D model width, H heads, V vocabulary; in
+decoding T new tokens, S cached positions, N key/value heads, K head width.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +88,35 @@ def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     return h_BxLxD @ (head.T if tied else head)
 
 
+class KVCache(NamedTuple):
+    """Keys and values of every layer: k and v are [layers, B, S, N, K] (one layer: [B, S, N, K])."""
+    k: jax.Array
+    v: jax.Array
+
+
+def visible_TxS(pos: jax.Array | int, T: int, S: int) -> jax.Array:
+    """Which cached positions each of T new tokens (at pos..pos+T-1) attends to: those not after it.
+    Positions past the tokens written so far hold zeros and stay hidden."""
+    return jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
+
+
+def write_cache(cache: KVCache, k_BxTxNxK: jax.Array, v_BxTxNxK: jax.Array, pos: jax.Array | int) -> KVCache:
+    """One layer's cache with the new keys and values written at positions pos..pos+T-1."""
+    at = (0, pos, 0, 0)
+    return KVCache(jax.lax.dynamic_update_slice(cache.k, k_BxTxNxK.astype(cache.k.dtype), at),
+                   jax.lax.dynamic_update_slice(cache.v, v_BxTxNxK.astype(cache.v.dtype), at))
+
+
+def decode_blocks(blocks: Any, h_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int
+                  ) -> tuple[jax.Array, KVCache]:
+    """Every block's ``decode`` in turn, each on its own layer of the cache."""
+    k, v = cache
+    for i, block in enumerate(blocks):
+        h_BxTxD, layer = block.decode(h_BxTxD, KVCache(k[i], v[i]), pos)
+        k, v = k.at[i].set(layer.k), v.at[i].set(layer.v)
+    return h_BxTxD, KVCache(k, v)
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, d: int):
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
@@ -112,6 +146,17 @@ class Attention(nnx.Module):
         out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
         return self.proj(out_BxLxHxK.reshape(B, L, D))
 
+    def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """T new tokens at positions pos..: their keys and values join the cache, their queries
+        read it."""
+        B, T, D = x_BxTxD.shape
+        qkv = self.qkv(x_BxTxD).reshape(B, T, 3, self.n_head, D // self.n_head)
+        cache = write_cache(cache, qkv[:, :, 1], qkv[:, :, 2], pos)
+        mask = visible_TxS(pos, T, cache.k.shape[1])[None, None]
+        out_BxTxHxK = jax.nn.dot_product_attention(qkv[:, :, 0], cache.k.astype(x_BxTxD.dtype),
+                                                   cache.v.astype(x_BxTxD.dtype), mask=mask)
+        return self.proj(out_BxTxHxK.reshape(B, T, D)), cache
+
 
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs):
@@ -137,6 +182,11 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD))
         return x_BxLxD + self.mlp(self.ln2(x_BxLxD))
+
+    def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        a, cache = self.attn.decode(self.ln1(x_BxTxD), cache, pos)
+        x_BxTxD = x_BxTxD + a
+        return x_BxTxD + self.mlp(self.ln2(x_BxTxD)), cache
 
 
 class GPT(nnx.Module):
@@ -170,6 +220,28 @@ class GPT(nnx.Module):
 
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens_BxL), targets_BxL)
+
+    # -- decoding with a KV cache (see pstar_jax.generate) ---------------------------------------
+    def max_decode_len(self) -> int:
+        """Positions the learned table holds: prompt and new tokens together."""
+        return self.config.seq_len
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> KVCache:
+        c = self.config
+        shape = (c.n_layer, batch, max_len, c.n_head, c.d_model // c.n_head)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode_embed(self, tokens_BxT: jax.Array, pos: jax.Array | int) -> jax.Array:
+        wpe_TxD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BxT.shape[1])
+        return jnp.take(self.wte.embedding[...], tokens_BxT, axis=0) + wpe_TxD
+
+    def decode_logits(self, h_BxTxD: jax.Array) -> jax.Array:
+        return self.logits(h_BxTxD)
+
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Logits of T new tokens at positions pos..pos+T-1, and the cache holding them too."""
+        h_BxTxD, cache = decode_blocks(self.blocks, self.decode_embed(tokens_BxT, pos), cache, pos)
+        return self.decode_logits(h_BxTxD), cache
 
 
 class StagedGPT(NNXStaged):

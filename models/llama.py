@@ -11,8 +11,12 @@ Module layout (parameter names are a contract with the checkpoint I/O, see model
 with ``qkv_bias``), ``attn.o.kernel``, ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
 ``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied.
 
+Decoding with a KV cache (``Llama.init_cache``, ``Llama.decode``) runs the same modules on T new
+tokens at positions pos..pos+T-1 (RoPE angles offset by pos) against a cache of S positions.
+
 Shapes use nanodo's suffixes: B batch, L sequence, D model width, H query heads, N key/value
-heads, G query heads per key/value head, K head width, F MLP width, V vocabulary.
+heads, G query heads per key/value head, K head width, F MLP width, V vocabulary; in decoding
+T new tokens and S cached positions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.gpt import _linear, logits
+from models.gpt import KVCache, _linear, decode_blocks, logits, visible_TxS, write_cache
 from pstar_jax.model import NNXStaged, cross_entropy
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
@@ -185,6 +189,14 @@ def rope_tables(config: LlamaConfig, length: int) -> tuple[jax.Array, jax.Array]
     return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
 
 
+def rope_tables_at(config: LlamaConfig, pos: jax.Array | int, length: int) -> tuple[jax.Array, jax.Array]:
+    """``rope_tables`` for positions pos..pos+length-1 (the same float32 angles)."""
+    positions = (pos + jnp.arange(length)).astype(jnp.float32)
+    angles_LxK2 = positions[:, None] * jnp.asarray(rope_inv_freq(config))[None, :]
+    angles_LxK = jnp.concatenate([angles_LxK2, angles_LxK2], axis=-1)
+    return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
+
+
 def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
     """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does."""
     half = x_BxLxHxK.shape[-1] // 2
@@ -203,6 +215,18 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     scores32 = jnp.where(causal_LxL[None, None, None], scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxLxHxK.dtype)
     return jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK).reshape(B, L, H, K)
+
+
+def cached_attention(q_BxTxHxK: jax.Array, k_BxSxNxK: jax.Array, v_BxSxNxK: jax.Array,
+                     pos: jax.Array | int) -> jax.Array:
+    """``causal_attention`` of T new queries at positions pos.. over S cached keys and values."""
+    B, T, H, K = q_BxTxHxK.shape
+    S, N = k_BxSxNxK.shape[1], k_BxSxNxK.shape[2]
+    q_BxTxNxGxK = q_BxTxHxK.reshape(B, T, N, H // N, K)
+    scores_BxNxGxTxS = jnp.einsum("btngk,bsnk->bngts", q_BxTxNxGxK, k_BxSxNxK) * (K ** -0.5)
+    scores32 = jnp.where(visible_TxS(pos, T, S), scores_BxNxGxTxS.astype(jnp.float32), -jnp.inf)
+    probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxTxHxK.dtype)
+    return jnp.einsum("bngts,bsnk->btngk", probs, v_BxSxNxK).reshape(B, T, H, K)
 
 
 # -- modules ---------------------------------------------------------------------------------
@@ -235,6 +259,16 @@ class Attention(nnx.Module):
         v = self.v(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head)
         return self.o(causal_attention(q, k, v).reshape(B, L, c.n_head * c.d_head))
 
+    def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        c = self.config
+        B, T, _ = x_BxTxD.shape
+        cos_TxK, sin_TxK = rope_tables_at(c, pos, T)
+        q = apply_rope(self.q(x_BxTxD).reshape(B, T, c.n_head, c.d_head), cos_TxK, sin_TxK)
+        k = apply_rope(self.k(x_BxTxD).reshape(B, T, c.n_kv_head, c.d_head), cos_TxK, sin_TxK)
+        cache = write_cache(cache, k, self.v(x_BxTxD).reshape(B, T, c.n_kv_head, c.d_head), pos)
+        out = cached_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), pos)
+        return self.o(out.reshape(B, T, c.n_head * c.d_head)), cache
+
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -265,6 +299,11 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+
+    def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
+        x_BxTxD = x_BxTxD + a
+        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
 
 
 class Llama(nnx.Module):
@@ -297,6 +336,27 @@ class Llama(nnx.Module):
 
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens_BxL), targets_BxL)
+
+    # -- decoding with a KV cache (see pstar_jax.generate) ---------------------------------------
+    def max_decode_len(self) -> int:
+        """The context the checkpoint was made for (RoPE itself has no hard limit)."""
+        return max(self.config.max_position_embeddings or 0, self.config.seq_len)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> KVCache:
+        c = self.config
+        shape = (c.n_layer, batch, max_len, c.n_kv_head, c.d_head)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode_embed(self, tokens_BxT: jax.Array, pos: jax.Array | int) -> jax.Array:
+        return self.embed(tokens_BxT)  # positions enter through RoPE
+
+    def decode_logits(self, h_BxTxD: jax.Array) -> jax.Array:
+        return self.unembed(h_BxTxD)
+
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """Logits of T new tokens at positions pos..pos+T-1, and the cache holding them too."""
+        h_BxTxD, cache = decode_blocks(self.blocks, self.decode_embed(tokens_BxT, pos), cache, pos)
+        return self.decode_logits(h_BxTxD), cache
 
 
 # -- staging ---------------------------------------------------------------------------------
