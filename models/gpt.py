@@ -233,7 +233,7 @@ class GPT(nnx.Module):
 
     def decode_embed(self, tokens_BxT: jax.Array, pos: jax.Array | int) -> jax.Array:
         wpe_TxD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BxT.shape[1])
-        return jnp.take(self.wte.embedding[...], tokens_BxT, axis=0) + wpe_TxD
+        return jnp.take(self.wte.embedding[...], tokens_BxT, axis=0) + wpe_TxD[None]
 
     def decode_logits(self, h_BxTxD: jax.Array) -> jax.Array:
         return self.logits(h_BxTxD)

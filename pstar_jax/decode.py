@@ -20,7 +20,6 @@ smallest set of tokens whose probability reaches ``top_p`` (nucleus); the key of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
