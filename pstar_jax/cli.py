@@ -99,7 +99,7 @@ def _flags() -> dict[str, str]:
 def error_line(prog: str, err: BaseException) -> str:
     """'prog: error: ...' with every ``Section.field`` replaced by its flag."""
     flags = _flags()
-    text = re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_]+\b", lambda m: flags.get(m.group(0), m.group(0)), str(err))
+    text = re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_][a-z0-9_]*\b", lambda m: flags.get(m.group(0), m.group(0)), str(err))
     return f"{prog}: error: {' '.join(text.split())}"
 
 

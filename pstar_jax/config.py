@@ -75,6 +75,9 @@ def parse_device_memory(text: str | int | float | None) -> int | float | None:
         number = None
     if number is not None and 0 < number <= 1:
         return number
+    if number is not None and number != int(number):
+        raise ConfigError(f"EngineConfig.device_memory: {text!r} is neither a fraction in (0, 1] nor a whole number "
+                          "of bytes; write 0.8, 2GiB or 1000000")
     return parse_bytes(text, "EngineConfig.device_memory")
 
 

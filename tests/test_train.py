@@ -59,3 +59,71 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "unknown model preset" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--data-parallel", "-1"], "--data-parallel must be a whole number of at least 1"),
+    (["--data-parallel", "0"], "--data-parallel must be a whole number of at least 1"),
+    (["--steps", "1000000000000"], "--steps must be a whole number of at least 1 and at most"),
+    (["--seed", "100000000000000000000000"], "--seed"),
+    (["--seed", "-3"], "--seed must be a whole number in [0,"),
+    (["--step-timeout", "-1"], "--step-timeout must be a finite number in (0, inf)"),
+    (["--step-timeout", "nan"], "--step-timeout must be a finite number"),
+    (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a whole number of at least 1"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be a whole number of at least 1"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be a whole number of at least 1"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be a whole number of at least 0"),
+    (["--stop-after", "0"], "--stop-after must be a whole number of at least 1"),
+    (["--stop-after", "-1"], "--stop-after must be a whole number of at least 1"),
+    (["--local-devices", "0"], "--local-devices must be a whole number of at least 1"),
+    (["--lr", "inf"], "--lr must be a finite number in (0, inf), got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number in [0, inf)"),
+    (["--adam-b2", "1"], "--adam-b2 must be a finite number in [0, 1)"),
+    (["--model-module", "no_such_module_here"], "--model-module 'no_such_module_here' cannot be imported"),
+    (["--model-module", "json"], "--model-module 'json' has no build_model function"),
+    (["--num-processes", "0"], "--num-processes must be a whole number of at least 1"),
+    (["--num-processes", "2", "--process-id", "2"], "--process-id must be below --num-processes (2)"),
+    (["--coordinator", "nohost"], "--coordinator must be HOST:PORT"),
+    (["--init-from-flax", "x", "--resume", "--checkpoint-dir", "y"], "--init-from-flax and --resume conflict"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--device-memory", "1.5"], "--device-memory: '1.5' is neither a fraction in (0, 1] nor a whole number"),
+    (["--export-dtype", "int8"], "invalid choice"),
+])
+def test_bad_flags_are_one_line_exit_2_before_any_work(tmp_path, capsys, argv, words):
+    """Each of these was once a traceback or silently accepted: now one line naming the flag."""
+    out = tmp_path / "m.jsonl"
+    assert main([*argv, "--steps", "1", "--quiet", "--metrics-out", str(out)] if "--steps" not in argv
+                else [*argv, "--quiet", "--metrics-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pstar-train: error:") and "\n" not in err and words in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value, budget", [("1000000", 1_000_000), ("1e9", 10**9), ("0.5", 0.5)])
+def test_device_memory_bytes_are_not_read_as_fractions(value, budget):
+    from pstar_jax.train import parse_config
+    assert parse_config(["--device-memory", value]).engine.device_memory == budget
+
+
+def test_output_paths_are_checked_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "config.json").write_text("mine")
+    cases = [(["--metrics-out", str(tmp_path)], "is a directory"),
+             (["--export-flax", str(tmp_path / "file")], "--export-flax"),
+             (["--export-flax", str(tmp_path / "user")], "holds other files"),
+             (["--checkpoint-dir", str(tmp_path / "file" / "ck")], "--checkpoint-dir")]
+    for argv, words in cases:
+        assert main([*argv, "--steps", "1", "--quiet"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("pstar-train: error:") and "\n" not in err and words in err, err
+    assert (tmp_path / "user" / "config.json").read_text() == "mine"
+
+
+def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
+    """The plain engine no longer trains on with a NaN loss: it stops naming the step, exit 1."""
+    assert main(["--engine", "plain", "--steps", "4", "--lr", "1e6", "--clip-norm", "0", "--warmup-steps", "0",
+                 "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "not finite at step" in err and err.count("\n") == 1, err
