@@ -306,8 +306,13 @@ class Checkpointer:
 
 
 def save_engine(ckpt: Checkpointer, engine, step: int, extra: dict) -> None:
-    meta = {"layout": engine.layout.to_json(), "precision": engine.cfg.precision, **extra}
-    ckpt.save(step, engine.state(), meta)
+    """Any engine's state; the metadata says which engine wrote it and how its arrays are laid
+    out (the chunk layout, or the plain engine's tensor shapes)."""
+    if engine.kind == "chunked":
+        described = {"layout": engine.layout.to_json(), "precision": engine.cfg.precision}
+    else:
+        described = {"shapes": {n: list(s) for n, s in engine.param_shapes().items()}, "precision": engine.precision}
+    ckpt.save(step, engine.state(), {"engine": engine.kind, **described, **extra})
 
 
 def iter_master_tensors(ckpt: Checkpointer, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
@@ -342,7 +347,16 @@ def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
                    required: tuple[str, ...] = ("data_position",)) -> dict:
     """Load the latest (or given) checkpoint into ``engine``; returns its metadata, which holds
     at least the ``required`` keys (those the caller saved)."""
-    meta = ckpt.meta(step, ("layout", "precision", *required))
+    meta = ckpt.meta(step, ("precision", *required))
+    kind = meta.get("engine", "chunked")
+    if kind != engine.kind:
+        raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} was written by the {kind} engine; "
+                              f"resume it with --engine {kind}")
+    if kind == "plain":
+        return _restore_plain(ckpt, engine, meta)
+    if "layout" not in meta:
+        raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} has no chunk layout in its "
+                              "metadata; remove that step to fall back to an earlier one")
     saved = check_compatible(meta, engine.layout, engine.cfg.precision, ckpt.directory)
     ours = engine.layout
     if saved.chunk_numel == ours.chunk_numel and saved.slots == ours.slots:
@@ -354,6 +368,17 @@ def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
         host = jax.tree.map(to_numpy, ckpt.restore(meta["step"], abstract, meta["checksums"]))
         state = relayout(host, saved, ours)
     engine.load_state(state, meta["step"])
+    return meta
+
+
+def _restore_plain(ckpt: Checkpointer, engine, meta: dict) -> dict:
+    ours = {n: list(s) for n, s in engine.param_shapes().items()}
+    if meta.get("shapes") != ours:
+        raise CheckpointError(f"checkpoint in {ckpt.directory} is for another model shape; use the same model flags")
+    if meta["precision"] != engine.precision:
+        raise CheckpointError(f"checkpoint in {ckpt.directory} was trained with --precision {meta['precision']}; "
+                              "pass the same")
+    engine.load_state(ckpt.restore(meta["step"], engine.abstract_state(), meta["checksums"]), meta["step"])
     return meta
 
 

@@ -45,6 +45,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             raise CheckpointError(f"checkpoint in {ckpt.directory} does not record its run's configuration; "
                                   "it was not written by this version of pstar-train")
         config = from_dict(RunConfig, meta["config"])
+        if meta.get("engine", "chunked") != "chunked":
+            raise CheckpointError(f"checkpoint in {ckpt.directory} was written by the {meta['engine']} engine; "
+                                  "pstar-export reads chunked checkpoints (export a plain run with --export-hf)")
         if args.model_module:
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=args.model_module))
         model = load_model(config)

@@ -142,7 +142,7 @@ class PlainEngine:
         self._allocate = allocate
         self._params = self._opt_state = None  # made at the first step (or by params())
         self.micro_batches = micro_batches
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.precision = compute_dtype, precision
         self.skip_nonfinite = skip_nonfinite
 
         def step(params, opt_state, tokens_MxBxL, targets_MxBxL):
@@ -240,6 +240,9 @@ class PlainEngine:
                 out.update(zip(seg.names_at(i), to_numpy(array)))
         dtype = np.float32 if kind == "master" else jnp.dtype(self.compute_dtype)
         return {n: out[n].astype(dtype) for n in self._shapes}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
 
     def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
         return iter(self.params(kind).items())

@@ -201,3 +201,17 @@ def test_kill_during_save_leaves_last_good_checkpoint(tmp_path):
     assert resumed.returncode == 0, err[-2000:]
     assert f"resumed from {d} at step {last_good}" in out
     assert [r["step"] for r in records(tmp_path / "r.jsonl")] == [last_good, last_good + 1]
+
+
+def test_plain_engine_checkpoints_resume_bit_for_bit(tmp_path, capsys):
+    """The Engine protocol: the plain engine saves and resumes too (10 straight steps equal 5, a
+    stop and 5 resumed); a chunked run cannot resume a plain checkpoint."""
+    straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
+    plain = [*BASE, "--engine", "plain", "--steps", "6"]
+    assert main([*plain, "--metrics-out", str(straight)]) == 0
+    assert main([*plain, "--stop-after", "3", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+    assert main([*plain, "--resume", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+    assert [r["loss"] for r in records(split)] == [r["loss"] for r in records(straight)]
+    capsys.readouterr()
+    assert main([*BASE, "--steps", "8", "--resume", "--allow-config-change", "--checkpoint-dir", str(d)]) == 2
+    assert "written by the plain engine; resume it with --engine plain" in capsys.readouterr().err
