@@ -105,6 +105,8 @@ class Run:
         self.model = model if model is not None else load_model(cfg)
         self.tokens = tokens if tokens is not None else _load_tokens(cfg, self.model.vocab_size)
         self.eval_tokens = None  # the held-out tokens (train.eval_every)
+        if eval_tokens is not None and not cfg.train.eval_every:
+            raise ConfigError("eval_tokens given but TrainConfig.eval_every is 0; set how often to evaluate")
         if cfg.train.eval_every:
             self.tokens, self.eval_tokens = _eval_split(cfg, self.tokens, eval_tokens, self.model.vocab_size)
         self.mesh = zero.data_mesh(d.data_parallel)

@@ -169,11 +169,12 @@ class PlainEngine:
             return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
                     loss_sum / micro_batches, jnp.sqrt(sumsq))
 
+        forward_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, so no remat
+
         def eval_loss(params, tokens_MxBxL, targets_MxBxL):
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            losses = jax.lax.map(lambda batch: plain_loss(compute, *batch), (tokens_MxBxL, targets_MxBxL))
+            losses = jax.lax.map(lambda batch: forward_loss(compute, *batch), (tokens_MxBxL, targets_MxBxL))
             return jnp.mean(losses)
-        plain_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, no remat
         self._eval = jax.jit(eval_loss, out_shardings=replicated)
 
         # Donated: the new params and state are written over the old (XLA aliases them).
@@ -211,10 +212,7 @@ class PlainEngine:
         if self._params is None:
             self._allocate()
         start = time.perf_counter()
-        tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
-        targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
-        rows = NamedSharding(self.mesh, P(None, "data"))  # this process's rows of each micro-batch
-        tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
+        tokens, targets = (self._put_rows(np.stack([b[k] for b in micro_batches])) for k in (0, 1))
         self._params, self._opt_state, loss, norm = self._step(self._params, self._opt_state, tokens, targets)
         loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
         skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
