@@ -166,9 +166,18 @@ class TrainConfig:
     seed: int = option(0, "seed of the initial weights and the data order", math_changing=True)
     skip_nonfinite: bool = option(False, "skip steps whose loss or grads are not finite (default: stop with "
                                   "an error naming the step)")
+    eval_every: int = option(0, "report a held-out loss (forward only) every N steps and at the end, on "
+                             "--eval-data or else the last 1%% of the training tokens, which are then not "
+                             "trained on; 0: never", metavar="N")
+    eval_batches: int = option(8, "micro-batches (of the training micro-batch shape) each held-out loss "
+                               "averages over", metavar="N")
 
     def __post_init__(self) -> None:
-        _positive_int(self, "steps", "batch_size", upper=MAX_STEPS)
+        _positive_int(self, "steps", "batch_size", "eval_batches", upper=MAX_STEPS)
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or not \
+                0 <= self.eval_every <= MAX_STEPS:
+            raise ConfigError(f"TrainConfig.eval_every must be a whole number of at least 0 (0: never), "
+                              f"got {self.eval_every!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"TrainConfig.seed must be a whole number in [0, {MAX_SEED}], got {self.seed!r}")
 
@@ -278,6 +287,8 @@ class EngineConfig:
 class DataConfig:
     path: str | None = option(None, "token file from pstar-tokens; default: the Python standard library's "
                               "sources as bytes", flag="--data", metavar="FILE")
+    eval_path: str | None = option(None, "token file for the held-out loss of --eval-every (default: the last "
+                                   "1%% of the training tokens, held out)", flag="--eval-data", metavar="FILE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +378,9 @@ class RunConfig:
         if self.train.batch_size % self.engine.micro_batches:
             raise ConfigError(f"TrainConfig.batch_size {self.train.batch_size} must be a multiple of "
                               f"EngineConfig.micro_batches {self.engine.micro_batches}")
+        if self.data.eval_path and not self.train.eval_every:
+            raise ConfigError("DataConfig.eval_path is set but TrainConfig.eval_every is 0; pass how often to "
+                              "evaluate, or drop DataConfig.eval_path")
         if self.checkpoint.resume and not self.checkpoint.directory:
             raise ConfigError("CheckpointConfig.resume needs CheckpointConfig.directory")
         if self.checkpoint.resume and self.model.init_from_flax:
@@ -413,4 +427,12 @@ def math_differences(saved: RunConfig, current: RunConfig) -> list[str]:
                                                                                   current.train.steps)
             if old != new and not derived:  # (the schedule following --steps is reported as steps)
                 out.append(f"{cls.__name__}.{f.name} was {old!r}, now {new!r}")
+    if holds_out(saved) != holds_out(current):
+        out.append(f"TrainConfig.eval_every was {saved.train.eval_every!r}, now {current.train.eval_every!r}, so the "
+                   f"last 1% of the training tokens {'is no longer' if holds_out(saved) else 'is now'} held out")
     return out
+
+
+def holds_out(config: RunConfig) -> bool:
+    """Whether the run trains on all but the last 1% of its tokens (evaluation on, no eval data)."""
+    return bool(config.train.eval_every) and not config.data.eval_path

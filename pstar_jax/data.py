@@ -11,6 +11,8 @@ memory costs only the pages a batch touches.
 ``Batches`` cuts the tokens into windows of ``seq_len + 1`` at stride ``seq_len`` (so each token
 is a target once per epoch) and reads them in an order shuffled afresh each epoch. The stream is
 a pure function of (seed, batch index), so ``position`` alone is enough to resume exactly.
+``held_out_split`` keeps the last 1% of the tokens out of training for a held-out loss, and
+``eval_batches`` cuts a fixed evaluation set from held-out tokens.
 """
 
 from __future__ import annotations
@@ -371,3 +373,40 @@ class Batches:
         windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], np.int32)
         self.position += 1
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+
+
+HELD_OUT_FRACTION = 0.01  # of the training tokens, held out for the loss of --eval-every without --eval-data
+
+
+def held_out_split(tokens: np.ndarray, fraction: float = HELD_OUT_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the last ``fraction`` of the tokens (at least one) held out.
+
+    Both are views (a memmapped file stays memmapped). ``Batches`` over the first part reads no
+    token of the second: its windows end within the tokens it is given."""
+    _check_tokens(tokens)
+    held = max(1, int(len(tokens) * fraction))
+    return tokens[:len(tokens) - held], tokens[len(tokens) - held:]
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, micro_batches: int, *,
+                 process_index: int = 0, process_count: int = 1, what: str = "the evaluation data"
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The fixed held-out set: ``micro_batches`` micro-batches of ``batch_size`` windows, taken in
+    order from the start of ``tokens`` at stride ``seq_len`` (over again when the tokens hold
+    fewer windows), this process's rows of each. The same set every time, so losses compare
+    across steps. Raises DataError, naming ``what``, when the tokens hold no whole window."""
+    _check_tokens(tokens)
+    if len(tokens) < seq_len + 1:
+        raise DataError(f"{what} holds {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+                        f"{seq_len + 1}; use more data or a shorter seq_len")
+    if batch_size % process_count:
+        raise DataError(f"batch_size {batch_size} must be divisible by process_count {process_count}")
+    windows = (len(tokens) - 1) // seq_len
+    rows = batch_size // process_count
+    out = []
+    for m in range(micro_batches):
+        first = m * batch_size + process_index * rows
+        starts = (first + np.arange(rows)) % windows * seq_len
+        block = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], np.int32)
+        out.append((np.ascontiguousarray(block[:, :-1]), np.ascontiguousarray(block[:, 1:])))
+    return out

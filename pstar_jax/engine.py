@@ -1,8 +1,8 @@
 """The engine protocol: what every engine (chunked or plain) offers its callers.
 
 A training loop, a checkpoint or an export never asks which engine it holds: both step over
-micro-batches, read the current parameters by name, hand over and take back their state for
-checkpoints, and describe themselves in a summary.
+micro-batches, evaluate a held-out loss, read the current parameters by name, hand over and take
+back their state for checkpoints, and describe themselves in a summary.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class Engine(Protocol):
 
     def step(self, micro_batches: Sequence[Batch]) -> StepResult:
         """One optimizer step over this process's rows of each micro-batch."""
+
+    def evaluate(self, micro_batches: Sequence[Batch]) -> float:
+        """The mean loss over this process's rows of each micro-batch: forward only, no gradients,
+        no optimizer work, the current params; the state is unchanged."""
+
+    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Any:
+        """Plan an evaluation of ``micro_batches`` micro-batches of the global ``batch_shape`` ahead
+        (ConfigError if it does not fit), so a run fails before training, not at its first eval."""
 
     def params(self, kind: str = "master") -> dict[str, np.ndarray]:
         """Current tensors by name as numpy: the fp32 master, or the compute-dtype ``param``."""

@@ -17,6 +17,10 @@ Placement is the plan's: before each moment (or during the previous one, when th
 prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
 performs exactly the plan's evictions and fetches, and the store refuses anything that would
 break the moment's device budget. The executor never decides placement itself.
+
+``evaluate`` runs a forward-only pass (held-out loss) between steps by a plan of its own
+(plan.plan_forward): the pending update applied first, no gradients, no optimizer work, and the
+slots put back where the training plan starts a step.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
-from pstar_jax.config import EngineConfig, format_bytes
+from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.model import StagedModel
 from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
-from pstar_jax.plan import Plan, PlanMoment
+from pstar_jax.plan import Plan, PlanMoment, plan_forward
 from pstar_jax.planning import Planned, plan_model, require_fit
 from pstar_jax.schedule import Access, staged_after
+from pstar_jax.trace import trace_forward
 from pstar_jax.zero import replicated_value, to_numpy
 
 
@@ -85,6 +90,8 @@ class ChunkedEngine:
         self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
         self.step_count = 0
+        # (batch shape, micro-batches) -> (the training plan it starts from, the forward-only plan)
+        self._eval_plans: dict[tuple, tuple[Plan, Plan]] = {}
         # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
         # live non-model bytes beside the trace's prediction; None on a CPU.
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
@@ -196,6 +203,52 @@ class ChunkedEngine:
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip)
+
+    # -- held-out loss ------------------------------------------------------------------------
+    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        """The forward-only plan of an evaluation over ``micro_batches`` micro-batches of the global
+        ``batch_shape``, starting and ending where the current training plan starts a step
+        (cached). Raises ConfigError when it does not fit."""
+        key = (tuple(batch_shape), micro_batches)
+        cached = self._eval_plans.get(key)
+        if cached is None or cached[0] is not self.plan:
+            shape = trace_forward(self.bound, self.fns, self.placement, self.layout.chunk_numel, self.param_dtype,
+                                  *batch_shape, micro_batches)
+            plan = plan_forward(shape, self.plan, self.host_bytes, self.machine)
+            if not plan.fits:
+                raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "
+                                  f"{format_bytes(self.device_budget_bytes)}); lower TrainConfig.batch_size or raise "
+                                  f"EngineConfig.device_memory")
+            self._eval_plans[key] = cached = (self.plan, plan)
+        return cached[1]
+
+    def evaluate(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over (tokens, targets) micro-batches (this process's rows of each): forward
+        only, no gradients, no optimizer work, the current params (a pending update is applied
+        first). Chunks move as the forward-only plan says, and afterwards sit where the training
+        plan starts a step; the store's traffic counts the evaluation's copies alone."""
+        self.flush()
+        rows, seq_len = np.shape(micro_batches[0][0])
+        plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
+        self.store.traffic.reset()
+        self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
+        moments, losses, x, targets = plan.moments, [], None, None
+        for t, moment in enumerate(moments):
+            if not moment.prefetch:
+                self._act(_in_slots(moment), moment.capacity_bytes)
+            i = moment.index
+            if moment.phase in ("fwd", "loss"):
+                params = tuple(self.store.get(("grad", c), Space.DEVICE) for c in self.bound[i].chunks)
+                if i == 0:
+                    x, targets = (self._put_batch(b) for b in micro_batches[moment.micro])
+                if moment.phase == "fwd":
+                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x)
+                else:
+                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, targets))
+            if t + 1 < len(moments) and moments[t + 1].prefetch:
+                self._act(_in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+        self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
+        return replicated_value(sum(losses)) / len(losses)  # sync
 
     def flush(self) -> None:
         """Apply the pending update now; afterwards the slots hold the current params, placed where
@@ -393,6 +446,14 @@ class ChunkedEngine:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""
         stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
         return stats.get("bytes_in_use") if stats else None
+
+
+def _in_slots(moment: PlanMoment) -> PlanMoment:
+    """A forward-only moment with its items ("param", c) named as the store holds them between
+    steps: the slot ("grad", c)."""
+    def slot(item):
+        return ("grad", item[1])
+    return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
 
 
 # State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).

@@ -6,7 +6,9 @@ vocabulary, the checkpoint directory opened (refusing another run's checkpoints,
 whose math differs from the checkpoint's), and the engine planned, raising ConfigError before
 any model data is allocated when it does not fit. ``Run.fit()`` then yields one record per step
 (the fields of the JSON-lines metrics), saves checkpoints on schedule, at the end and when
-SIGINT/SIGTERM arrives, and stops on a non-finite step unless told to skip such steps.
+SIGINT/SIGTERM arrives, and stops on a non-finite step unless told to skip such steps. With
+``train.eval_every`` it reports a held-out loss (forward only) every so many steps and at the
+end, on ``data.eval_path`` or else on the last 1% of the training tokens, which are not trained on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import importlib
 import os
 import signal
+import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -68,10 +71,12 @@ def hf_functions(config: RunConfig) -> tuple[Any, Any]:
 class Run:
     """One training run. ``model`` and ``tokens`` replace what the config names; ``writers``
     receive every step's metrics beside those the config asks for; ``make_tx`` replaces AdamW by
-    another elementwise optax transformation factory (see pstar_jax.optim)."""
+    another elementwise optax transformation factory (see pstar_jax.optim); ``eval_tokens``
+    replaces ``data.eval_path`` (the held-out tokens of ``train.eval_every``)."""
 
     def __init__(self, config: RunConfig, model: StagedModel | None = None, tokens: np.ndarray | None = None,
-                 writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True):
+                 writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True,
+                 eval_tokens: np.ndarray | None = None):
         from pstar_jax.checkpoint import check_export_dir, check_run_checkpoints
         self.config = cfg = config
         self._writers: list[MetricsWriter] = list(writers)
@@ -103,6 +108,11 @@ class Run:
 
         self.model = model if model is not None else load_model(cfg)
         self.tokens = tokens if tokens is not None else _load_tokens(cfg, self.model.vocab_size)
+        self.eval_tokens = None  # the held-out tokens (train.eval_every)
+        if eval_tokens is not None and not cfg.train.eval_every:
+            raise ConfigError("eval_tokens given but TrainConfig.eval_every is 0; set how often to evaluate")
+        if cfg.train.eval_every:
+            self.tokens, self.eval_tokens = _eval_split(cfg, self.tokens, eval_tokens, self.model.vocab_size)
         self.mesh = zero.data_mesh(d.data_parallel)
         from pstar_jax.planning import build_engine, micro_batch_shape
         shape = micro_batch_shape(cfg.train.batch_size, cfg.engine.micro_batches, self.model.seq_len, self.mesh)
@@ -124,6 +134,16 @@ class Run:
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite, make_tx=make_tx)
             position = 0
+            self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
+            if self.eval_tokens is not None:
+                from pstar_jax.data import eval_batches
+                what = ("DataConfig.eval_path" if cfg.data.eval_path or eval_tokens is not None else
+                        "the held-out last 1% of the training tokens (TrainConfig.eval_every without "
+                        "DataConfig.eval_path)")
+                self.eval_set = eval_batches(self.eval_tokens, shape[0], self.model.seq_len, cfg.train.eval_batches,
+                                             process_index=jax.process_index(), process_count=jax.process_count(),
+                                             what=what)
+                self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.checkpoint import restore_engine
                 position = restore_engine(self._ckpt, self.engine)["data_position"]
@@ -163,9 +183,18 @@ class Run:
                     {"data_position": self.batches.state()["position"], "seed": self.config.train.seed,
                      "config": to_dict(self.config), "engine": self.engine.kind})
 
+    def evaluate(self) -> float:
+        """The held-out loss now (forward only; nothing changes): needs ``train.eval_every``."""
+        if not self.eval_set:
+            raise ConfigError("no held-out data: set TrainConfig.eval_every (and DataConfig.eval_path, or the last "
+                              "1% of the training tokens is held out)")
+        return self.engine.evaluate(self.eval_set)
+
     def fit(self) -> Iterator[dict]:
         """Train to ``train.steps`` (or ``checkpoint.stop_after`` more steps, or a stop signal),
-        yielding each step's record. Checkpoints are saved as configured and at the end.
+        yielding each step's record. Checkpoints are saved as configured and at the end. Every
+        ``train.eval_every`` steps and at the end the record also holds ``eval_loss`` (and the
+        seconds it took, ``eval_s``).
 
         SIGINT/SIGTERM to any process stops every process after the same step (they agree on it
         each step), with a checkpoint; ``stopped_by`` then names the signal (0: none reached this
@@ -193,11 +222,16 @@ class Run:
                     result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
                     watchdog.progress(step + 1)
                     record = step_record(step, result, step_tokens, flops)
+                    last = step + 1 == cfg.train.steps or bool(
+                        cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
+                    if cfg.train.eval_every and (last or (step + 1) % cfg.train.eval_every == 0):
+                        start = time.perf_counter()
+                        record["eval_loss"] = self.evaluate()
+                        record["eval_s"] = time.perf_counter() - start
+                        watchdog.progress(step + 1)
                     for writer in writers:
                         writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
                     progress.update(record)
-                    last = step + 1 == cfg.train.steps or bool(
-                        cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
                     stopping = distributed.agree_to_stop(stop.signum != 0)  # all processes stop after one step
                     if stopping and not last:
                         self.stopped_by, self.stopped_by_peer = stop.signum, not stop.signum
@@ -251,6 +285,21 @@ def _load_tokens(config: RunConfig, vocab_size: int) -> np.ndarray:
     tokens = load_tokens(config.data.path) if config.data.path else default_corpus()
     check_vocab(tokens, vocab_size)
     return tokens
+
+
+def _eval_split(config: RunConfig, tokens: np.ndarray, eval_tokens: np.ndarray | None,
+                vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): ``eval_tokens`` or DataConfig.eval_path's file, else
+    the last 1% of ``tokens``, which training then never reads."""
+    from pstar_jax.data import DataError, check_vocab, held_out_split, load_tokens
+    if eval_tokens is None and not config.data.eval_path:
+        return held_out_split(tokens)
+    try:
+        held = eval_tokens if eval_tokens is not None else load_tokens(config.data.eval_path)
+        check_vocab(held, vocab_size)
+    except DataError as err:
+        raise DataError(f"DataConfig.eval_path: {err}") from None
+    return tokens, held
 
 
 def signal_name(signum: int) -> str:

@@ -169,6 +169,14 @@ class PlainEngine:
             return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
                     loss_sum / micro_batches, jnp.sqrt(sumsq))
 
+        forward_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, so no remat
+
+        def eval_loss(params, tokens_MxBxL, targets_MxBxL):
+            compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+            losses = jax.lax.map(lambda batch: forward_loss(compute, *batch), (tokens_MxBxL, targets_MxBxL))
+            return jnp.mean(losses)
+        self._eval = jax.jit(eval_loss, out_shardings=replicated)
+
         # Donated: the new params and state are written over the old (XLA aliases them).
         self._step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, opt_sharding, replicated, replicated))
         self.step_count = 0
@@ -204,10 +212,7 @@ class PlainEngine:
         if self._params is None:
             self._allocate()
         start = time.perf_counter()
-        tokens = np.stack([t for t, _ in micro_batches]).astype(np.int32)
-        targets = np.stack([t for _, t in micro_batches]).astype(np.int32)
-        rows = NamedSharding(self.mesh, P(None, "data"))  # this process's rows of each micro-batch
-        tokens, targets = (jax.make_array_from_process_local_data(rows, x) for x in (tokens, targets))
+        tokens, targets = (self._put_rows(np.stack([b[k] for b in micro_batches])) for k in (0, 1))
         self._params, self._opt_state, loss, norm = self._step(self._params, self._opt_state, tokens, targets)
         loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
         skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
@@ -217,6 +222,22 @@ class PlainEngine:
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self._params, self._opt_state)))
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip)
+
+    def evaluate(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over (tokens, targets) micro-batches (this process's rows of each), forward
+        only with the current params: one jitted call, no gradients, nothing changed."""
+        if self._params is None:
+            self._allocate()
+        tokens, targets = (self._put_rows(np.stack([b[k] for b in micro_batches])) for k in (0, 1))
+        return replicated_value(self._eval(self._params, tokens, targets))  # sync
+
+    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> None:
+        """Nothing to plan: everything is on the device."""
+
+    def _put_rows(self, x_MxBxL: np.ndarray) -> jax.Array:
+        """This process's rows of each micro-batch, sharded over the data axis."""
+        rows = NamedSharding(self.mesh, P(None, "data"))
+        return jax.make_array_from_process_local_data(rows, x_MxBxL.astype(np.int32))
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""

@@ -29,7 +29,7 @@ from pstar_jax.config import format_bytes
 from pstar_jax.eviction import EvictionPolicy, policy_for
 from pstar_jax.machine import Machine
 from pstar_jax.predict import predict_step_s, state_leads
-from pstar_jax.schedule import Access, Item, StepShape, step_accesses
+from pstar_jax.schedule import Access, Item, StepShape, forward_accesses, step_accesses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +221,52 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
+
+
+def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Machine,
+                 victim_rule: str = "belady") -> Plan:
+    """The plan of a forward-only pass (held-out loss) run between two steps of ``training``.
+
+    ``shape`` is a forward-only shape (trace.trace_forward). The pass starts where ``training``
+    starts a step (its slots holding current params, as after a flush), under the same device
+    budget beside the optimizer state that plan keeps on the device, and places chunks by the
+    same replay and eviction rule, with no gradients and no optimizer moments. Its last moment
+    ("restore") evicts what the pass brought in and fetches back what it evicted, so the next
+    step finds the placement its plan starts from. Moments are those of
+    ``schedule.forward_accesses(shape, resident)``; their items are ("param", c), the params that
+    sit in slot ("grad", c) between steps (``initial_device`` keeps the slots' names)."""
+    start = {("param", c): dirty for (_, c), dirty in training.initial_device}
+    n_opt_device = sum(training.opt_on_device)
+    opt_device = n_opt_device * training.opt_state_bytes
+    host_opt = (len(training.opt_on_device) - n_opt_device) * training.opt_state_bytes
+    accesses = forward_accesses(shape, tuple(start))
+    capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
+    state = _State(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
+
+    def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
+        return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
+                    training.state_leads, shape.item_bytes, training.opt_state_bytes,
+                    training.device_capacity_bytes, sum(m.h2d_bytes for m in moments),
+                    sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
+    try:
+        for a, room in zip(accesses, capacity):
+            if len(a.needs) * shape.item_bytes > room:
+                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+        # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
+        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_bytes, state,
+                                  policy_for(victim_rule, accesses))
+    except Infeasible as err:
+        return plan(problem=f"device memory runs out during evaluation at {err} by {format_bytes(err.shortfall)}")
+    evict = tuple(sorted(it for it in state.device if it not in start))
+    fetch = tuple(sorted(it for it in start if it not in state.device))
+    written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
+    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes,
+                              len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
+    peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
+    peak_host = state.peak_host_items * shape.item_bytes + host_opt
+    problem = (f"host memory runs out during evaluation by {format_bytes(peak_host - host_bytes)}"
+               if peak_host > host_bytes else None)
+    return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))
 
 
 def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],

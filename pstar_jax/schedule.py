@@ -145,3 +145,24 @@ def staged_after(accesses: Sequence[Access]) -> dict[int, list[int]]:
         if a.state_bytes_each_way:
             out.setdefault(max(u - a.state_lead, -1), []).append(u)
     return out
+
+
+def forward_accesses(shape: StepShape, resident: Sequence[Item] = ()) -> list[Access]:
+    """The moments of a forward-only pass (held-out loss) over ``shape.micro_batches`` micro-batches,
+    then one "restore" moment that needs ``resident``: the items on the device where the training
+    plan starts a step, so the pass hands the next step the placement it expects.
+
+    ``shape`` is a forward-only shape (trace.trace_forward): its forward and head figures are
+    those of a forward that stashes nothing and a head that computes only the loss. No gradients
+    and no optimizer updates exist, so each moment needs only its stage's params, and nothing is
+    dropped. The items are ("param", c): chunk c's current params, which between steps (after a
+    flush) sit in the chunk's bf16 slot, the store key ("grad", c); nothing here writes them."""
+    head = len(shape.stage_chunks) - 1
+    slots = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
+    out: list[Access] = []
+    for m in range(shape.micro_batches):
+        for i in range(head):
+            out.append(Access("fwd", i, m, slots[i], shape.fwd_non_model[i], shape.fwd_flops[i]))
+        out.append(Access("loss", head, m, slots[head], shape.head_non_model, shape.head_flops))
+    out.append(Access("restore", -1, 0, tuple(sorted(resident)), 0))
+    return out

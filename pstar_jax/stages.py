@@ -1,4 +1,5 @@
-"""Compiled stage functions over chunks: forward, backward and the loss head, sharded ZeRO-style."""
+"""Compiled stage functions over chunks: forward, backward, the loss head (with its gradient, or
+forward only for a held-out loss), sharded ZeRO-style."""
 
 from __future__ import annotations
 
@@ -138,3 +139,14 @@ class StageFunctions:
         return self._get("head", bound, lambda: jax.jit(
             self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
             donate_argnums=(4,)))
+
+    def loss(self, bound: BoundStage) -> Callable:
+        """(chunks, offsets, h, targets) -> loss: the last stage's forward only (held-out loss).
+
+        No gradient and nothing donated; the loss is the mean over every device's rows."""
+        apply, pattern = bound.stage.apply, bound.pattern
+
+        def local(chunks, offsets, h, targets):
+            return jax.lax.pmean(apply(_views(_gather(chunks), offsets, pattern), h, targets), "data")
+        return self._get("loss", bound, lambda: jax.jit(
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P())))

@@ -1,9 +1,10 @@
 """Warm-up trace: non-model memory and chunk accesses at every moment of a step.
 
 A *moment* is one stage call: each stage's forward, the head (forward and backward in one), each
-stage's backward, then the optimizer per chunk. The trace is taken before any model data exists: every
-distinct stage function is lowered and compiled on abstract arguments, and
-``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
+stage's backward, then the optimizer per chunk; a forward-only pass (held-out loss) has only the
+forwards and a head that computes the loss (``trace_forward``). The trace is taken before any
+model data exists: every distinct stage function is lowered and compiled on abstract arguments,
+and ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
 non-model memory of a moment is what the stage call needs beside the chunks: the stage inputs
 stashed for the backward so far, the call's activation inputs and outputs, and its temporaries
 (which on a CPU include the copies XLA makes of static slices of chunks).
@@ -36,6 +37,49 @@ def _analyse(fn, *args) -> tuple[int, int, float]:
     return temp, out, compat.cost_flops(compiled)
 
 
+class _Tracer:
+    """Abstract arguments of a chain's stage calls and their compiled figures, shared by the
+    training and the forward-only trace (equal calls are analysed once per ``cache``)."""
+
+    def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement, chunk_numel: int,
+                 param_dtype: Any, batch: int, seq_len: int, cache: dict | None):
+        self.bound, self.fns, self.chunk_numel, self.param_dtype = bound, fns, chunk_numel, param_dtype
+        self.cache = {} if cache is None else cache
+        self.dev = placement.sharding(Space.DEVICE)
+        self.rep = placement.sharding(Space.DEVICE, P())
+        self.W = placement.n_devices
+        self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
+        self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
+        self.tokens = _abstract((batch, seq_len), jnp.int32, self.dev)
+        # Activation shapes along the chain (abstract evaluation, nothing allocated).
+        self.xs = [self.tokens]
+        for b in bound[:-1]:
+            key = ("out", self.kind(b), self.xs[-1].shape, len(b.chunks))
+            if key not in self.cache:
+                self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1])
+            y = self.cache[key]
+            self.xs.append(_abstract(y.shape, y.dtype, self.dev))
+        self.act = [x.size * x.dtype.itemsize // self.W for x in self.xs]  # per device
+
+    def offsets(self, b: BoundStage):
+        return _abstract((len(b.offsets),), jnp.int32, self.rep)
+
+    def chunks(self, b: BoundStage):
+        return tuple(self.chunk for _ in b.chunks)
+
+    def kind(self, b: BoundStage) -> tuple:
+        return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
+                jnp.dtype(self.param_dtype).name, self.W)
+
+    def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
+        # Memory barely depends on where tensors sit in chunks, so one compile per
+        # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
+        key = (role, self.kind(b), len(b.chunks), self.chunk_numel, tuple(getattr(a, "shape", ()) for a in args[2:]))
+        if key not in self.cache:
+            self.cache[key] = _analyse(fn, *args)
+        return self.cache[key]
+
+
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
                micro_batches: int = 1, cache: dict | None = None) -> StepShape:
@@ -44,42 +88,8 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     ``cache`` may be shared between traces of models that differ only in depth or chunk layout
     (pstar-plan's searches): a stage is known by its apply function's name and position, its
     number of chunks and its activation shapes, so equal stages are analysed once."""
-    cache = {} if cache is None else cache
-    dev = placement.sharding(Space.DEVICE)
-    rep = placement.sharding(Space.DEVICE, P())
-    W = placement.n_devices
-    chunk = _abstract((chunk_numel,), param_dtype, dev)
-    chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // W
-    tokens = _abstract((batch, seq_len), jnp.int32, dev)
-
-    def offsets(b: BoundStage):
-        return _abstract((len(b.offsets),), jnp.int32, rep)
-
-    def chunks(b: BoundStage):
-        return tuple(chunk for _ in b.chunks)
-
-    def kind(b: BoundStage) -> tuple:
-        return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is bound[0], b is bound[-1],
-                jnp.dtype(param_dtype).name, W)
-
-    # Activation shapes along the chain (abstract evaluation, nothing allocated).
-    xs = [tokens]
-    for b in bound[:-1]:
-        key = ("out", kind(b), xs[-1].shape, len(b.chunks))
-        if key not in cache:
-            cache[key] = jax.eval_shape(fns.forward(b), chunks(b), offsets(b), xs[-1])
-        y = cache[key]
-        xs.append(_abstract(y.shape, y.dtype, dev))
-    act = [x.size * x.dtype.itemsize // W for x in xs]
-
-    def analysed(role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
-        # Memory barely depends on where tensors sit in chunks, so one compile per
-        # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
-        key = (role, kind(b), len(b.chunks), chunk_numel, tuple(getattr(a, "shape", ()) for a in args[2:]))
-        if key not in cache:
-            cache[key] = _analyse(fn, *args)
-        return cache[key]
-
+    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
+    xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
     for i, b in enumerate(bound[:-1]):
@@ -87,16 +97,42 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
         fwd_nm.append(sum(act[:i + 1]) + temp + out)  # stashed inputs so far, the call's temps and output
         fwd_fl.append(flops)
     b = bound[head]
-    scale = _abstract((), jnp.float32, rep)
-    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tokens, chunks(b), scale)
-    head_nm = sum(act) + temp + max(out - len(b.chunks) * chunk_bytes, 0)  # grad chunks are model data
+    scale = _abstract((), jnp.float32, tr.rep)
+    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.tokens, chunks(b),
+                                  scale)
+    head_nm = sum(act) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
     for i in reversed(range(head)):
         b = bound[i]
         temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
                                     xs[i + 1], chunks(b))
-        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.chunks) * chunk_bytes, 0)
+        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
-                     chunk_numel=chunk_numel // W, item_bytes=chunk_bytes, opt_state_bytes=opt_state_bytes,
+                     chunk_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
+                     micro_batches=micro_batches)
+
+
+def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
+                  chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
+                  cache: dict | None = None) -> StepShape:
+    """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
+
+    The shape of schedule.forward_accesses: a forward moment holds its input, its temporaries
+    and output, and the targets (nothing is stashed: there is no backward); the head computes
+    only the loss. The backward fields are zeros and there is no optimizer state."""
+    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
+    head = len(bound) - 1
+    targets = tr.act[0]  # the micro-batch's targets stay live until its loss
+    fwd_nm, fwd_fl = [], []
+    for i, b in enumerate(bound[:-1]):
+        temp, out, flops = tr.analysed("fwd", b, fns.forward(b), tr.chunks(b), tr.offsets(b), tr.xs[i])
+        fwd_nm.append(targets + tr.act[i] + temp + out)
+        fwd_fl.append(flops)
+    b = bound[head]
+    temp, out, loss_fl = tr.analysed("loss", b, fns.loss(b), tr.chunks(b), tr.offsets(b), tr.xs[head], tr.tokens)
+    loss_nm = targets + tr.act[head] + temp + out
+    return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
+                     loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
+                     chunk_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
                      micro_batches=micro_batches)

@@ -34,9 +34,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(r.engine.summary(), flush=True)
             if r.engine.step_count:
                 print(f"resumed from {r.checkpoint_directory} at step {r.engine.step_count}", flush=True)
-        record = None
+        record, eval_loss = None, None
         for record in r.fit():
-            pass
+            eval_loss = record.get("eval_loss", eval_loss)
         if r.stopped_by or r.stopped_by_peer:
             if r.main_process:
                 where = (f"; checkpoint saved in {r.checkpoint_directory}" if r.checkpoint_directory
@@ -51,7 +51,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             if r.main_process:
                 print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}", flush=True)
         if r.main_process and record is not None:
-            print(f"done: {r.engine.step_count} of {config.train.steps} steps, loss {record['loss']:.4f}, "
+            held_out = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
+            print(f"done: {r.engine.step_count} of {config.train.steps} steps, loss {record['loss']:.4f}{held_out}, "
                   f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(record['h2d_bytes'])} h2d / "
                   f"{format_bytes(record['d2h_bytes'])} d2h per device in the last step")
     return 0
