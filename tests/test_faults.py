@@ -83,7 +83,7 @@ def remount_read_only(path, timeout_s=60):
 def test_keep_checkpoints_below_one_is_refused_before_work(tmp_path, capsys, keep):
     d = tmp_path / "ck"
     assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(d), "--keep-checkpoints", keep]) == 2
-    one_line(capsys.readouterr().err, "--keep-checkpoints must be at least 1")
+    one_line(capsys.readouterr().err, "--keep-checkpoints must be a whole number of at least 1")
     assert not d.exists()
 
 
@@ -176,7 +176,7 @@ def test_metadata_missing_a_key_is_one_line(tmp_path, capsys):
     meta = json.loads(meta_file(d, 4).read_text())
     del meta["data_position"]
     meta_file(d, 4).write_text(json.dumps(meta))
-    assert main([*BASE, "--steps", "6", "--resume", "--checkpoint-dir", str(d)]) == 2
+    assert main([*BASE, "--steps", "6", "--resume", "--allow-config-change", "--checkpoint-dir", str(d)]) == 2
     one_line(capsys.readouterr().err, "checkpoint step 4", "incomplete metadata (no data_position)")
 
 
@@ -193,7 +193,7 @@ def test_refused_resume_creates_nothing_and_checkpoint_dir_under_a_file(tmp_path
 def test_init_from_flax_with_resume_is_refused(tmp_path, capsys):
     assert main([*BASE, "--steps", "2", "--resume", "--checkpoint-dir", str(tmp_path / "ck"),
                  "--init-from-flax", str(tmp_path / "x")]) == 2
-    one_line(capsys.readouterr().err, "pass only one of them")
+    one_line(capsys.readouterr().err, "--init-from-flax and --resume conflict")
 
 
 def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
@@ -218,7 +218,7 @@ def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, env, words", [
     (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"], {},
-     "--num-processes must be at least 1, got 0"),
+     "--num-processes must be a whole number of at least 1"),
     ([], {"PSTAR_COORDINATOR": "127.0.0.1:1", "PSTAR_NUM_PROCESSES": "abc", "PSTAR_PROCESS_ID": "0"},
      "PSTAR_NUM_PROCESSES='abc' is not an integer"),
 ])
