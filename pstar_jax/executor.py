@@ -9,7 +9,7 @@ are dropped and its grad takes their place (14 bytes per parameter in all).
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
 plan.py). The math is unchanged: the update uses step k's gradient and clip scale. Between
-steps each chunk's bf16 slot (the store key ("grad", c)) holds its pending gradient, or its
+steps each chunk's bf16 slot (the store key ("slot", c)) holds its pending gradient, or its
 current params when no update is pending; ``flush`` applies a pending update at once, and
 everything that reads or saves state calls it.
 
@@ -145,7 +145,7 @@ class ChunkedEngine:
             master = self.placement.put(chunk, self.opt_space[c])
             self.store.put(("opt", c), self.optimizer.init(master))
             self.store.put(("master", c), master)
-            key = ("grad", c)
+            key = ("slot", c)
             dirty = initial.get(key)
             self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
                                                    Space.DEVICE if dirty else Space.HOST))
@@ -238,7 +238,7 @@ class ChunkedEngine:
                 self._act(_in_slots(moment), moment.capacity_bytes)
             i = moment.index
             if moment.phase in ("fwd", "loss"):
-                params = tuple(self.store.get(("grad", c), Space.DEVICE) for c in self.bound[i].chunks)
+                params = tuple(self.store.get(("slot", c), Space.DEVICE) for c in self.bound[i].chunks)
                 if i == 0:
                     x, targets = (self._put_batch(b) for b in micro_batches[moment.micro])
                 if moment.phase == "fwd":
@@ -263,22 +263,22 @@ class ChunkedEngine:
             if space is Space.DEVICE:  # the grad (and streamed state) come down
                 self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if self.plan.opt_streamed[c] else 0))
             self._adam(c, clip)
-            self.store.put(("grad", c), self.store.take(("param", c), space))
+            self.store.put(("slot", c), self.store.take(("param", c), space))
         self._place_slots(self.plan)
 
     def _make_room(self, c: int, nbytes: int) -> None:
         """Evict other slots until ``nbytes`` more fit on the device (flush only)."""
-        for key in self.store.device_resident(("grad",)):
+        for key in self.store.device_resident(("slot",)):
             if self.store.bytes[Space.DEVICE] + nbytes <= self.store.budget_bytes:
                 return
-            if key != ("grad", c):
+            if key != ("slot", c):
                 self.store.evict(key)
 
     def _place_slots(self, plan: Plan) -> None:
         """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
         self.store.limit(None)
         initial = dict(plan.initial_device)
-        for key in self.store.device_resident(("grad",)):
+        for key in self.store.device_resident(("slot",)):
             if key not in initial:
                 self.store.evict(key)
         for key, dirty in initial.items():
@@ -325,7 +325,7 @@ class ChunkedEngine:
                 params, self._offsets[i], run.stash.pop(), run.g, grads)
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].chunks, grads):
-            self.store.put(("grad", c), grad)
+            self.store.put(("slot", c), grad)
             if last and ("param", c) in a.drops:
                 run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
 
@@ -343,7 +343,7 @@ class ChunkedEngine:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
         out = []
         for c in self.bound[i].chunks:
-            key = ("grad", c)
+            key = ("slot", c)
             if key in self.store:
                 out.append(self.store.take(key, Space.DEVICE))
             else:
@@ -359,7 +359,7 @@ class ChunkedEngine:
         """Chunk c's update from the grad in its slot; with ``clip`` None nothing is pending (the
         slot holds params): the same moves, and the params are cast from the master again."""
         home, space = self.opt_space[c], self._update_space(c)
-        grad = self.store.take(("grad", c), space)
+        grad = self.store.take(("slot", c), space)
         master = self.store.take(("master", c), space)  # streamed: staged already
         state = self.store.take(("opt", c), space)
         if clip is None:
@@ -409,13 +409,13 @@ class ChunkedEngine:
         self.store.limit(None)
         self._pending_clip = None
         for c in range(self.layout.n_chunks):
-            for kind in ("param", "grad", "master", "opt"):
+            for kind in ("param", "slot", "master", "opt"):
                 if (kind, c) in self.store:
                     self.store.drop((kind, c))
         for c in range(self.layout.n_chunks):
             self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
             self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
-            self.store.put(("grad", c), self.placement.put(state["param"][str(c)], Space.HOST))
+            self.store.put(("slot", c), self.placement.put(state["param"][str(c)], Space.HOST))
         self._place_slots(self.plan)
         self.store.traffic.reset()
         self.step_count = step
@@ -450,14 +450,14 @@ class ChunkedEngine:
 
 def _in_slots(moment: PlanMoment) -> PlanMoment:
     """A forward-only moment with its items ("param", c) named as the store holds them between
-    steps: the slot ("grad", c)."""
+    steps: the slot ("slot", c)."""
     def slot(item):
-        return ("grad", item[1])
+        return ("slot", item[1])
     return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
 
 
 # State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).
-_FLUSHED_KEYS = {"param": "grad", "master": "master", "opt": "opt"}
+_FLUSHED_KEYS = {"param": "slot", "master": "master", "opt": "opt"}
 
 
 @dataclasses.dataclass

@@ -25,7 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pstar_jax.config import format_bytes
 
-Key = tuple[str, int]  # (chunk list, chunk id); lists: "param", "grad", "master", "opt"
+# (chunk list, chunk id). Lists: "param" (bf16 params a stage reads), "slot" (the chunk's bf16
+# slot: its grad, or its params between steps), "master" (fp32), "opt" (optimizer state).
+Key = tuple[str, int]
 
 
 class Space(str, enum.Enum):

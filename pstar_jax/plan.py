@@ -169,7 +169,7 @@ def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, i
     for it in fetched:
         state.device[it] = False
     for it in a.needs:  # grads are created at their first use and written at every use
-        if it[0] == "grad":
+        if it[0] == "slot":
             state.device[it] = True
             state.host.discard(it)
     return len(fetched) * item_bytes, d2h
@@ -193,7 +193,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State({}, {("grad", c) for c in range(shape.n_chunks)})  # every slot on the host
+    state = _State({}, {("slot", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
@@ -234,7 +234,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     ("restore") evicts what the pass brought in and fetches back what it evicted, so the next
     step finds the placement its plan starts from. Moments are those of
     ``schedule.forward_accesses(shape, resident)``; their items are ("param", c), the params that
-    sit in slot ("grad", c) between steps (``initial_device`` keeps the slots' names)."""
+    sit in slot ("slot", c) between steps (``initial_device`` keeps the slots' names)."""
     start = {("param", c): dirty for (_, c), dirty in training.initial_device}
     n_opt_device = sum(training.opt_on_device)
     opt_device = n_opt_device * training.opt_state_bytes

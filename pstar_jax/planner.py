@@ -196,7 +196,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
     layer_numel = n_params(model_at(depth0 + 1)) - n_params(model)
     if layer_numel <= 0:
         return Largest(depth0)
-    bytes_per_numel = (shape.item_bytes + shape.opt_state_bytes) / shape.chunk_numel / mesh.devices.size
+    bytes_per_numel = (shape.item_bytes + shape.opt_state_bytes) / shape.shard_numel / mesh.devices.size
     memory_bound = depth0 + int((device_bytes + host_bytes - n_params(model) * bytes_per_numel)
                                 // (layer_numel * bytes_per_numel))
     chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # plan.py imports this module
 def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
     """A moment's predicted compute time (an update runs on the device when its grad stays there)."""
     if a.phase == "adam":
-        return shape.chunk_numel / (machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s)
+        return shape.shard_numel / (machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s)
     return a.flops / machine.flops_per_s
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-Item = tuple[str, int]  # ("param" | "grad", chunk id)
+# ("param" | "slot", chunk id): bf16 params a stage reads, or the chunk's slot (its grad, or its
+# params between steps)
+Item = tuple[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class StepShape:
     head_flops: float
     bwd_flops: tuple[float, ...]
     n_chunks: int
-    chunk_numel: int  # per device
+    shard_numel: int  # elements of one chunk on one device (the layout's chunk_numel / W)
     item_bytes: int  # one bf16 param (or grad) chunk, per device
     opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
     micro_batches: int = 1
@@ -97,7 +99,7 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     out: list[Access] = []
 
     params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
-    both = [params[i] + tuple(("grad", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
+    both = [params[i] + tuple(("slot", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
     last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(shape.stage_chunks)]
 
     def drops(i, last):  # params after their last backward use, in the last micro-batch
@@ -105,7 +107,7 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
 
     def updates(i):
         for c in updated_at.get(i, ()):
-            g, p = ("grad", c), ("param", c)
+            g, p = ("slot", c), ("param", c)
             if opt_on_device[c]:
                 yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
             elif streamed[c]:
@@ -156,7 +158,7 @@ def forward_accesses(shape: StepShape, resident: Sequence[Item] = ()) -> list[Ac
     those of a forward that stashes nothing and a head that computes only the loss. No gradients
     and no optimizer updates exist, so each moment needs only its stage's params, and nothing is
     dropped. The items are ("param", c): chunk c's current params, which between steps (after a
-    flush) sit in the chunk's bf16 slot, the store key ("grad", c); nothing here writes them."""
+    flush) sit in the chunk's bf16 slot, the store key ("slot", c); nothing here writes them."""
     head = len(shape.stage_chunks) - 1
     slots = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
     out: list[Access] = []

@@ -109,7 +109,7 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
-                     chunk_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
+                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
                      micro_batches=micro_batches)
 
 
@@ -134,5 +134,5 @@ def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: P
     loss_nm = targets + tr.act[head] + temp + out
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
                      loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
-                     chunk_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
+                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
                      micro_batches=micro_batches)

@@ -157,6 +157,7 @@ def run_cli(args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = run_cli(["--steps", "100000", "--checkpoint-dir", str(d), "--metrics-out", str(metrics)])
@@ -172,6 +173,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert step is not None and step >= 3 and f"after step {step};" in err
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_last_good_checkpoint(tmp_path):
     """kill -9 while orbax writes a step: resume comes from the last committed one and goes on."""
     d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"

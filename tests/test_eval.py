@@ -63,16 +63,16 @@ def engines(W=1, budget="tight"):
 
 
 def slots_on_device(engine):
-    return {key: engine.store.spaces(key) for key in engine.store.device_resident(("grad",))}
+    return {key: engine.store.spaces(key) for key in engine.store.device_resident(("slot",))}
 
 
 def assert_slots_at_step_start(engine):
     """Every slot where the training plan starts a step: resident ones on the device, dirty ones
     without a host copy, clean ones with one, the rest on the host only."""
     start = dict(engine.plan.initial_device)
-    assert set(engine.store.device_resident(("grad",))) == set(start)
+    assert set(engine.store.device_resident(("slot",))) == set(start)
     for c in range(engine.layout.n_chunks):
-        key = ("grad", c)
+        key = ("slot", c)
         spaces = set(engine.store.spaces(key))
         if key not in start:
             assert spaces == {Space.HOST}
@@ -102,7 +102,7 @@ def test_chunked_eval_equals_plain_moves_the_plans_bytes_within_budget(W):
         step = [batch(rng, BATCH * W)]
         np.testing.assert_allclose(chunked.step(step).loss, plain.step(step).loss, rtol=1e-5)
     assert not any(m.phase in ("head", "bwd", "adam") for m in plan.moments)
-    assert not any(item[0] == "grad" for m in plan.moments for item in m.evict + m.fetch)
+    assert not any(item[0] == "slot" for m in plan.moments for item in m.evict + m.fetch)
 
 
 @pytest.mark.parametrize("kind", ["chunked", "plain"])

@@ -199,11 +199,11 @@ def test_params_and_grads_never_both_alive_after_last_use():
     engine = chunked(model(), precision="bf16")
     engine.step(batches(1)[0])
     n = engine.layout.n_chunks
-    for kind in ("grad", "master", "opt"):
+    for kind in ("slot", "master", "opt"):
         assert len(engine.store.keys(kind)) == n
     assert engine.store.keys("param") == []
     engine.flush()
-    assert engine.store.keys("param") == [] and len(engine.store.keys("grad")) == n
+    assert engine.store.keys("param") == [] and len(engine.store.keys("slot")) == n
     master, params = engine.params("master"), engine.params("param")
     for name in master:
         np.testing.assert_array_equal(params[name], master[name].astype(params[name].dtype), err_msg=name)

@@ -100,9 +100,9 @@ def test_store_never_exceeds_the_budget_and_changes_nothing_when_refusing():
     with pytest.raises(MemoryError, match="over the plan's 8.00 KiB"):
         store.get(("param", 2), Space.DEVICE)
     with pytest.raises(MemoryError):
-        store.put(("grad", 0), chunk(store.placement, 1.0, Space.DEVICE))
+        store.put(("slot", 0), chunk(store.placement, 1.0, Space.DEVICE))
     assert (dict(store.bytes), store.traffic.h2d_bytes, store.traffic.d2h_bytes) == before
-    assert store.spaces(("param", 2)) == (Space.HOST,) and ("grad", 0) not in store
+    assert store.spaces(("param", 2)) == (Space.HOST,) and ("slot", 0) not in store
     store.evict(("param", 0))  # the plan's eviction makes room: now it fits
     store.get(("param", 2), Space.DEVICE)
     assert store.peak_device_bytes == 2 * CHUNK_BYTES

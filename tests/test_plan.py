@@ -45,7 +45,7 @@ def test_plan_is_periodic_and_counts_traffic():
     assert plan.fits and plan.h2d_bytes > 0
     accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads)
     start = _State(dict(plan.initial_device),
-                   {("grad", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
+                   {("slot", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
     moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_bytes, start,
                             policy_for("belady", accesses))
     assert sum(m.h2d_bytes for m in moments) == plan.h2d_bytes
@@ -105,7 +105,7 @@ def test_a_grad_written_after_a_fetch_is_dirty_again(n_blocks, per_block, micro,
     opt = [c < k for c in range(shape.n_chunks)]
     plan = plan_step(shape, 300 + 2 * (per_block + 1) * 100 + extra, 10**9, H200, opt)
     if plan.fits:
-        assert all(dirty for (kind, _), dirty in plan.initial_device if kind == "grad")
+        assert all(dirty for (kind, _), dirty in plan.initial_device if kind == "slot")
 
 
 @settings(max_examples=60, deadline=None)

@@ -37,11 +37,11 @@ def test_moments_in_executor_order(n_blocks, per_block, micro, k, stream):
         if a.phase == "adam":
             c = a.index
             if opt[c]:
-                assert a.needs == (("grad", c),) and a.creates_device == (("param", c),) and not a.state_bytes_each_way
+                assert a.needs == (("slot", c),) and a.creates_device == (("param", c),) and not a.state_bytes_each_way
             elif stream:
                 assert a.state_bytes_each_way == shape.opt_state_bytes and a.creates_device == (("param", c),)
             else:
-                assert a.needs == () and a.to_host == (("grad", c),) and a.creates_host == (("param", c),)
+                assert a.needs == () and a.to_host == (("slot", c),) and a.creates_host == (("param", c),)
     assert sum(len(v) for v in staged_after(accesses).values()) == sum(1 for a in accesses if a.state_bytes_each_way)
 
 

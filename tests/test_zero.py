@@ -91,6 +91,7 @@ def losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
     """2 processes x 2 devices through jax.distributed train like 1 process x 4 devices."""
     multi, single = tmp_path / "multi.jsonl", tmp_path / "single.jsonl"
@@ -108,6 +109,7 @@ def test_two_processes_match_single_process(tmp_path):
     assert len(losses(multi)) == 4  # only process 0 wrote metrics
 
 
+@pytest.mark.slow
 def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
     """Saved by 2 processes x 2 devices (W=4), resumed by 1 process with 1 device: same losses."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
