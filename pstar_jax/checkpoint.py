@@ -21,7 +21,6 @@ temporary directory is removed and earlier steps are kept. The latest step is ne
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -29,7 +28,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from typing import Any, Iterator
 
 import jax
@@ -40,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax.chunks import ChunkLayout, pack, unpack
 from pstar_jax.config import ConfigError
+from pstar_jax.paths import check_output_dir, os_error_cause
 from pstar_jax.zero import to_numpy
 
 FORMAT = 1
@@ -55,45 +54,6 @@ class CheckpointSaveError(Exception):
     """A save failed (disk full, read-only file system): one sentence naming the cause and the
     latest good step. orbax may leave worker threads waiting on the failed save, so a CLI ends the
     process with ``pstar_jax.distributed.hard_exit`` rather than returning."""
-
-
-def check_output_dir(path: str, what: str) -> None:
-    """Refuse, before any work, a directory that could not be written: a file, a path under a
-    file, or a place this process cannot write. Creates nothing."""
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a file, not a directory; choose a directory")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{what} {path} is under the file {existing}; choose a directory")
-    try:  # os.access says yes to root on a read-only file system: try it
-        fd, probe = tempfile.mkstemp(prefix=".pstar-probe-", dir=existing)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as err:
-        raise ConfigError(f"{what} {path} cannot be written ({existing}: {_cause(err)}); "
-                          "choose a writable place") from None
-
-
-def _cause(err: BaseException) -> str:
-    """What went wrong on the file system, in words, from an exception chain or its message."""
-    text = ""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno is not None:
-            return {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
-                    errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded",
-                    errno.ENOENT: "a directory vanished"}.get(err.errno, os.strerror(err.errno).lower())
-        text += f" {err}"
-        err = err.__cause__ or err.__context__
-    for words, cause in (("No space left", "the disk is full"), ("os_error_code='28'", "the disk is full"),
-                         ("Read-only file system", "the file system is read-only"),
-                         ("Permission denied", "permission denied"), ("quota", "the disk quota is exceeded")):
-        if words in text:
-            return cause
-    first = " ".join(text.split())
-    return first[:160] or "unknown error"
 
 
 class _DropOrbaxErrors(logging.Filter):
@@ -241,7 +201,7 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         good = [s for s in self.committed_steps() if s != step]
         latest = f"step {good[-1]}" if good else "none"
-        raise CheckpointSaveError(f"saving checkpoint step {step} in {self.directory} failed: {_cause(err)}; "
+        raise CheckpointSaveError(f"saving checkpoint step {step} in {self.directory} failed: {os_error_cause(err)}; "
                                   f"the latest good checkpoint is {latest}") from None
 
     def meta(self, step: int | None = None, required: tuple[str, ...] = ()) -> dict:
@@ -519,7 +479,7 @@ def export_flax(directory: str, params: dict[str, np.ndarray], model_config: dic
     except Exception as err:
         if main:
             shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointSaveError(f"--export-flax {directory} failed: {_cause(err)}") from None
+        raise CheckpointSaveError(f"--export-flax {directory} failed: {os_error_cause(err)}") from None
     _barrier("pstar_jax export: done")
 
 

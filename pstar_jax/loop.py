@@ -84,9 +84,11 @@ class Run:
         self.stopped_by, self.stopped_by_peer = 0, False
         if cfg.checkpoint.directory:
             check_run_checkpoints(cfg.checkpoint.directory, cfg.checkpoint.resume, cfg.checkpoint.keep)
+        from pstar_jax.paths import check_output_dir, check_output_file
         if cfg.output.metrics_out:
-            from pstar_jax.metrics import check_output_file
             check_output_file(cfg.output.metrics_out, "OutputConfig.metrics_out")
+        if cfg.output.tensorboard:
+            check_output_dir(cfg.output.tensorboard, "OutputConfig.tensorboard")
         if cfg.checkpoint.export_flax:
             check_export_dir(cfg.checkpoint.export_flax)
         if cfg.checkpoint.export_hf:

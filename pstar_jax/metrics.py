@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pstar_jax.config import ConfigError, format_bytes
 from pstar_jax.engine import StepResult
+from pstar_jax.paths import check_output_file
 
 
 class MetricsWriter(Protocol):
@@ -30,21 +31,6 @@ def step_record(step: int, result: StepResult, tokens: int, flops_per_token: flo
             "device_chunk_peak_bytes": result.device_chunk_peak_bytes,
             "predicted_h2d_bytes": result.predicted_h2d_bytes, "predicted_d2h_bytes": result.predicted_d2h_bytes,
             "skipped": result.skipped}
-
-
-def check_output_file(path: str, what: str) -> None:
-    """Refuse, before any work, a path that names a directory or a place that cannot be written."""
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} {path} is a directory; name a file")
-    parent = os.path.dirname(path)
-    existing = parent
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{what} {path} lies under {existing}, which is a file; choose another path")
-    if not os.access(existing, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ConfigError(f"{what} {path} cannot be written (permission denied); choose another path")
 
 
 class JsonlWriter:

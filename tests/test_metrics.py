@@ -7,7 +7,8 @@ import os
 import pytest
 
 from pstar_jax.config import ConfigError
-from pstar_jax.metrics import JsonlWriter, TensorBoardWriter, check_output_file
+from pstar_jax.metrics import JsonlWriter, TensorBoardWriter
+from pstar_jax.paths import check_output_file
 
 
 def lines(path):
@@ -37,7 +38,7 @@ def test_output_paths_are_checked_before_work(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a directory"):
         check_output_file(str(tmp_path), "OutputConfig.metrics_out")
-    with pytest.raises(ConfigError, match="which is a file"):
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
         check_output_file(str(tmp_path / "file" / "m.jsonl"), "OutputConfig.metrics_out")
     check_output_file(str(tmp_path / "new" / "deeper" / "m.jsonl"), "OutputConfig.metrics_out")
 

@@ -1,0 +1,60 @@
+"""Output paths, checked before any work: a run never trains for an hour to find that it cannot
+write its metrics, checkpoints or exports. As root, os.access says yes even on a read-only file
+system, so writability is tried with a probe file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+from pstar_jax.config import ConfigError
+
+
+def check_output_dir(path: str, what: str) -> None:
+    """Refuse, before any work, a directory that could not be written: a file, a path under a
+    file, or a place this process cannot write. Creates nothing."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a file, not a directory; choose a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{what} {path} is under the file {existing}; choose a directory")
+    try:  # os.access says yes to root on a read-only file system: try it
+        fd, probe = tempfile.mkstemp(prefix=".pstar-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be written ({existing}: {os_error_cause(err)}); "
+                          "choose a writable place") from None
+
+
+def os_error_cause(err: BaseException) -> str:
+    """What went wrong on the file system, in words, from an exception chain or its message."""
+    text = ""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno is not None:
+            return {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+                    errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded",
+                    errno.ENOENT: "a directory vanished"}.get(err.errno, os.strerror(err.errno).lower())
+        text += f" {err}"
+        err = err.__cause__ or err.__context__
+    for words, cause in (("No space left", "the disk is full"), ("os_error_code='28'", "the disk is full"),
+                         ("Read-only file system", "the file system is read-only"),
+                         ("Permission denied", "permission denied"), ("quota", "the disk quota is exceeded")):
+        if words in text:
+            return cause
+    first = " ".join(text.split())
+    return first[:160] or "unknown error"
+
+
+def check_output_file(path: str, what: str) -> None:
+    """Refuse a file path that names a directory, lies under a file, or cannot be written."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a directory; name a file")
+    check_output_dir(os.path.dirname(path), what)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{what} {path} cannot be written (permission denied); choose another path")
