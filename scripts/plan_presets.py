@@ -8,7 +8,9 @@ Each row is ``pstar_jax.plan_report`` for the preset at ``--seq-len`` (what ``ps
 PRESET --seq-len ... --no-search --json`` answers, without a process per preset): whether it fits
 or which memory runs out and by how much, the share of param chunks that never leave the device,
 where Adam runs (chunks with state on the device / on the host / streamed through the device),
-bytes moved per step, and the predicted step time and model TFLOPS. Predictions come from the
+bytes moved per step, and the predicted step time and model TFLOPS. A row that does not fit also
+gives a bound that holds for every placement: the model data beside what the device can hold at its
+busiest moment plus the host. Predictions come from the
 machine's rates (``--machine``, the H200's by default), not from a run; plans are traced on the
 CPU backend, so no accelerator is needed.
 """
@@ -80,8 +82,8 @@ def markdown(rows: list[dict]) -> list[str]:
     for r in rows:
         head = f"| {r['preset']} | {r['n_params'] / 1e9:.2f}B | {ps.format_bytes(r['model_data_bytes'])} | "
         if not r["fits"]:
-            short = (f"; beside the device's working memory, at least {ps.format_bytes(r['short_bytes'])} short "
-                     "for any placement" if r["short_bytes"] else "")
+            short = (f"; whatever the placement, at least {ps.format_bytes(r['short_bytes'])} short"
+                     if r["short_bytes"] else "")
             lines.append(head + f"no: {r['problem']}{short} |" + "  |" * (len(COLUMNS) - 4))
             continue
         lines.append(head + f"yes (peak device {ps.format_bytes(r['peak_device_bytes'])}, host "

@@ -87,3 +87,20 @@ def test_plan_presets_answers_as_pstar_plan():
     assert mine["predicted_step_s"] == plan["predicted_step_s"]
     bad = script("plan_presets.py", "--presets", "nope")
     assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():
+    import models
+    import pytest
+
+    import pstar_jax as ps
+    from pstar_jax.machine import H200
+    from pstar_jax.planning import default_mesh, resolve_machine
+    model, mesh = models.build_model("tiny"), default_mesh(1)
+    assert resolve_machine(ps.EngineConfig(machine="h200"), mesh) == H200
+    for option in ({"scan_layers": False}, {"opt_on_host": True}):
+        with pytest.raises(ps.ConfigError, match="plain-engine settings"):
+            ps.build_engine(model, ps.EngineConfig(machine="h200"), ps.OptimConfig(), (2, 64), mesh=mesh, **option)
+    plain = ps.build_engine(model, ps.EngineConfig(kind="plain"), ps.OptimConfig(), (2, 64), mesh=mesh,
+                            scan_layers=False, opt_on_host=True)
+    assert plain.kind == "plain"
