@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
@@ -13,6 +15,7 @@ def script(name, *args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_bench_compare_writes_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     r = script("bench_compare.py", "--sizes", "tiny,small", "--methods", "plain-none,xla-offload,pstar",
@@ -23,6 +26,7 @@ def test_bench_compare_writes_table_and_plots(tmp_path):
     assert (out / "throughput.png").stat().st_size > 0 and (out / "largest.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_launch_local_runs_two_processes_and_reports_failures(tmp_path):
     r = script("launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path), "--timeout", "200",
                "--", "--steps", "2", "--quiet", "--batch-size", "4")
@@ -46,6 +50,7 @@ def test_bandwidth_and_flops_calibration_report_their_figures(tmp_path):
     assert counted > 0 and abs(rate * 0.5 / counted - 1) < 1e-3
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_bench_engine_and_bench_plan_report_their_tables():
     r = script("bench_engine.py", "--model", "tiny", "--batch-size", "4", "--steps", "3", "--warmup", "1")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -59,6 +64,7 @@ def test_bench_engine_and_bench_plan_report_their_tables():
     assert "streaming every chunk at every use" in rows
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_pstar_largest_plans_then_trains_the_deepest_model(tmp_path):
     out = tmp_path / "largest.txt"
     r = script("pstar_largest.py", "--model", "tiny", "--batch-size", "2", "--steps", "1", "--device-memory", "4MiB",
@@ -91,7 +97,6 @@ def test_plan_presets_answers_as_pstar_plan():
 
 def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():
     import models
-    import pytest
 
     import pstar_jax as ps
     from pstar_jax.machine import H200
