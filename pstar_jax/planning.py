@@ -114,9 +114,22 @@ def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh) -> 
     return dataclasses.replace(cfg, chunk_numel=chunk_numel, device_memory=budget)
 
 
+def resolve_machine(config: EngineConfig, mesh: Mesh, make_tx: TxFactory | None = None) -> Machine:
+    """The rates an engine with ``config`` plans with: ``config.machine`` (a name or a JSON file),
+    else this machine's rates kept in a file (measured once, with ``make_tx``'s update; AdamW by
+    default), so the same command plans the same way every time."""
+    from pstar_jax.machine import load_machine, saved_machine
+    if config.machine:
+        return load_machine(config.machine)
+    placement = Placement(mesh)
+    make_tx = make_tx or default_tx(OptimConfig())
+    return saved_machine(placement, ChunkOptimizer(make_tx, placement, config.compute_dtype))
+
+
 def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, batch_shape: tuple[int, int], *,
                  mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
-                 machine: Machine | None = None, make_tx: TxFactory | None = None) -> Engine:
+                 machine: Machine | None = None, make_tx: TxFactory | None = None, scan_layers: bool = True,
+                 opt_on_host: bool = False) -> Engine:
     """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
     data when the plan does not fit.
 
@@ -124,7 +137,9 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     (default: every device, see DistributedConfig.data_parallel). ``init_params`` maps tensor names
     to initial values (read one chunk at a time); by default the model's own initialisation.
     ``make_tx`` replaces the AdamW of ``optim`` by any elementwise optax transformation factory
-    (see pstar_jax.optim); ``optim.clip_norm`` still clips."""
+    (see pstar_jax.optim); ``optim.clip_norm`` still clips. ``machine`` replaces the rates of
+    ``resolve_machine``. The plain engine only (baselines): ``scan_layers=False`` unrolls the
+    blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory."""
     from pstar_jax.executor import ChunkedEngine
     from pstar_jax.plain import PlainEngine
 
@@ -133,14 +148,14 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     make_tx = make_tx or default_tx(optim)
     if config.kind == "plain":
         return PlainEngine(model, config.precision, make_tx, config.micro_batches, seed, optim.clip_norm,
-                           config.remat, mesh=mesh, init_params=init_params, skip_nonfinite=skip_nonfinite)
+                           config.remat, mesh=mesh, init_params=init_params, opt_on_host=opt_on_host,
+                           scan_layers=scan_layers, skip_nonfinite=skip_nonfinite)
+    if opt_on_host or not scan_layers:
+        raise ConfigError("scan_layers and opt_on_host are plain-engine settings (EngineConfig.kind plain); the "
+                          "chunked engine places its optimizer state by its plan (EngineConfig.adam_placement)")
     resolved = resolve_engine_config(config, model, mesh)
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
-    if machine is None:  # rates kept in a file: the same command plans the same way every time
-        from pstar_jax.machine import load_machine, saved_machine
-        placement = Placement(mesh)
-        machine = (load_machine(config.machine) if config.machine else
-                   saved_machine(placement, ChunkOptimizer(make_tx, placement, resolved.compute_dtype)))
+    machine = machine or resolve_machine(resolved, mesh, make_tx)
     return ChunkedEngine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
                          host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite)
 
@@ -155,5 +170,5 @@ def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: M
     return micro, seq_len
 
 
-__all__ = ["Planned", "plan_model", "require_fit", "resolve_engine_config", "build_engine", "default_mesh",
-           "micro_batch_shape"]
+__all__ = ["Planned", "plan_model", "require_fit", "resolve_engine_config", "resolve_machine", "build_engine",
+           "default_mesh", "micro_batch_shape"]

@@ -14,6 +14,7 @@ to be fetched at each use and whose batch is tiny, so the step is dominated by t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -24,15 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
-from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
-from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
-from pstar_jax.executor import ChunkedEngine  # noqa: E402
-from pstar_jax.machine import H200, copies_overlap  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
+from pstar_jax.machine import copies_overlap  # noqa: E402
 from pstar_jax.memory import Placement, Space  # noqa: E402
-from pstar_jax.optim import default_tx  # noqa: E402
+from pstar_jax.planning import default_mesh  # noqa: E402
 
 
 def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float, float]:
@@ -61,18 +59,21 @@ def main() -> None:
     p.add_argument("--small", action="store_true")
     p.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = p.parse_args()
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    mesh = default_mesh(1)
     placement = Placement(mesh)
     gib = 2**30
     nbytes = (16 * 2**20) if args.small else gib
     h2d, d2h, both = copy_rate(placement, nbytes)
     model = build_model("tiny", n_layer=4) if args.small else build_model("GPT2_1B", n_layer=24)
     cfg = model.config
-    chunk = auto_chunk_numel(model.param_shapes(), model.decays)
+    # Adam on the host, and a device budget of a few stages' chunks beside the working memory:
+    # every param chunk is fetched at each use (rates of the H200, the machine this is for).
+    config = ps.EngineConfig(precision="bf16", adam_placement="host", machine="h200")
+    chunk = ps.resolve_engine_config(config, model, mesh).chunk_numel
     stage_bytes = 2 * 2 * chunk * 3  # a block's params and grads in up to 3 chunks, bf16
     budget = (8 * 2**20 if args.small else gib // 2) + stage_bytes  # well below the 2.6 GB of bf16 params
-    engine = ChunkedEngine(model, EngineConfig(chunk, budget, "bf16", adam_placement="host"),
-                           default_tx(OptimConfig()), mesh, (1, cfg.seq_len), H200)
+    engine = ps.build_engine(model, dataclasses.replace(config, device_memory=budget), ps.OptimConfig(),
+                             (1, cfg.seq_len), mesh=mesh)
     rng = np.random.default_rng(0)
     rates = []
     for _ in range(4):

@@ -30,19 +30,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
-from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
-from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes, parse_bytes  # noqa: E402
-from pstar_jax.executor import ChunkedEngine  # noqa: E402
-from pstar_jax.machine import H200, measure  # noqa: E402
-from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes  # noqa: E402
-from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
+from pstar_jax.config import format_bytes, parse_bytes  # noqa: E402
+from pstar_jax.memory import device_total_bytes, host_budget_bytes  # noqa: E402
+from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
 from pstar_jax.predict import predict_step_s  # noqa: E402
-from pstar_jax.plain import PlainEngine  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 METHODS = ("plain-none", "plain-dots", "plain-full", "xla-offload", "pstar")
@@ -102,9 +96,11 @@ def run_plain(model, name, batch, method, capacity, args, steps) -> Point:
         # The best plain baseline: blocks scanned or unrolled, whichever XLA says needs less
         # (the scan wins under remat; without remat the unrolled step can need less).
         candidates = []
+        config = ps.EngineConfig(precision=args.precision, kind="plain", remat=remat)
+        shape = (batch, model.config.seq_len)
         for scan in (True, False):
-            engine = PlainEngine(model, args.precision, default_tx(OptimConfig(total_steps=args.steps)), remat=remat,
-                                 opt_on_host=(method == "xla-offload"), scan_layers=scan)
+            engine = ps.build_engine(model, config, ps.OptimConfig(total_steps=args.steps), shape, mesh=default_mesh(1),
+                                     opt_on_host=(method == "xla-offload"), scan_layers=scan)
             mem = engine.memory_analysis(batch, model.config.seq_len)
             candidates.append((plain_need_bytes(mem), not scan, engine, mem))
         need, unrolled, engine, mem = min(candidates, key=lambda c: c[:2])
@@ -131,14 +127,12 @@ def run_plain(model, name, batch, method, capacity, args, steps) -> Point:
     return point
 
 
-def run_pstar(model, name, batch, capacity, host, machine, args, steps) -> Point:
+def run_pstar(model, name, batch, config: ps.EngineConfig, machine, args, steps) -> Point:
     point = Point(name, model.n_params(), batch, "pstar", False)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    chunk = auto_chunk_numel(model.param_shapes(), model.decays)
     try:
-        engine = ChunkedEngine(model, EngineConfig(chunk, capacity, args.precision), default_tx(OptimConfig(total_steps=args.steps)),
-                               mesh, (batch, model.config.seq_len), machine, host_bytes=host)
-    except ConfigError as err:
+        engine = ps.build_engine(model, config, ps.OptimConfig(total_steps=args.steps), (batch, model.config.seq_len),
+                                 mesh=default_mesh(1), machine=machine)
+    except ps.ConfigError as err:
         point.why = str(err).split(";")[0].replace("the model does not fit: ", "plan: ")
         return point
     try:
@@ -233,10 +227,11 @@ def main(argv=None) -> int:
     device = jax.local_devices()[0]
     capacity = parse_bytes(args.device_memory or ("48MiB" if args.tiny else str(int(0.95 * device_total_bytes(device)))),
                            "--device-memory")
-    host = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else available_host_bytes()
-    placement = Placement(Mesh(np.array(jax.devices()[:1]), ("data",)))
-    machine = H200 if "H200" in device.device_kind else measure(placement, ChunkOptimizer(
-        default_tx(OptimConfig()), placement, jnp.bfloat16))
+    pstar = ps.EngineConfig(device_memory=capacity, precision=args.precision,
+                            host_memory=parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None,
+                            machine="h200" if "H200" in device.device_kind else None)  # else this machine's saved rates
+    host = host_budget_bytes(pstar.host_memory)
+    machine = resolve_machine(pstar, default_mesh(1))
     peak = (args.peak_tflops or (989.0 if "H200" in device.device_kind else machine.flops_per_s / 1e12)) * 1e12
     header = (f"{time.strftime('%Y-%m-%d')} on {device.device_kind} ({device.platform}), jax {jax.__version__}; "
               f"device capacity {format_bytes(capacity)}, host {format_bytes(host)}; {args.precision}; "
@@ -249,7 +244,7 @@ def main(argv=None) -> int:
             steps = random_batches(model.config.vocab_size, batch, model.config.seq_len, args.steps)
             for method in methods:
                 start = time.perf_counter()
-                point = (run_pstar(model, name, batch, capacity, host, machine, args, steps) if method == "pstar"
+                point = (run_pstar(model, name, batch, pstar, machine, args, steps) if method == "pstar"
                          else run_plain(model, name, batch, method, capacity, args, steps))
                 if point.fits:
                     tokens = batch * model.config.seq_len

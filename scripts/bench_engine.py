@@ -17,16 +17,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
-from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
-from pstar_jax.config import EngineConfig, OptimConfig  # noqa: E402
-from pstar_jax.executor import ChunkedEngine  # noqa: E402
-from pstar_jax.machine import H200  # noqa: E402
-from pstar_jax.optim import default_tx  # noqa: E402
-from pstar_jax.plain import PlainEngine  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
+from pstar_jax.planning import default_mesh  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 
@@ -43,14 +37,15 @@ def main() -> None:
     model = build_model(args.model, n_layer=args.n_layer)
     cfg = model.config
     steps = random_batches(cfg.vocab_size, args.batch_size, cfg.seq_len, args.steps)
-    make_tx = default_tx(OptimConfig(total_steps=args.steps))
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    chunk_numel = auto_chunk_numel(model.param_shapes(), model.decays)
-    chunked = ChunkedEngine(model, EngineConfig(chunk_numel, 2 ** 40, args.precision), make_tx, mesh,
-                            (args.batch_size, cfg.seq_len), H200)
+    optim = ps.OptimConfig(total_steps=args.steps)
+    shape, mesh = (args.batch_size, cfg.seq_len), default_mesh(1)
+    # Room for everything, so nothing moves: the figure is the engine's own overhead.
+    chunked = ps.build_engine(model, ps.EngineConfig(device_memory=2 ** 40, precision=args.precision, machine="h200"),
+                              optim, shape, mesh=mesh)
     t_chunked, r = median_step_s(chunked, steps, args.warmup)
-    t_plain = {remat: median_step_s(PlainEngine(model, args.precision, make_tx, remat=remat), steps,
-                                    args.warmup)[0] for remat in ("none", "full")}
+    t_plain = {remat: median_step_s(ps.build_engine(model, ps.EngineConfig(precision=args.precision, kind="plain",
+                                                                           remat=remat), optim, shape, mesh=mesh),
+                                    steps, args.warmup)[0] for remat in ("none", "full")}
     tokens = args.batch_size * cfg.seq_len
     print(f"model {args.model}: {model.n_params():,} params, batch {args.batch_size}x{cfg.seq_len}, "
           f"{args.precision}, {jax.devices()[0].platform}, {chunked.layout.n_chunks} chunks, "

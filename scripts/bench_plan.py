@@ -17,17 +17,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
-from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
-from pstar_jax.config import EngineConfig, OptimConfig, format_bytes  # noqa: E402
-from pstar_jax.executor import ChunkedEngine  # noqa: E402
-from pstar_jax.machine import H200  # noqa: E402
-from pstar_jax.optim import default_tx  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
 from pstar_jax.plan import plan_step  # noqa: E402
+from pstar_jax.planning import default_mesh  # noqa: E402
 from pstar_jax.schedule import step_accesses  # noqa: E402
 
 
@@ -38,11 +33,11 @@ def main() -> None:
     args = p.parse_args()
     model = build_model(args.model)
     cfg = model.config
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    chunk_numel = auto_chunk_numel(model.param_shapes(), model.decays)
-    engine = ChunkedEngine(model, EngineConfig(chunk_numel, None, "bf16"), default_tx(OptimConfig()), mesh,
-                           (args.batch_size, cfg.seq_len), H200)
-    plan, shape = engine.plan, engine._plans[(args.batch_size, cfg.seq_len)].shape
+    # No device memory given: on a CPU, the demo default of half the model data beside the working
+    # memory. The H200's rates choose the placement, as on the machine this stands in for.
+    engine = ps.build_engine(model, ps.EngineConfig(machine="h200"), ps.OptimConfig(), (args.batch_size, cfg.seq_len),
+                             mesh=default_mesh(1))
+    plan, shape, machine = engine.plan, engine.plan_for((args.batch_size, cfg.seq_len)).shape, engine.machine
     rng = np.random.default_rng(0)
     measured = []
     for _ in range(2):
@@ -53,7 +48,7 @@ def main() -> None:
     rows = [("plan (Belady), predicted", plan.h2d_bytes, plan.d2h_bytes),
             ("plan (Belady), measured step 2", *measured[-1])]
     for rule in ("lru", "fifo"):
-        other = plan_step(shape, engine.device_budget_bytes, engine.host_bytes, H200, opt, victim_rule=rule,
+        other = plan_step(shape, engine.device_budget_bytes, engine.host_bytes, machine, opt, victim_rule=rule,
                           streamed=streamed)
         rows.append((f"{rule.upper()} at the same capacity", other.h2d_bytes, other.d2h_bytes)
                     if other.fits else (f"{rule.upper()}: {other.problem}", 0, 0))
@@ -65,15 +60,15 @@ def main() -> None:
     opt_bytes = sum(opt) * shape.opt_state_bytes
     # streamed state one moment ahead: at most three chunks' state on the device at once
     stream = plan_step(stream_shape, tight + opt_bytes + 3 * shape.opt_state_bytes * any(streamed), engine.host_bytes,
-                       H200, opt, victim_rule="fifo", streamed=streamed, hide_state=False)
+                       machine, opt, victim_rule="fifo", streamed=streamed, hide_state=False)
     rows.append(("streaming every chunk at every use", stream.h2d_bytes, stream.d2h_bytes))
-    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {chunk_numel:,}, "
-          f"batch {args.batch_size}x{cfg.seq_len}, device budget {format_bytes(engine.device_budget_bytes)} "
-          f"for model data {format_bytes(engine.model_data_bytes)}, Adam state on the device for {sum(opt)} chunks, "
+    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {shape.chunk_numel:,}, "
+          f"batch {args.batch_size}x{cfg.seq_len}, device budget {ps.format_bytes(engine.device_budget_bytes)} "
+          f"for model data {ps.format_bytes(engine.model_data_bytes)}, Adam state on the device for {sum(opt)} chunks, "
           f"streamed through it for {sum(streamed)}, on the host for {len(opt) - sum(opt) - sum(streamed)}")
     print(f"{'placement':<40}{'h2d/step':>14}{'d2h/step':>14}{'total':>14}")
     for name, h2d, d2h in rows:
-        print(f"{name:<40}{format_bytes(h2d):>14}{format_bytes(d2h):>14}{format_bytes(h2d + d2h):>14}")
+        print(f"{name:<40}{ps.format_bytes(h2d):>14}{ps.format_bytes(d2h):>14}{ps.format_bytes(h2d + d2h):>14}")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
 from pstar_jax import compat  # noqa: E402
-from pstar_jax.config import OptimConfig  # noqa: E402
-from pstar_jax.optim import default_tx  # noqa: E402
-from pstar_jax.plain import PlainEngine  # noqa: E402
+from pstar_jax.planning import default_mesh  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 
@@ -42,7 +41,8 @@ def main() -> None:
         p.error("give --step-s SECONDS or --run")
     model = build_model(args.model, n_layer=args.n_layer)
     cfg = model.config
-    engine = PlainEngine(model, "bf16", default_tx(OptimConfig()), remat=args.remat)
+    engine = ps.build_engine(model, ps.EngineConfig(kind="plain", remat=args.remat), ps.OptimConfig(),
+                             (args.batch_size, cfg.seq_len), mesh=default_mesh(1))
     counted = compat.cost_flops(engine.compiled(args.batch_size, cfg.seq_len))
     model_flops = model.flops_per_token() * args.batch_size * cfg.seq_len
     step_s = args.step_s

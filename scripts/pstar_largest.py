@@ -16,18 +16,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from models.gpt import build_model  # noqa: E402
-from pstar_jax.chunks import auto_chunk_numel  # noqa: E402
-from pstar_jax.config import EngineConfig, OptimConfig, format_bytes, parse_bytes  # noqa: E402
-from pstar_jax.executor import ChunkedEngine, plan_model  # noqa: E402
-from pstar_jax.machine import H200, measure  # noqa: E402
-from pstar_jax.memory import Placement, device_total_bytes  # noqa: E402
-from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
-from pstar_jax.plan_cli import largest  # noqa: E402
+import pstar_jax as ps  # noqa: E402
+from models import build_model  # noqa: E402
+from pstar_jax.memory import host_budget_bytes  # noqa: E402
+from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
 
 
 def main() -> None:
@@ -39,32 +33,28 @@ def main() -> None:
     p.add_argument("--host-memory", default="100GiB")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = jax.local_devices()[0]
-    budget = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else int(
-        0.95 * device_total_bytes(device))
-    host = parse_bytes(args.host_memory, "--host-memory")
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    placement = Placement(mesh)
-    make_tx = default_tx(OptimConfig(total_steps=args.steps))
-    machine = H200 if "H200" in device.device_kind else measure(placement, ChunkOptimizer(make_tx, placement, jnp.bfloat16))
-    base = build_model(args.model)
-    seq = base.config.seq_len
-    chunk = auto_chunk_numel(base.param_shapes(), base.decays)
-    cache: dict = {}
-
-    def fits(n_layer: int) -> bool:
-        model = build_model(args.model, n_layer=n_layer)
-        return plan_model(model, EngineConfig(chunk, budget, "bf16"), mesh, (args.batch_size, seq), machine, host,
-                          make_tx, trace_cache=cache).plan.fits
+    mesh = default_mesh(1)
+    on_h200 = "H200" in jax.local_devices()[0].device_kind
+    config = ps.EngineConfig(device_memory=ps.parse_bytes(args.device_memory, "--device-memory")
+                             if args.device_memory else 0.95,
+                             host_memory=ps.parse_bytes(args.host_memory, "--host-memory"),
+                             machine="h200" if on_h200 else None)  # else this machine's saved rates
+    config = ps.resolve_engine_config(config, build_model(args.model), mesh)  # the preset's chunk size at every depth
+    machine = resolve_machine(config, mesh)
+    host_bytes = host_budget_bytes(config.host_memory)  # what the engine will get (a pool limit may lower it)
     start = time.perf_counter()
-    depth = largest(fits, base.config.n_layer)
+    report = ps.plan_report(build_model(args.model), config, args.batch_size, mesh, machine, host_bytes,
+                            model_at=lambda n_layer: build_model(args.model, n_layer=n_layer))
+    depth = report.depth.value
     model = build_model(args.model, n_layer=depth)
-    lines = [f"{jax.devices()[0].device_kind}: device budget {format_bytes(budget)}, host {format_bytes(host)}",
+    seq = model.config.seq_len
+    lines = [f"{jax.devices()[0].device_kind}: device budget {ps.format_bytes(config.device_memory)}, host "
+             f"{ps.format_bytes(host_bytes)}",
              f"largest depth at d_model {model.config.d_model}: {depth} layers, {model.n_params():,} params "
              f"(planned in {time.perf_counter() - start:.1f} s)"]
     print(lines[-1], flush=True)
-    engine = ChunkedEngine(model, EngineConfig(chunk, budget, "bf16"), make_tx, mesh, (args.batch_size, seq), machine,
-                           host_bytes=host)
+    engine = ps.build_engine(model, config, ps.OptimConfig(total_steps=args.steps), (args.batch_size, seq), mesh=mesh,
+                             machine=machine)
     lines.append(engine.summary())
     print(lines[-1], flush=True)
     rng = np.random.default_rng(0)
@@ -74,8 +64,8 @@ def main() -> None:
         tokens = args.batch_size * seq
         lines.append(f"step {i}: loss {r.loss:.4f}, {r.step_s:.2f} s, {tokens / r.step_s:,.0f} tokens/s, "
                      f"{model.flops_per_token() * tokens / r.step_s / 1e12:.1f} model TFLOPS, "
-                     f"h2d {format_bytes(r.h2d_bytes)}, d2h {format_bytes(r.d2h_bytes)} (planned "
-                     f"{format_bytes(r.predicted_h2d_bytes)}, {format_bytes(r.predicted_d2h_bytes)})")
+                     f"h2d {ps.format_bytes(r.h2d_bytes)}, d2h {ps.format_bytes(r.d2h_bytes)} (planned "
+                     f"{ps.format_bytes(r.predicted_h2d_bytes)}, {ps.format_bytes(r.predicted_d2h_bytes)})")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each starts processes and compiles models of its own
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
@@ -17,6 +15,7 @@ def script(name, *args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_bench_compare_writes_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     r = script("bench_compare.py", "--sizes", "tiny,small", "--methods", "plain-none,xla-offload,pstar",
@@ -27,6 +26,7 @@ def test_bench_compare_writes_table_and_plots(tmp_path):
     assert (out / "throughput.png").stat().st_size > 0 and (out / "largest.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # over 20 s on 2 cores
 def test_launch_local_runs_two_processes_and_reports_failures(tmp_path):
     r = script("launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path), "--timeout", "200",
                "--", "--steps", "2", "--quiet", "--batch-size", "4")
@@ -48,3 +48,64 @@ def test_bandwidth_and_flops_calibration_report_their_figures(tmp_path):
     counted = float(r.stdout.split("counted FLOPs per step ")[1].split(",")[0])
     rate = float(r.stdout.split("flops_per_s = ")[1].split()[0])
     assert counted > 0 and abs(rate * 0.5 / counted - 1) < 1e-3
+
+
+@pytest.mark.slow  # over 20 s on 2 cores
+def test_bench_engine_and_bench_plan_report_their_tables():
+    r = script("bench_engine.py", "--model", "tiny", "--batch-size", "4", "--steps", "3", "--warmup", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "chunked (all resident)" in r.stdout and "plain (remat full)" in r.stdout
+    assert "chunked / plain (remat none) = " in r.stdout
+    r = script("bench_plan.py", "--model", "tiny", "--batch-size", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line[:40].strip(): line[40:].split() for line in r.stdout.splitlines()[2:]}
+    # the bytes a real step moved are the plan's prediction
+    assert rows["plan (Belady), measured step 2"] == rows["plan (Belady), predicted"]
+    assert "streaming every chunk at every use" in rows
+
+
+@pytest.mark.slow  # over 20 s on 2 cores
+def test_pstar_largest_plans_then_trains_the_deepest_model(tmp_path):
+    out = tmp_path / "largest.txt"
+    r = script("pstar_largest.py", "--model", "tiny", "--batch-size", "2", "--steps", "1", "--device-memory", "4MiB",
+               "--host-memory", "8MiB", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert "largest depth at d_model 32:" in text and "step 0: loss" in text
+    step = text.split("step 0: ")[1]
+    h2d, d2h = step.split("h2d ")[1].split(", d2h ")[0], step.split("d2h ")[1].split(" (planned")[0]
+    assert f"(planned {h2d}, {d2h})" in step
+
+
+def test_plan_presets_answers_as_pstar_plan():
+    import json
+    r = script("plan_presets.py", "--presets", "qwen2.5-0.5b", "--seq-len", "128", "--batch-size", "2",
+               "--micro-batches", "2", "--device-memory", "3GiB", "--host-memory", "8GiB", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    mine = json.loads(r.stdout)
+    cli = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", "--model", "qwen2.5-0.5b", "--seq-len", "128",
+                          "--batch-size", "2", "--micro-batches", "2", "--device-memory", "3GiB", "--host-memory",
+                          "8GiB", "--no-search", "--json"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    plan = json.loads(cli.stdout)["plan"]
+    assert mine["fits"] == plan["fits"] and mine["n_chunks"] == json.loads(cli.stdout)["n_chunks"]
+    assert (mine["h2d_bytes"], mine["d2h_bytes"]) == (plan["h2d_bytes"], plan["d2h_bytes"])
+    assert mine["predicted_step_s"] == plan["predicted_step_s"]
+    bad = script("plan_presets.py", "--presets", "nope")
+    assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():
+    import models
+
+    import pstar_jax as ps
+    from pstar_jax.machine import H200
+    from pstar_jax.planning import default_mesh, resolve_machine
+    model, mesh = models.build_model("tiny"), default_mesh(1)
+    assert resolve_machine(ps.EngineConfig(machine="h200"), mesh) == H200
+    for option in ({"scan_layers": False}, {"opt_on_host": True}):
+        with pytest.raises(ps.ConfigError, match="plain-engine settings"):
+            ps.build_engine(model, ps.EngineConfig(machine="h200"), ps.OptimConfig(), (2, 64), mesh=mesh, **option)
+    plain = ps.build_engine(model, ps.EngineConfig(kind="plain"), ps.OptimConfig(), (2, 64), mesh=mesh,
+                            scan_layers=False, opt_on_host=True)
+    assert plain.kind == "plain"
