@@ -183,6 +183,16 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
     else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
+    opt_device = sum(opt_on_device) * shape.opt_state_bytes
+    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    short = opt_device + busiest + shape.item_bytes - device_bytes
+    if opt_device and short > 0:  # the state kept on the device leaves no room for a chunk: say so, not
+        #                            a host shortfall computed as if the device could hold that state
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+                    shape.opt_state_bytes, device_bytes, 0, 0, opt_device + busiest, 0, float("inf"), False,
+                    f"device memory runs out by {format_bytes(short)}: the optimizer state of "
+                    f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
+                    f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
     host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
     if host_needed > host_bytes:  # known without building the step, let alone replaying it
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
@@ -191,7 +201,6 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
-    opt_device = sum(opt_on_device) * shape.opt_state_bytes
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = _State({}, {("slot", c) for c in range(shape.n_chunks)})  # every slot on the host
     problem, moments = None, []
@@ -301,11 +310,14 @@ def choose(plans: Sequence[Plan]) -> Plan:
     """The plan make_plan returns among ``plans``: a fitting one over any that does not; among those
     that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of the
     fastest; earlier in ``plans`` on full ties. When none fits: the one short of the least host
-    memory (its device side worked), else the first; its problem is the one to report."""
+    memory (its device side worked), else the one keeping the least optimizer state on the device
+    (the least the device was asked to hold); its problem is the one to report."""
     fitting = [p for p in plans if p.fits]
     if not fitting:
         host_short = [p for p in plans if p.problem.startswith("host")]
-        return min(host_short, key=lambda p: p.peak_host_bytes) if host_short else plans[0]
+        if host_short:
+            return min(host_short, key=lambda p: p.peak_host_bytes)
+        return min(plans, key=lambda p: sum(p.opt_on_device))  # min keeps the first of equal keys
     fastest = min(p.predicted_step_s for p in fitting)
     near = [p for p in fitting if p.predicted_step_s <= fastest * (1 + TIE_MARGIN)]
     return max(near, key=preference)  # max keeps the first of equal keys

@@ -146,3 +146,14 @@ def test_same_inputs_give_the_same_plan():
     a = make_plan(shape, 300 + 1100, 10**9, H200)
     b = make_plan(shape, 300 + 1100, 10**9, H200)
     assert a.fits and a == b and a.to_json() == b.to_json()
+
+
+def test_host_shortfall_is_never_that_of_a_placement_the_device_cannot_hold():
+    """A placement whose device-resident optimizer state alone overflows the device is refused as a
+    device problem, so the host shortfall reported is one a device-feasible placement has."""
+    shape = gpt_like_shape(3, 2)
+    too_much = plan_step(shape, 1200, 10**9, H200, [True] * shape.n_chunks)
+    assert not too_much.fits and too_much.problem.startswith("device memory runs out by")
+    plan = make_plan(shape, 1200, 1000, H200)
+    assert not plan.fits and plan.problem.startswith("host memory runs out")
+    assert sum(plan.opt_on_device) * shape.opt_state_bytes < 1200

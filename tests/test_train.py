@@ -36,7 +36,7 @@ def test_plain_engine_runs(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [
     (["--chunk-size", "100"], "below the largest tensor"),
-    (["--device-memory", "60KiB"], "does not fit: device memory runs out at the optimizer update of chunk 0"),
+    (["--device-memory", "60KiB"], "does not fit: device memory runs out at the fwd of stage 0"),
     (["--model", "GPT_nope"], "unknown model preset"),
     (["--data", "/nonexistent/tokens.u16.bin"], "does not exist"),
     (["--device-memory", "lots"], "is not a size"),
