@@ -388,7 +388,10 @@ def test_launcher_reports_whichever_trainer_fails_first_and_stops_the_rest(tmp_p
             launcher.kill()
         reap_orphans(trainers)
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
-    assert "launch_local: process 1 was killed by SIGKILL; stopping the others" in err, err[-3000:]
+    # Process 1 is named whichever way the race goes: the launcher stops process 0, or process 0
+    # has already ended by itself on the dead peer (then there is nothing left to stop).
+    assert "launch_local: process 1 was killed by SIGKILL" in err, err[-3000:]
+    assert "launch_local: process 0" not in err, err[-3000:]
     assert not orphans, "orphaned trainers"
 
 
