@@ -12,7 +12,8 @@ The public surface, in the order a run uses it::
 Everything not re-exported here is internal and may change.
 """
 
-from pstar_jax.checkpoint import CheckpointError, export_flax, import_flax
+from pstar_jax.checkpoint import CheckpointError
+from pstar_jax.flax_io import export_flax, import_flax
 from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
                               ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig, format_bytes,
                               parse_bytes)

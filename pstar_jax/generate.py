@@ -141,7 +141,7 @@ def flax_model(directory: str) -> Any:
 
 
 def flax_source(directory: str) -> Source:
-    from pstar_jax.checkpoint import import_flax
+    from pstar_jax.flax_io import import_flax
     if not os.path.isdir(directory):
         raise ConfigError(f"--flax {directory} is not a directory")
     model = flax_model(directory)

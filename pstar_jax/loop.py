@@ -77,7 +77,8 @@ class Run:
     def __init__(self, config: RunConfig, model: StagedModel | None = None, tokens: np.ndarray | None = None,
                  writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True,
                  eval_tokens: np.ndarray | None = None):
-        from pstar_jax.checkpoint import check_export_dir, check_run_checkpoints
+        from pstar_jax.checkpoint import check_run_checkpoints
+        from pstar_jax.flax_io import check_export_dir
         self.config = cfg = config
         self._writers: list[MetricsWriter] = list(writers)
         self._ckpt = None
@@ -121,7 +122,7 @@ class Run:
         zero.check_process_rows(shape[0])
         init = None
         if cfg.model.init_from_flax:
-            from pstar_jax.checkpoint import import_flax
+            from pstar_jax.flax_io import import_flax
             init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
         if cfg.model.init_from_hf:  # validated whole here; tensors are read one chunk at a time later
             from pstar_jax.hf import HFCheckpoint
@@ -253,7 +254,7 @@ class Run:
 
     def export_flax(self, directory: str) -> None:
         """The current parameters as a plain Flax pytree (see pstar_jax.checkpoint.export_flax)."""
-        from pstar_jax.checkpoint import export_flax
+        from pstar_jax.flax_io import export_flax
         config = getattr(self.model, "config", None)
         export_flax(directory, self.engine.params(), dataclasses.asdict(config) if config is not None else {})
 

@@ -100,7 +100,7 @@ def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     # The same parameters started again through pstar_jax: its first step's loss is that loss.
     metrics = tmp_path / "again.jsonl"
     assert main([*BASE, "--steps", "1", "--init-from-flax", str(out), "--metrics-out", str(metrics)]) == 0
-    from pstar_jax.checkpoint import import_flax
+    from pstar_jax.flax_io import import_flax
     from pstar_jax.model import compose_loss
     from models.gpt import build_model
     staged = build_model("tiny")
