@@ -62,7 +62,7 @@ def main() -> None:
     stream = plan_step(stream_shape, tight + opt_bytes + 3 * shape.opt_state_bytes * any(streamed), engine.host_bytes,
                        machine, opt, victim_rule="fifo", streamed=streamed, hide_state=False)
     rows.append(("streaming every chunk at every use", stream.h2d_bytes, stream.d2h_bytes))
-    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {shape.chunk_numel:,}, "
+    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {engine.layout.chunk_numel:,}, "
           f"batch {args.batch_size}x{cfg.seq_len}, device budget {ps.format_bytes(engine.device_budget_bytes)} "
           f"for model data {ps.format_bytes(engine.model_data_bytes)}, Adam state on the device for {sum(opt)} chunks, "
           f"streamed through it for {sum(streamed)}, on the host for {len(opt) - sum(opt) - sum(streamed)}")
