@@ -31,12 +31,12 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
-def _typed(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
             return parse(text)
         except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err).replace("EngineConfig.device_memory", flag)) from None
+            raise argparse.ArgumentTypeError(_with_flags(str(err))) from None
         except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid value") from None
     convert.__name__ = getattr(parse, "__name__", "value")
@@ -74,7 +74,7 @@ def add_section(parser: argparse.ArgumentParser, section: str, skip: Sequence[st
         else:
             parse = meta.get("parse") or _number({"int": int, "int | None": int, "float": float,
                                                   "float | None": float}.get(field.type, str))
-            kwargs.update(type=_typed(parse, flag), choices=meta.get("choices"),
+            kwargs.update(type=_typed(parse), choices=meta.get("choices"),
                           metavar=None if meta.get("choices") else meta.get("metavar") or field.name.upper())
             if shown is not None:
                 kwargs["help"] += f" (default: {shown})"
@@ -96,11 +96,15 @@ def _flags() -> dict[str, str]:
             if f.metadata.get("cli", True)}
 
 
+def _with_flags(text: str) -> str:
+    """Every ``Section.field`` in ``text`` replaced by its flag."""
+    flags = _flags()
+    return re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_][a-z0-9_]*\b", lambda m: flags.get(m.group(0), m.group(0)), text)
+
+
 def error_line(prog: str, err: BaseException) -> str:
     """'prog: error: ...' with every ``Section.field`` replaced by its flag."""
-    flags = _flags()
-    text = re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_][a-z0-9_]*\b", lambda m: flags.get(m.group(0), m.group(0)), str(err))
-    return f"{prog}: error: {' '.join(text.split())}"
+    return f"{prog}: error: {' '.join(_with_flags(str(err)).split())}"
 
 
 def run_main(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None,

@@ -82,7 +82,7 @@ def parse_device_memory(text: str | int | float | None) -> int | float | None:
 
 
 def parse_optional_bytes(text: str | int | None) -> int | None:
-    return None if text is None or str(text).strip().lower() in ("", "auto") else parse_bytes(text, "size")
+    return None if text is None or str(text).strip().lower() in ("", "auto") else parse_bytes(text, "EngineConfig.host_memory")
 
 
 def parse_chunk_numel(text: str | int | None) -> int | None:
