@@ -8,7 +8,11 @@ are dropped and its grad takes their place (14 bytes per parameter in all).
 
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
-plan.py). The math is unchanged: the update uses step k's gradient and clip scale. Between
+schedule.py). The math is unchanged: the update uses step k's gradient and clip scale. A chunk
+updated on the host sends its grad up to the host right after its last backward use, and all host updates
+are begun (``ChunkOptimizer.begin_update``: on a worker thread) as soon as step k's norm is
+known, so the host computes them while the device finishes step k and runs step k+1's forward;
+step k+1 waits for chunk c's update only at c's moment, to fetch its new params. Between
 steps each chunk's bf16 slot (the store key ("slot", c)) holds its pending gradient, or its
 current params when no update is pending; ``flush`` applies a pending update at once, and
 everything that reads or saves state calls it.
@@ -41,7 +45,7 @@ from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.model import StagedModel
-from pstar_jax.optim import ChunkOptimizer, TxFactory, clip_scale, sum_of_squares, zeros_chunk
+from pstar_jax.optim import ChunkOptimizer, PendingUpdate, TxFactory, clip_scale, sum_of_squares, zeros_chunk
 from pstar_jax.plan import Plan, PlanMoment, plan_forward
 from pstar_jax.planning import Planned, plan_model, require_fit
 from pstar_jax.schedule import Access, staged_after
@@ -84,6 +88,8 @@ class ChunkedEngine:
         # The clip scale of the update pending in the slots; None: the slots hold params (no update).
         self._pending_clip: jax.Array | None = None
         self._staged: set[int] = set()  # chunks whose streamed state is on the device
+        # Host updates under way (begun when the last step's norm was known): chunk -> its result.
+        self._begun: dict[int, PendingUpdate] = {}
         self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
                           else init_params.__getitem__)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
@@ -184,6 +190,8 @@ class ChunkedEngine:
                 self._adam(access.index, clip)
             else:
                 self._run(access, run, micro_batches)
+                for key in access.to_host:  # a final grad bound for host Adam
+                    self.store.evict(key)
             if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
                 self._measure_moment(run)
             if t + 1 < len(moments) and moments[t + 1].prefetch:
@@ -199,6 +207,8 @@ class ChunkedEngine:
             raise NonFiniteLoss(self.step_count, loss, float(np.sqrt(sumsq)))
         self.step_count += 1
         self._pending_clip = None if skip else clip_scale(sum(run.sumsq), self.clip_norm)
+        if self._pending_clip is not None:
+            self._begin_host_updates(accesses, self._pending_clip)
         return StepResult(loss=loss, grad_norm=float(np.sqrt(sumsq)), step_s=end - start,
                           h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
@@ -355,17 +365,42 @@ class ChunkedEngine:
         """Where chunk c's update runs: where its state lives, or the device when it is streamed."""
         return Space.DEVICE if self.plan.opt_streamed[c] else self.opt_space[c]
 
+    def _begin_host_updates(self, accesses: Sequence[Access], clip: jax.Array) -> None:
+        """Start the pending update of every host-updated chunk, in the order the next step needs
+        their params; their grads, masters and states leave the store until ``_adam`` takes the
+        results. The grads went up to the host during the backward (the plan's ``to_host``)."""
+        for a in accesses:
+            c = a.index
+            if a.phase == "adam" and self._update_space(c) is Space.HOST and c not in self._begun:
+                inputs = (self.store.take((kind, c), Space.HOST) for kind in ("slot", "master", "opt"))
+                self._begun[c] = self.optimizer.begin_update(Space.HOST, *inputs, clip, self.layout.n_decay[c])
+
+    def _discard_begun(self) -> None:
+        """Wait for the host updates under way and forget their results (the state is being
+        replaced); their buffers are the updates' own until they end."""
+        begun, self._begun = self._begun, {}
+        for pending in begun.values():
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - the results are discarded either way
+                pass
+
     def _adam(self, c: int, clip: jax.Array | None) -> None:
-        """Chunk c's update from the grad in its slot; with ``clip`` None nothing is pending (the
-        slot holds params): the same moves, and the params are cast from the master again."""
+        """Chunk c's update from the grad in its slot, or the result of the one begun after the
+        last step; with ``clip`` None nothing is pending (the slot holds params): the same moves,
+        and the params are cast from the master again."""
         home, space = self.opt_space[c], self._update_space(c)
-        grad = self.store.take(("slot", c), space)
-        master = self.store.take(("master", c), space)  # streamed: staged already
-        state = self.store.take(("opt", c), space)
-        if clip is None:
-            master, state, params = self.optimizer.keep(space, grad, master, state)
+        if c in self._begun:
+            master, state, params = self._begun.pop(c).result()
         else:
-            master, state, params = self.optimizer.update(space, grad, master, state, clip, self.layout.n_decay[c])
+            grad = self.store.take(("slot", c), space)
+            master = self.store.take(("master", c), space)  # streamed: staged already
+            state = self.store.take(("opt", c), space)
+            if clip is None:
+                master, state, params = self.optimizer.keep(space, grad, master, state)
+            else:
+                master, state, params = self.optimizer.update(space, grad, master, state, clip,
+                                                              self.layout.n_decay[c])
         for key, value in ((("master", c), master), (("opt", c), state)):
             self.store.put(key, value)
             if space is not home:  # streamed: back up at once (the plan counts both trips)
@@ -408,6 +443,7 @@ class ChunkedEngine:
         update is discarded."""
         self.store.limit(None)
         self._pending_clip = None
+        self._discard_begun()
         for c in range(self.layout.n_chunks):
             for kind in ("param", "slot", "master", "opt"):
                 if (kind, c) in self.store:

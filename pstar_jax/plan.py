@@ -106,7 +106,7 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: in
             try:
                 evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
                                             min(capacity[t], capacity[t - 1]), item_bytes, t, state, victim,
-                                            extra=set(prev.drops))
+                                            extra=set(prev.drops) | set(prev.to_host))
                 early = True
             except Infeasible:
                 pass
@@ -116,10 +116,11 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: in
         h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
                                   capacity[t], len(state.device) * item_bytes, h2d, d2h))
-        for item in a.to_host:  # host Adam: the grad goes down unless a host copy is valid, then is used up
+        for item in a.to_host:  # a final grad for host Adam goes up to the host (unless its host copy is valid)
             if state.device.pop(item, False):
                 d2h += item_bytes
                 moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
+            state.host.add(item)
         for item in a.consumes + a.drops:
             state.device.pop(item, None)
             state.host.discard(item)
@@ -137,7 +138,7 @@ def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: i
     """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
 
     Items created at this moment (grads at first use) count as needed but are not fetched.
-    ``extra`` are items still occupying memory (dropped after the previous moment runs)."""
+    ``extra`` are items still occupying memory (dropped or sent to the host after the previous moment runs)."""
     missing = [it for it in a.needs if it not in state.device]
     need_bytes = (len(state.device) + len(missing) + len([e for e in extra if e not in state.device])) * item_bytes
     if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy

@@ -16,10 +16,16 @@ if TYPE_CHECKING:  # plan.py imports this module
 
 
 def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
-    """A moment's predicted compute time (an update runs on the device when its grad stays there)."""
+    """A moment's predicted time on the device's compute stream: a host update computes elsewhere
+    (``host_update_s``), so its moment takes none."""
     if a.phase == "adam":
-        return shape.shard_numel / (machine.device_adam_params_per_s if a.needs else machine.host_adam_params_per_s)
+        return shape.shard_numel / machine.device_adam_params_per_s if a.needs else 0.0
     return a.flops / machine.flops_per_s
+
+
+def host_update_s(a: Access, shape: StepShape, machine: Machine) -> float:
+    """A moment's predicted time on the host's cores: a host update's (its grad is not on the device)."""
+    return shape.shard_numel / machine.host_adam_params_per_s if a.phase == "adam" and not a.needs else 0.0
 
 
 def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) -> list[int]:
@@ -45,9 +51,14 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
     are issued when the executor issues them: a moment's evictions and fetches during the
     previous moment when the plan prefetches it, else after it (evictions and grads bound for
     host Adam go up first, then fetches come down into the room they freed); streamed state
-    ``state_lead`` moments ahead, and back up after its update. A copy waits for the copy engine
-    of its direction; with ``machine.duplex`` False both directions share one, so a step never
-    looks faster than one serial PCIe link allows."""
+    ``state_lead`` moments ahead, and back up after its update; final grads bound for host Adam
+    go up after the moment that finished them. A copy waits for the copy engine of its direction;
+    with ``machine.duplex`` False both directions share one, so a step never looks faster than
+    one serial PCIe link allows.
+
+    Host updates run one after another on the host's cores from the step's start (the previous
+    step's backward sent their grads up and gave the norm); a host update's moment starts
+    when the device is free and that update is done."""
     free = {"up": 0.0, "down": 0.0}  # when each copy engine is next free
 
     def copy(direction: str, after: float, seconds: float) -> float:
@@ -58,7 +69,7 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
 
     def own_copies(t: int, at: float) -> float:
         m, a = moments[t], accesses[t]
-        up = m.d2h_bytes - a.state_bytes_each_way
+        up = m.d2h_bytes - a.state_bytes_each_way - sent_up[t]
         if up:
             at = copy("up", at, up / machine.d2h_bytes_per_s)
         fetch = m.h2d_bytes - a.state_bytes_each_way
@@ -71,6 +82,12 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
         for u in staging.get(t, ()):
             state_ready[u] = copy("down", at, accesses[u].state_bytes_each_way / machine.h2d_bytes_per_s)
 
+    sent_up = [len(a.to_host) * shape.item_bytes for a in accesses]  # always dirty: written by the moment
+    host_done, host_free = {}, 0.0
+    for t, a in enumerate(accesses):
+        if host_update_s(a, shape, machine):
+            host_free = host_done[t] = host_free + host_update_s(a, shape, machine)
+
     stage(-1, 0.0)
     compute_start = compute_end = 0.0
     ready = 0.0  # when the current moment's own copies are done
@@ -78,11 +95,13 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
         compute = compute_s(a, shape, machine)
         if not m.prefetch:
             ready = own_copies(t, compute_end)
-        compute_start = max(compute_end, ready, state_ready.get(t, 0.0))
+        compute_start = max(compute_end, ready, state_ready.get(t, 0.0), host_done.get(t, 0.0))
         compute_end = compute_start + compute + machine.call_s
         if a.state_bytes_each_way:
             copy("up", compute_end, a.state_bytes_each_way / machine.d2h_bytes_per_s)
+        if sent_up[t]:
+            copy("up", compute_end, sent_up[t] / machine.d2h_bytes_per_s)
         if t + 1 < len(moments) and moments[t + 1].prefetch:
             ready = own_copies(t + 1, compute_start)
         stage(t, compute_start)
-    return max(compute_end, *free.values())
+    return max(compute_end, host_free, *free.values())

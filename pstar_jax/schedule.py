@@ -9,8 +9,14 @@ bf16 params or its grad) must be on the device, and which it drops, consumes or 
 A step's optimizer update is deferred into the next step's forward: the update of chunk c runs
 right before the first forward stage that reads c. The update needs the global gradient norm,
 known only when the backward ends, so updating during the backward would change the math;
-updating during the next forward does not, and it gives the optimizer's copies (streamed state,
-grads going to host Adam) the forward's compute to hide under instead of a phase of their own.
+updating during the next forward does not, and it gives the optimizer's copies (streamed state)
+the forward's compute to hide under instead of a phase of their own.
+
+A chunk updated on the host sends its grad up to the host as soon as the grad is final (after the chunk's
+last backward use), so the copy hides under the rest of the backward and the grad leaves device
+memory early; the executor starts every host update when the backward ends (the norm is known)
+and the host computes them while the device runs the next forward. The chunk's "adam" moment is
+then where the device waits for that update's new params, not where it computes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ class Access:
     non_model_bytes: int
     flops: float = 0.0
     drops: tuple[Item, ...] = ()  # gone after the moment (params after their last backward use)
-    to_host: tuple[Item, ...] = ()  # must be on the host for the moment (grads for host Adam)
+    to_host: tuple[Item, ...] = ()  # sent to the host after the moment, leaving the device (final grads for host Adam)
     consumes: tuple[Item, ...] = ()  # used up by the moment (grads by Adam)
     creates_host: tuple[Item, ...] = ()  # made on the host by the moment (params from host Adam)
     creates_device: tuple[Item, ...] = ()  # made on the device, dirty (params from device Adam)
@@ -82,7 +88,9 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     forward stage of the first micro-batch that reads c. It is one of three: state resident on
     the device; state on the host, updated there (compute_on host: the grad goes down to it); or
     state on the host, streamed to the device, updated there and streamed back (the grad stays,
-    the new params stay on the device). Streamed state is sent down ``leads[c]`` moments ahead
+    the new params stay on the device). A host-updated chunk's grad goes up to the host after its last
+    backward use (``to_host`` of that moment) and its update moment consumes it on the host.
+    Streamed state is sent down ``leads[c]`` moments ahead
     (default 1), so its copy hides under their compute, and goes back up during the next moment:
     its device copy is non-model memory of all those moments."""
     streamed = streamed or [False] * shape.n_chunks
@@ -101,9 +109,14 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
     both = [params[i] + tuple(("slot", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
     last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(shape.stage_chunks)]
+    on_host = [not opt_on_device[c] and not streamed[c] for c in range(shape.n_chunks)]
+    last_up = [tuple(("slot", c) for _, c in items if on_host[c]) for items in last_drops]
 
     def drops(i, last):  # params after their last backward use, in the last micro-batch
         return last_drops[i] if last else ()
+
+    def up(i, last):  # final grads bound for host Adam
+        return last_up[i] if last else ()
 
     def updates(i):
         for c in updated_at.get(i, ()):
@@ -114,7 +127,7 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
                 yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
                              state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
             else:
-                yield Access("adam", c, 0, (), 0, to_host=(g,), consumes=(g,), creates_host=(p,))
+                yield Access("adam", c, 0, (), 0, consumes=(g,), creates_host=(p,))
 
     for m in range(shape.micro_batches):
         last = m == shape.micro_batches - 1
@@ -125,10 +138,10 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
         if m == 0:
             out.extend(updates(head))
         out.append(Access("head", head, m, both[head], shape.head_non_model,
-                          shape.head_flops, drops(head, last)))
+                          shape.head_flops, drops(head, last), up(head, last)))
         for i in reversed(range(head)):
             out.append(Access("bwd", i, m, both[i], shape.bwd_non_model[i],
-                              shape.bwd_flops[i], drops(i, last)))
+                              shape.bwd_flops[i], drops(i, last), up(i, last)))
     if not any(streamed):
         return out
     extra = [0] * len(out)  # streamed state on the device beside other moments' own data

@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import threading
 
 import jax
 import numpy as np
@@ -174,6 +175,36 @@ def test_host_and_device_adam_agree():
     np.testing.assert_array_equal(la, lb)
     for name, value in host.params().items():
         np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
+
+
+def test_host_updates_run_beside_the_next_step(monkeypatch):
+    """A step ends with its host updates begun, not done: its grads went to the host during the
+    backward, and the update of every host chunk runs on the optimizer's worker while the caller
+    goes on; the next step waits for each one only where it needs that chunk's params. Held up
+    here by a gate, the updates are still under way when step() returns; the numbers equal
+    device Adam's, and the bytes the plan's."""
+    from pstar_jax import host_adam
+    m = model()
+    host, device = chunked(m, precision="bf16", adam="host"), chunked(m, precision="bf16", budget=10**8, adam="device")
+    assert host.optimizer.fused_host
+    gate, real_run = threading.Event(), host_adam.HostAdamW.run
+
+    def gated(self, *args):
+        assert gate.wait(timeout=120), "the gate was never opened"
+        return real_run(self, *args)
+    monkeypatch.setattr(host_adam.HostAdamW, "run", gated)
+    steps = batches(3)
+    for i, step in enumerate(steps):
+        a, b = host.step(step), device.step(step)
+        assert a.loss == b.loss and (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
+        assert sorted(host._begun) == list(range(host.layout.n_chunks))  # every update begun at the step's end
+        if i == 0:
+            assert not any(p.done() for p in host._begun.values()), "step() waited for a host update"
+            assert all(("master", c) not in host.store for c in host._begun)  # the updates own their state
+            gate.set()
+    for name, value in host.params().items():  # reading flushes: waits for the updates under way
+        np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
+    assert not host._begun
 
 
 def test_streamed_adam_equals_device_adam_and_moves_as_planned():

@@ -1,4 +1,5 @@
-"""Step-time prediction: between full overlap and none; a duplex link is never slower."""
+"""Step-time prediction: between full overlap and none; a duplex link is never slower; host
+updates run beside the device's work."""
 
 import dataclasses as dc
 
@@ -6,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200
 from pstar_jax.plan import plan_step
-from pstar_jax.predict import compute_s, predict_step_s, state_leads
+from pstar_jax.predict import compute_s, host_update_s, predict_step_s, state_leads
 from pstar_jax.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
@@ -25,11 +26,31 @@ def test_predicted_time_lies_between_full_overlap_and_none(n_blocks, per_block, 
         return
     accesses = step_accesses(shape, opt, plan.opt_streamed, plan.state_leads)
     compute = sum(compute_s(a, shape, slow_link) for a in accesses)
+    host = sum(host_update_s(a, shape, slow_link) for a in accesses)
     link = plan.h2d_bytes / 1e3 + plan.d2h_bytes / 1e3
-    eps = 1e-9 * (compute + link)
-    assert max(compute, link) - eps <= plan.predicted_step_s <= compute + link + eps
+    eps = 1e-9 * (compute + link + host)
+    assert max(compute, link, host) - eps <= plan.predicted_step_s <= compute + link + host + eps
     duplex = predict_step_s(plan.moments, accesses, shape, dc.replace(slow_link, duplex=True))
     assert max(compute, plan.h2d_bytes / 1e3, plan.d2h_bytes / 1e3) - eps <= duplex <= plan.predicted_step_s + eps
+
+
+def test_host_updates_run_beside_the_forward():
+    """Host updates start when the step does and the device waits only for the one it needs next:
+    with an update as long as a stage, the step takes far less than the two in series, and the
+    device never waits for the compute of an update it does not need yet."""
+    shape = gpt_like_shape(6, 1)
+    n = shape.n_chunks
+    stage_s = 1e9 / H200.flops_per_s
+    machine = dc.replace(H200, host_adam_params_per_s=shape.shard_numel / stage_s)  # an update: one forward stage
+    plan = plan_step(shape, 10**6, 10**9, machine, [False] * n)  # every param resident, every update on the host
+    assert plan.fits and plan.h2d_bytes == plan.d2h_bytes == n * shape.item_bytes  # grads up, new params down
+    accesses = step_accesses(shape, [False] * n)
+    compute = sum(compute_s(a, shape, machine) for a in accesses)
+    host = sum(host_update_s(a, shape, machine) for a in accesses)
+    assert host == n * stage_s and compute_s(accesses[0], shape, machine) == 0.0
+    assert plan.predicted_step_s < compute + host / 2
+    # the forward of stage i needs updates 0..i, so it waits at most for one update beyond the last stage
+    assert plan.predicted_step_s <= compute + 2 * stage_s + shape.n_chunks * machine.call_s + 1e-12
 
 
 

@@ -41,7 +41,12 @@ def test_moments_in_executor_order(n_blocks, per_block, micro, k, stream):
             elif stream:
                 assert a.state_bytes_each_way == shape.opt_state_bytes and a.creates_device == (("param", c),)
             else:
-                assert a.needs == () and a.to_host == (("slot", c),) and a.creates_host == (("param", c),)
+                assert a.needs == () and a.consumes == (("slot", c),) and a.creates_host == (("param", c),)
+    host = [c for c in range(n) if not opt[c] and not stream]
+    sent = [(it, a) for a in accesses for it in a.to_host]
+    assert sorted(it for it, _ in sent) == [("slot", c) for c in host], "each host grad goes up once"
+    for (_, c), a in sent:  # right after its last backward use: the grad is final
+        assert a.micro == micro - 1 and ("param", c) in a.drops and ("slot", c) in a.needs
     assert sum(len(v) for v in staged_after(accesses).values()) == sum(1 for a in accesses if a.state_bytes_each_way)
 
 
