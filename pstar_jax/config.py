@@ -252,7 +252,7 @@ class EngineConfig:
     host_memory: int | None = option(None, "pinned host memory pool for chunks (bytes; default: 85%% of what "
                                      "the machine has available)", parse=parse_optional_bytes)
     machine: str | None = option(None, "rates the plan predicts with: h200, h200-duplex or a JSON file; default: "
-                                 "this machine's, measured once and kept (python -m pstar_jax.machine "
+                                 "this machine's, measured once and kept (pstar-machine "
                                  "--remeasure measures again)", metavar="NAME_OR_FILE")
 
     def __post_init__(self) -> None:

@@ -7,20 +7,18 @@ A reading is noisy, and a plan made from a fresh one can differ run to run. So a
 measured once and its rates kept in a JSON file named by what they depend on (platform,
 device kind, jax version, core count, compute dtype) under ``machines_dir()``;
 ``saved_machine`` reads it back, measuring only when there is none. Re-measure with
-``python -m pstar_jax.machine --remeasure``.
+``pstar-machine --remeasure`` (pstar_jax/machine_cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -147,10 +145,10 @@ def load_machine(source: str | os.PathLike) -> Machine:
         machine = Machine(**fields)
     except OSError as err:
         raise ConfigError(f"machine {str(source)!r} is neither one of {', '.join(MACHINES)} nor a readable "
-                          f"file ({err.strerror}); measure one with python -m pstar_jax.machine") from None
+                          f"file ({err.strerror}); measure one with pstar-machine") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"machine file {str(source)!r} is not a saved machine ({err}); measure it again "
-                          f"with python -m pstar_jax.machine --remeasure") from None
+                          f"with pstar-machine --remeasure") from None
     def number(value, low: float) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < float("inf")
     rates = (machine.h2d_bytes_per_s, machine.d2h_bytes_per_s, machine.flops_per_s,
@@ -169,28 +167,3 @@ def saved_machine(placement, optimizer, remeasure: bool = False) -> Machine:
     machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
     save_machine(machine, path)
     return machine
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Measure this machine (its first device) and save the rates where pstar-train looks for them."""
-    p = argparse.ArgumentParser(prog="python -m pstar_jax.machine", description=main.__doc__)
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--remeasure", action="store_true", help="measure again even if rates are saved")
-    args = p.parse_args(argv)
-    from jax.sharding import Mesh
-
-    from pstar_jax.config import OptimConfig
-    from pstar_jax.memory import Placement
-    from pstar_jax.optim import ChunkOptimizer, default_tx
-
-    placement = Placement(Mesh(np.array(jax.devices()[:1]), ("data",)))
-    optimizer = ChunkOptimizer(default_tx(OptimConfig()), placement,
-                               jnp.bfloat16 if args.precision == "bf16" else jnp.float32)
-    machine = saved_machine(placement, optimizer, args.remeasure)
-    print(f"{machines_dir() / (machine_key(optimizer.param_dtype) + '.json')}")
-    print(json.dumps(dataclasses.asdict(machine), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,9 @@ and as a share of the limit: the highest triad figure / 28 bytes per parameter (
 params written, fp32 master, m, v read and written). Timings are wall-clock minima, so other
 processes on the machine lower them: the CPU seconds per wall second beside each figure show how
 many cores it really had, and the load average is printed first. Parameters per CPU-second fall
-when threads share a saturated memory bus (or a cache with other processes).
+when threads share a saturated memory bus (or a cache with other processes). The in-place
+triad's own speed-up from one thread to all is printed beside the update's: where one core
+nearly saturates the memory, no update moving 28 bytes per parameter can scale further.
 
 ``--overlap`` also times device work (a chain of matmuls) alone, a host update alone, and both
 issued together (the update through ``begin_update``, which returns at once): on an accelerator,
@@ -163,7 +165,10 @@ def main() -> None:
         figures[f"{key}_params_per_s"] = rate
         print(f"adam {label}: {rate / 1e9:5.2f} Gparams/s  {100 * rate / limit:5.1f}% of the limit  ({cores:.2f} cores, "
               f"{rate / cores / 1e9:.2f} Gparams per CPU-second)")
-    print(f"speed-up from 1 to {n} threads: {figures['fused_n_params_per_s'] / figures['fused_1_params_per_s']:.2f}x; "
+    memory_allows = figures["in_place_triad_n_Bps"] / figures["in_place_triad_1_Bps"]
+    figures["triad_speedup"] = memory_allows
+    print(f"speed-up from 1 to {n} threads: {figures['fused_n_params_per_s'] / figures['fused_1_params_per_s']:.2f}x "
+          f"(the in-place triad's: {memory_allows:.2f}x, what the memory allows a kernel bound by it); "
           f"fused on {n} threads over XLA: {figures['fused_n_params_per_s'] / figures['xla_params_per_s']:.2f}x")
     if args.overlap:
         overlap(args.numel, args.repeats, n)

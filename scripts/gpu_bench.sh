@@ -2,6 +2,9 @@
 # The GPU check of pstar_jax: one command, under 9 minutes on one H200 (139 GiB, 16 cores,
 # about 125 GiB host memory, jax 0.11.2, no network). Writes its results as files under OUT:
 #   bandwidth.json   pinned host<->device copies, and pstar's own chunk streaming
+#   host_adam.log    host AdamW on 1 and 16 cores beside the host's triad bandwidth, and a host
+#                    update beside device matmuls (does begin_update let both run at once?)
+#   machines/        this machine's rates as the planner measures them (pstar-machine)
 #   gpt1b3/          plain (no remat, full remat) beside pstar at 1.3B: fits plain
 #   gpt12b/          plain (predicted OOM) beside pstar at 12B, 32k tokens per step
 #   plain_largest/   plain with full remat at 8.3B and 10B (compile-time check, then a run)
@@ -22,10 +25,10 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 if [ $cpu = 1 ]; then
     small=(--small); s13=tiny; s12=small; plain_sizes=small-2x128,small-4x128; depth_model=small; host=2GiB; dev=(--device-memory 48MiB)
-    b13=8; b12=8; t=(60 120 120 120 120)
+    b13=8; b12=8; t=(60 120 120 120 120 60); adam=(--numel 4194304 --repeats 2)
 else
     small=(); s13=GPT2_1B-24x2048; s12=GPT3_12B; plain_sizes=GPT3_8B,GPT3_10B; depth_model=GPT3_12B; host=100GiB; dev=()
-    b13=16; b12=32; t=(45 120 150 90 120)
+    b13=16; b12=32; t=(45 120 140 80 110 30); adam=(--repeats 3)
 fi
 phase() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
@@ -35,6 +38,8 @@ phase() {  # name, seconds, command...
     echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$out/summary.txt"
 }
 phase bandwidth "${t[0]}" "$py" scripts/bandwidth.py "${small[@]}" --out "$out/bandwidth.json"
+phase host_adam "${t[5]}" bash -c "$py scripts/bench_host_adam.py ${adam[*]} --overlap --json && \
+    PSTAR_MACHINES_DIR=$out/machines $py -m pstar_jax.machine_cli --remeasure"
 phase gpt1b3 "${t[1]}" "$py" scripts/bench_compare.py --sizes "$s13" --batch-sizes "$b13" \
     --methods plain-none,plain-full,pstar --host-memory "$host" "${dev[@]}" --steps 5 --out "$out/gpt1b3"
 phase gpt12b "${t[2]}" "$py" scripts/bench_compare.py --sizes "$s12" --batch-sizes "$b12" \
