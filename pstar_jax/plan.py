@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pstar_jax.config import format_bytes
 from pstar_jax.eviction import EvictionPolicy, policy_for
@@ -300,11 +300,13 @@ TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally f
 
 def preference(plan: Plan) -> tuple:
     """How the planner orders plans predicted equally fast (within ``TIE_MARGIN``), most preferred
-    last: more param chunks resident, then more optimizer state on the device, then fewer bytes
-    moved, then state updated on the host over streamed. Predictions are estimates; among near
-    ties the plan that moves less is the safer bet, and a fixed rule keeps plans reproducible."""
-    return (plan.resident_fraction, sum(plan.opt_on_device), -(plan.h2d_bytes + plan.d2h_bytes),
-            not any(plan.opt_streamed))
+    last: fewer bytes moved, then more param chunks resident, then more optimizer state on the
+    device, then fewer chunks streaming their state. Predictions are estimates, and the copies are
+    their least certain part (whether the link copies both ways at once, how well copies overlap
+    compute): among near ties the plan that moves less is the safer bet, and a fixed rule keeps
+    plans reproducible."""
+    return (-(plan.h2d_bytes + plan.d2h_bytes), plan.resident_fraction, sum(plan.opt_on_device),
+            -sum(plan.opt_streamed))
 
 
 def choose(plans: Sequence[Plan]) -> Plan:
@@ -328,50 +330,74 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
               adam_placement: str = "auto", first_fit: bool = False) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
-    How many chunks keep their state on the device (PatrickStar's margin), and whether the
-    others update on the host or stream their state through the device. ``adam_placement``
-    "device", "host" or "stream" forces one way for all chunks. Streamed state is sent down far
-    enough ahead to hide its copy, or, when device memory is short for that, one moment ahead.
+    Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
+    through the device for their update, chunks b..n-1 are updated on the host. Chunks are
+    numbered in forward order, so the host updates are those the next forward needs last: they
+    have the most time to run beside it (host updates start when the backward ends).
+    ``adam_placement`` "device", "host" or "stream" forces one way for all chunks. Streamed state
+    is sent down far enough ahead to hide its copy, or, when device memory is short for that, one
+    moment ahead.
 
-    The counts tried: a grid of about 12 steps over 0..n, then finer grids (a quarter of the
-    spacing each time) around the chosen one, so a deep model costs a few dozen plans, not n.
-    Near ties are broken by ``choose``. ``first_fit``: return the first plan that fits (for
-    searches that only ask whether anything fits: the same candidates in the same order until
-    then, so the same answer)."""
+    The search: k on a grid of about 12 steps over 0..n with the rest all on the host or all
+    streamed (PatrickStar's choice), refined around the chosen k (finer grids, a quarter of the
+    spacing each time); then b along the line of that k, and k along the line of the b found, the
+    same way, until the choice stays (three rounds at most), when a plan fits so far. A deep
+    model costs a few dozen to a few hundred plans, not n squared. Near ties are broken by
+    ``choose``. ``first_fit``: return the first plan that fits, trying no mixes (for searches that
+    only ask whether anything fits, as pstar-plan's largest depth and batch: the same candidates
+    in the same order until then, so the same answer)."""
     n = shape.n_chunks
 
-    def planned(opt_on_device: Sequence[bool], stream: bool) -> Plan:
-        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n)
-        if plan.fits or not stream or not plan.problem.startswith("device"):  # the retry saves device memory
-            return plan
-        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=[stream] * n,
-                         hide_state=False)
+    def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool]) -> Plan:
+        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed)
+        if plan.fits or not any(plan.opt_streamed) or not plan.problem.startswith("device"):
+            return plan  # the retry below saves device memory
+        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False)
 
     if adam_placement != "auto":
-        return planned([adam_placement == "device"] * n, adam_placement == "stream")
-    scores: dict[tuple[int, bool], Plan] = {}
+        return planned([adam_placement == "device"] * n, [adam_placement == "stream"] * n)
+    scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
 
     class _Fits(Exception):
         pass
 
-    def consider(k: int, stream: bool) -> None:
-        if (k, stream) not in scores:
-            scores[k, stream] = planned([c < k for c in range(n)], stream)
-            if first_fit and scores[k, stream].fits:
+    def consider(k: int, b: int) -> None:
+        if (k, b) not in scores:
+            scores[k, b] = planned([c < k for c in range(n)], [k <= c < b for c in range(n)])
+            if first_fit and scores[k, b].fits:
                 raise _Fits
 
-    spacing = max(1, n // 12)
-    try:
-        for k in sorted({n, 0, *range(0, n, spacing)}, reverse=True):
-            for stream in (False, True):
-                consider(k, stream)
-        while spacing > 1:  # refine around the chosen count, with its way of updating the rest
-            best = choose(list(scores.values()))
-            k0, stream0 = next(key for key, plan in scores.items() if plan is best)
-            finer = max(1, spacing // 4)
-            for k in range(max(0, k0 - spacing + finer), min(n, k0 + spacing) + 1, finer):
-                consider(k, stream0)
+    def chosen(among: Callable[[tuple[int, int]], bool] = lambda key: True) -> tuple[int, int]:
+        keys = [key for key in scores if among(key)]
+        best = choose([scores[key] for key in keys])
+        return next(key for key in keys if scores[key] is best)
+
+    def line(point: Callable[[int], tuple[int, int]], lo: int, hi: int) -> None:
+        """Plans at point(x) for x on a grid over lo..hi, then finer grids around the best of them."""
+        on_line = {point(x): x for x in range(lo, hi + 1)}
+        spacing = max(1, (hi - lo) // 12)
+        for x in sorted({lo, hi, *range(lo, hi, spacing)}, reverse=True):
+            consider(*point(x))
+        while spacing > 1:
+            x0, finer = on_line[chosen(lambda key: key in on_line)], max(1, spacing // 4)
+            for x in range(max(lo, x0 - spacing + finer), min(hi, x0 + spacing) + 1, finer):
+                consider(*point(x))
             spacing = finer
+
+    try:
+        spacing = max(1, n // 12)
+        for k in sorted({n, 0, *range(0, n, spacing)}, reverse=True):
+            consider(k, k)  # the rest on the host
+            consider(k, n)  # the rest streamed
+        k0, b0 = chosen()
+        line((lambda k: (k, k)) if b0 == k0 < n else (lambda k: (k, n)), 0, n)
+        for _ in range(3 if any(p.fits for p in scores.values()) and not first_fit else 0):  # then mixes
+            before = k0, _ = chosen()
+            line(lambda b: (k0, b), k0, n)
+            _, b0 = chosen()
+            line(lambda k: (k, b0), 0, b0)
+            if chosen() == before:
+                break
     except _Fits:
         return next(plan for plan in scores.values() if plan.fits)
     return choose(list(scores.values()))

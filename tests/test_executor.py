@@ -207,6 +207,31 @@ def test_host_updates_run_beside_the_next_step(monkeypatch):
     assert not host._begun
 
 
+def test_mixed_adam_placement_runs_as_planned(monkeypatch):
+    """One plan with state on the device for some chunks, streamed for others and updated on the
+    host for the rest (the planner's mix, forced here): bytes moved equal the plan's every step,
+    the numbers equal device Adam's."""
+    from pstar_jax import planning
+    from pstar_jax.plan import plan_step
+
+    def mixed(shape, budget, host_bytes, machine, adam_placement):
+        n = shape.n_chunks
+        return plan_step(shape, budget, host_bytes, machine, [c < 1 for c in range(n)],
+                         streamed=[1 <= c < 3 for c in range(n)])
+    monkeypatch.setattr(planning, "make_plan", mixed)
+    m = model()
+    engine = chunked(m, precision="bf16")
+    monkeypatch.undo()
+    device = chunked(m, precision="bf16", budget=10**8, adam="device")
+    assert engine.plan.opt_on_device[:3] == (True, False, False) and engine.plan.opt_streamed[:4] == (False, True, True, False)
+    for step in batches(3):
+        a, b = engine.step(step), device.step(step)
+        assert a.loss == b.loss and (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
+        assert sorted(engine._begun) == list(range(3, engine.layout.n_chunks))
+    for name, value in engine.params().items():
+        np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
+
+
 def test_streamed_adam_equals_device_adam_and_moves_as_planned():
     """State kept on the host but updated on the device: the same numbers as device-resident
     state, and the state's trips down and up are in the plan's bytes, step by step."""
@@ -226,12 +251,13 @@ def test_streamed_adam_equals_device_adam_and_moves_as_planned():
 
 def test_params_and_grads_never_both_alive_after_last_use():
     """Between steps each chunk has one bf16 slot (its pending grad), master and opt state, and no
-    separate params; after a flush the slots hold the params, equal to the master cast down."""
+    separate params (a host update under way holds its chunk's three); after a flush the slots
+    hold the params, equal to the master cast down."""
     engine = chunked(model(), precision="bf16")
     engine.step(batches(1)[0])
     n = engine.layout.n_chunks
     for kind in ("slot", "master", "opt"):
-        assert len(engine.store.keys(kind)) == n
+        assert sorted([*(c for _, c in engine.store.keys(kind)), *engine._begun]) == list(range(n))
     assert engine.store.keys("param") == []
     engine.flush()
     assert engine.store.keys("param") == [] and len(engine.store.keys("slot")) == n

@@ -157,3 +157,26 @@ def test_host_shortfall_is_never_that_of_a_placement_the_device_cannot_hold():
     plan = make_plan(shape, 1200, 1000, H200)
     assert not plan.fits and plan.problem.startswith("host memory runs out")
     assert sum(plan.opt_on_device) * shape.opt_state_bytes < 1200
+
+
+def test_mixed_optimizer_placement_when_it_is_faster():
+    """Device state for the first chunks, streamed state next, host updates for the chunks the
+    next forward needs last: where the host is too slow to update everything beside the forward
+    and the link too slow to stream everything, the planner finds the mix, faster than any plan
+    that puts all the rest one way."""
+    import dataclasses as dc
+    shape = gpt_like_shape(6, 1)
+    n = shape.n_chunks
+    stage_s = 1e9 / H200.flops_per_s
+    machine = dc.replace(H200, host_adam_params_per_s=shape.shard_numel / (3 * stage_s), call_s=0.0,
+                         h2d_bytes_per_s=shape.opt_state_bytes / (2 * stage_s),
+                         d2h_bytes_per_s=shape.opt_state_bytes / (2 * stage_s))
+    device = 300 + 2 * n * 100 + 600
+    plan = make_plan(shape, device, 10**9, machine)
+    host = [not d and not s for d, s in zip(plan.opt_on_device, plan.opt_streamed)]
+    assert plan.fits and any(plan.opt_streamed) and any(host)
+    k, b = sum(plan.opt_on_device), n - sum(host)
+    assert list(plan.opt_on_device) == [c < k for c in range(n)] and list(plan.opt_streamed) == [k <= c < b for c in range(n)]
+    pure = [plan_step(shape, device, 10**9, machine, [c < j for c in range(n)], streamed=[stream] * n)
+            for j in range(n + 1) for stream in (False, True)]
+    assert plan.predicted_step_s * 1.05 < min(p.predicted_step_s for p in pure if p.fits)
