@@ -295,6 +295,14 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     return items * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
 
 
+def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
+    """Whether the two memories together could hold the model data: every chunk has its bf16
+    item (params or grad) and its optimizer state somewhere at every moment, and at the moment
+    with the most non-model data the device holds the least. False: no placement fits."""
+    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    return shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes) <= max(0, device_bytes - busiest) + host_bytes
+
+
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
 
 
@@ -327,7 +335,7 @@ def choose(plans: Sequence[Plan]) -> Plan:
 
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
-              adam_placement: str = "auto", first_fit: bool = False) -> Plan:
+              adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
@@ -341,11 +349,13 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     The search: k on a grid of about 12 steps over 0..n with the rest all on the host or all
     streamed (PatrickStar's choice), refined around the chosen k (finer grids, a quarter of the
     spacing each time); then b along the line of that k, and k along the line of the b found, the
-    same way, until the choice stays (three rounds at most), when a plan fits so far. A deep
-    model costs a few dozen to a few hundred plans, not n squared. Near ties are broken by
-    ``choose``. ``first_fit``: return the first plan that fits, trying no mixes (for searches that
-    only ask whether anything fits, as pstar-plan's largest depth and batch: the same candidates
-    in the same order until then, so the same answer)."""
+    same way, until the choice stays (three rounds at most). A mix can fit where neither pure
+    way does (host-updated chunks need host memory for their params, streamed ones device memory
+    for their state). A deep model costs a few dozen to a few hundred plans, not n squared. Near
+    ties are broken by ``choose``. ``first_fit``: return the first plan that fits, the mixes tried
+    in one round of coarse grids (for searches that only ask whether anything fits, as
+    pstar-plan's largest depth and batch: the same candidates in the same order until then, so
+    the same answer); ``mixes`` False: try only the rest all on the host or all streamed."""
     n = shape.n_chunks
 
     def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool]) -> Plan:
@@ -356,6 +366,8 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     if adam_placement != "auto":
         return planned([adam_placement == "device"] * n, [adam_placement == "stream"] * n)
+    if first_fit and not could_fit(shape, device_bytes, host_bytes):
+        return planned([False] * n, [False] * n)  # one candidate, to say what runs out
     scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
 
     class _Fits(Exception):
@@ -372,13 +384,13 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         best = choose([scores[key] for key in keys])
         return next(key for key in keys if scores[key] is best)
 
-    def line(point: Callable[[int], tuple[int, int]], lo: int, hi: int) -> None:
+    def line(point: Callable[[int], tuple[int, int]], lo: int, hi: int, refine: bool = True) -> None:
         """Plans at point(x) for x on a grid over lo..hi, then finer grids around the best of them."""
         on_line = {point(x): x for x in range(lo, hi + 1)}
         spacing = max(1, (hi - lo) // 12)
         for x in sorted({lo, hi, *range(lo, hi, spacing)}, reverse=True):
             consider(*point(x))
-        while spacing > 1:
+        while refine and spacing > 1:
             x0, finer = on_line[chosen(lambda key: key in on_line)], max(1, spacing // 4)
             for x in range(max(lo, x0 - spacing + finer), min(hi, x0 + spacing) + 1, finer):
                 consider(*point(x))
@@ -391,11 +403,11 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
             consider(k, n)  # the rest streamed
         k0, b0 = chosen()
         line((lambda k: (k, k)) if b0 == k0 < n else (lambda k: (k, n)), 0, n)
-        for _ in range(3 if any(p.fits for p in scores.values()) and not first_fit else 0):  # then mixes
+        for _ in range(0 if not mixes else 1 if first_fit else 3):  # mixes (for a fit alone: one round, coarse)
             before = k0, _ = chosen()
-            line(lambda b: (k0, b), k0, n)
+            line(lambda b: (k0, b), k0, n, refine=not first_fit)
             _, b0 = chosen()
-            line(lambda k: (k, b0), 0, b0)
+            line(lambda k: (k, b0), 0, b0, refine=not first_fit)
             if chosen() == before:
                 break
     except _Fits:

@@ -134,6 +134,16 @@ def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> in
     return low
 
 
+def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> int:
+    """``largest`` for a question asked two ways: ``fits(n, mixes)`` with mixes False tries only
+    PatrickStar's placements (the rest of the optimizer state all on the host or all streamed),
+    True also mixes of the two, which cost far more plans and fit at least as far. The search
+    runs on the cheap question, then goes on past its answer with the full one (usually a single
+    probe that fails)."""
+    low = largest(lambda n: fits(n, False), start, limit)
+    return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
+
+
 def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
                 search: bool = True) -> PlanReport:
@@ -183,14 +193,15 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
     placement = Placement(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
 
-    def depth_fits(n_layer: int) -> bool:
+    def depth_fits(n_layer: int, mixes: bool) -> bool:
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         deeper = model_at(n_layer)
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
         bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
-        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True).fits
+        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
+                         mixes=mixes).fits
     # Every parameter needs its bf16 item and its optimizer state somewhere: no deeper model fits
     # in device and host memory together. The search also stops at MAX_SEARCH_CHUNKS chunks.
     layer_numel = n_params(model_at(depth0 + 1)) - n_params(model)
@@ -201,7 +212,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
                                 // (layer_numel * bytes_per_numel))
     chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
     limit = max(1, min(memory_bound, chunk_bound))
-    depth = largest(depth_fits, depth0, limit)
+    depth = largest_mixed(depth_fits, depth0, limit)
     return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
 
 
@@ -214,10 +225,10 @@ def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: 
     memory_limit = device_bytes * micro // max(busiest, 1)
     batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
 
-    def batch_fits(batch: int) -> bool:
+    def batch_fits(batch: int, mixes: bool) -> bool:
         return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
-                         first_fit=True).fits
-    batch = largest(batch_fits, micro, batch_limit)
+                         first_fit=True, mixes=mixes).fits
+    batch = largest_mixed(batch_fits, micro, batch_limit)
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 

@@ -32,3 +32,29 @@ def test_report_for_a_model_without_depth_search_and_one_that_does_not_fit():
         device_memory=64 * 1024), 4, mesh(), H200, 2**30)
     assert not report.fits and "device memory runs out" in report.plan.problem
     assert report.depth is None and report.batch is not None
+
+
+def test_largest_mixed_searches_cheaply_then_goes_past_with_mixes():
+    """The cheap question (no mixes) answers the search; the full one (mixes too) is asked only
+    past that answer: a single probe when mixes fit no further, a gallop when they do."""
+    from pstar_jax.planner import largest_mixed
+    for pure, mixed in ((10, 10), (10, 13), (0, 3), (0, 0), (40, 40)):
+        asked = []
+
+        def fits(n, mixes, pure=pure, mixed=mixed):
+            asked.append((n, mixes))
+            return n <= (mixed if mixes else pure)
+        assert largest_mixed(fits, 4, 40) == mixed
+        full = [n for n, mixes in asked if mixes]
+        assert len(full) <= (1 if mixed == pure else 2 + 2 * (mixed - pure).bit_length())
+        assert all(n > pure for n in full)
+
+
+def test_no_placement_fits_when_the_two_memories_cannot_hold_the_model_data():
+    from pstar_jax.plan import could_fit, make_plan
+    from step_shapes import gpt_like_shape
+    shape = gpt_like_shape(3, 2)
+    data = shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes)
+    assert could_fit(shape, 300 + data, 0) and not could_fit(shape, 300 + data - 1, 0)
+    assert could_fit(shape, 300, data) and not could_fit(shape, 300, data - 1)
+    assert not make_plan(shape, 300, data - 1, H200, first_fit=True).fits
