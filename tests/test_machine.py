@@ -6,7 +6,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from pstar_jax import machine as mach, machine_cli
+from pstar_jax import machine as mach
 from pstar_jax.config import ConfigError
 from pstar_jax.machine import H200, MACHINES, load_machine, machine_key, save_machine, saved_machine
 
@@ -65,21 +65,3 @@ def test_key_names_platform_versions_cores_and_dtype():
     key = machine_key(jnp.float32)
     assert key.startswith("cpu-") and f"jax{jax.__version__}" in key and f"{os.cpu_count()}cores" in key
     assert key.endswith("float32") and "/" not in key and " " not in key
-
-
-def test_main_measures_this_machine(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(tmp_path))
-    assert machine_cli.main([]) == 0
-    path = capsys.readouterr().out.splitlines()[0]
-    saved = load_machine(path)
-    assert saved.name == machine_key(jnp.bfloat16) and saved.flops_per_s > 0 and saved.host_adam_params_per_s > 0
-    assert machine_cli.main([]) == 0 and load_machine(capsys.readouterr().out.splitlines()[0]) == saved  # kept
-
-
-def test_main_says_where_it_cannot_write(tmp_path, monkeypatch, capsys):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(blocker / "machines"))  # under a file: cannot be made
-    assert machine_cli.main(["--remeasure"]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "PSTAR_MACHINES_DIR" in err
