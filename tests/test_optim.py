@@ -253,3 +253,31 @@ def test_chunk_update_equals_per_tensor_adamw(space):
         np.testing.assert_allclose(chunk_master[:N_DECAY], params["w"], **CLOSE)
         np.testing.assert_allclose(chunk_master[N_DECAY:], params["b"], **CLOSE)
     assert not np.allclose(chunked[-1][0], master)
+
+
+@pytest.mark.parametrize("space", list(Space), ids=[s.name for s in Space])
+def test_chunk_update_equals_torch_adamw(space):
+    """The default optimizer against an implementation nobody here wrote: torch.optim.AdamW with
+    the same schedule (LambdaLR of optax's warmup-cosine), decay on the decayed tensors only, and
+    the grads pre-multiplied by the clip scale. fp32 both ways; the two order their float
+    arithmetic differently, so they agree to a few ulps, step after step."""
+    torch = pytest.importorskip("torch")
+    master, grads = steps3(7)
+    grads = grads + [inputs(s)[1] for s in (11, 12, 13)]  # six steps: through warmup into the decay
+    scale = 0.5
+    chunked = run_steps(space, grads, master, scale=scale)
+    w = torch.nn.Parameter(torch.tensor(master[:N_DECAY]))
+    b = torch.nn.Parameter(torch.tensor(master[N_DECAY:]))
+    warmup, total = CFG.schedule_steps()
+    schedule = optax.warmup_cosine_decay_schedule(0.0, CFG.lr, warmup, max(total, warmup + 1), CFG.lr * CFG.final_lr_fraction)
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": CFG.weight_decay}, {"params": [b], "weight_decay": 0.0}],
+                            lr=CFG.lr, betas=(CFG.b1, CFG.b2), eps=CFG.eps)
+    lr_at = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float(schedule(step)) / CFG.lr)
+    for grad, (chunk_master, _, _) in zip(grads, chunked):
+        g = grad * np.float32(scale)
+        w.grad, b.grad = torch.tensor(g[:N_DECAY]), torch.tensor(g[N_DECAY:])
+        opt.step()
+        lr_at.step()
+        np.testing.assert_allclose(chunk_master[:N_DECAY], w.detach().numpy(), rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(chunk_master[N_DECAY:], b.detach().numpy(), rtol=2e-6, atol=1e-6)
+    assert not np.allclose(chunked[-1][0], master, atol=1e-2)
