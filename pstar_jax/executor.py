@@ -9,13 +9,14 @@ are dropped and its grad takes their place (14 bytes per parameter in all).
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
 schedule.py). The math is unchanged: the update uses step k's gradient and clip scale. A chunk
-updated on the host sends its grad up to the host right after its last backward use, and all host updates
-are begun (``ChunkOptimizer.begin_update``: on a worker thread) as soon as step k's norm is
-known, so the host computes them while the device finishes step k and runs step k+1's forward;
-step k+1 waits for chunk c's update only at c's moment, to fetch its new params. Between
-steps each chunk's bf16 slot (the store key ("slot", c)) holds its pending gradient, or its
-current params when no update is pending; ``flush`` applies a pending update at once, and
-everything that reads or saves state calls it.
+updated on the host sends its grad up to the host right after its last backward use, and every
+host update is begun (``ChunkOptimizer.begin_update``: on a worker thread) as soon as step k's
+norm is known, at the end of ``step``: the host computes them while the caller goes on and the
+device runs step k+1's forward, which waits for chunk c's update only at c's moment, to fetch
+its new params. Between steps each chunk's bf16 slot (the store key ("slot", c)) holds its
+pending gradient, or its current params when no update is pending (a host update under way owns
+its chunk's slot, master and state until that moment); ``flush`` applies a pending update at
+once, and everything that reads or saves state calls it.
 
 Placement is the plan's: before each moment (or during the previous one, when the plan says
 prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
