@@ -244,8 +244,8 @@ class EngineConfig:
                             choices=PRECISIONS, math_changing=True)
     micro_batches: int = option(1, "gradient accumulation steps per optimizer step")
     adam_placement: str = option("auto", "where fp32 master and Adam state live: device, host (updated there), "
-                                 "stream (kept on the host, updated on the device); auto: the fastest the plan "
-                                 "predicts", choices=ADAM_PLACEMENTS)
+                                 "stream (kept on the host, updated on the device); auto: per chunk, the mix of the "
+                                 "three the plan predicts fastest", choices=ADAM_PLACEMENTS)
     kind: str = option("chunked", "chunked (pstar) or plain (one whole-model jit, the baseline)", flag="--engine",
                        choices=ENGINES)
     remat: str = option("none", "plain engine: XLA rematerialisation of the blocks", choices=REMATS)
