@@ -358,6 +358,13 @@ class OutputConfig:
     tensorboard: str | None = option(None, "TensorBoard event files of the same metrics (needs tensorboardX: "
                                      "pip install 'pstar_jax[tensorboard]')", metavar="DIR")
     quiet: bool = option(False, "no progress bar")
+    profile: str | None = option(None, "write a jax.profiler trace (TensorBoard's profile plugin, Perfetto) of "
+                                 "--profile-steps steps to this directory, from the run's third step (the first "
+                                 "two compile): stages, copies, host optimizer updates", metavar="DIR")
+    profile_steps: int = option(2, "steps the --profile trace covers", metavar="N")
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "profile_steps", upper=MAX_STEPS)
 
 
 @dataclasses.dataclass(frozen=True)

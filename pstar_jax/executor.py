@@ -187,12 +187,13 @@ class ChunkedEngine:
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
-            if access.phase == "adam":
-                self._adam(access.index, clip)
-            else:
-                self._run(access, run, micro_batches)
-                for key in access.to_host:  # a final grad bound for host Adam
-                    self.store.evict(key)
+            with jax.profiler.TraceAnnotation(f"pstar {access.phase} {access.index}"):  # named in --profile traces
+                if access.phase == "adam":
+                    self._adam(access.index, clip)
+                else:
+                    self._run(access, run, micro_batches)
+                    for key in access.to_host:  # a final grad bound for host Adam
+                        self.store.evict(key)
             if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
                 self._measure_moment(run)
             if t + 1 < len(moments) and moments[t + 1].prefetch:

@@ -197,7 +197,8 @@ class HostAdamW:
                 for a, b, wd in ((lo, min(hi, boundary), k[-2]), (max(lo, boundary), hi, np.float32(0))):
                     if b > a:
                         tasks.append(functools.partial(self._kernel, *(x[a:b] for x in views), *k[:-2], wd, k[-1]))
-        self.pool.run(tasks)
+        with jax.profiler.TraceAnnotation(f"pstar host AdamW {master.size} params"):  # seen beside the device's work
+            self.pool.run(tasks)
         return master, state, grad
 
     def _constants(self, scale: jax.Array, counts: list[jax.Array]) -> tuple[tuple, list[int]]:

@@ -90,6 +90,8 @@ class Run:
             check_output_file(cfg.output.metrics_out, "OutputConfig.metrics_out")
         if cfg.output.tensorboard:
             check_output_dir(cfg.output.tensorboard, "OutputConfig.tensorboard")
+        if cfg.output.profile:
+            check_output_dir(cfg.output.profile, "OutputConfig.profile")
         if cfg.checkpoint.export_flax:
             check_export_dir(cfg.checkpoint.export_flax)
         if cfg.checkpoint.export_hf:
@@ -219,10 +221,13 @@ class Run:
         step_tokens = cfg.train.batch_size * self.model.seq_len
         flops = flops_per_token(self.model)
         first_step, every = engine.step_count, cfg.checkpoint.every
+        profile = Profile(cfg.output.profile if self.main_process else None, first_step + 2, cfg.output.profile_steps)
         try:
             with distributed.peer_failures_end_the_process():
                 for step in range(engine.step_count, cfg.train.steps):
+                    profile.before(step)
                     result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
+                    profile.after(step)
                     watchdog.progress(step + 1)
                     record = step_record(step, result, step_tokens, flops)
                     last = step + 1 == cfg.train.steps or bool(
@@ -244,6 +249,7 @@ class Run:
                     if stopping or last:
                         break
         finally:
+            profile.close()
             watchdog.stop()
             progress.close()
             for writer in writers[len(self._writers):]:
@@ -303,6 +309,31 @@ def _eval_split(config: RunConfig, tokens: np.ndarray, eval_tokens: np.ndarray |
     except DataError as err:
         raise DataError(f"DataConfig.eval_path: {err}") from None
     return tokens, held
+
+
+class Profile:
+    """A jax.profiler trace of steps ``first`` .. ``first + count - 1`` into ``directory`` (None:
+    none). Each step ends synchronised (it reads its loss), so the trace holds whole steps."""
+
+    def __init__(self, directory: str | None, first: int, count: int):
+        self.directory, self.first, self.last = directory, first, first + count - 1
+        self.tracing = False
+
+    def before(self, step: int) -> None:
+        if self.directory and step == self.first:
+            import jax
+            jax.profiler.start_trace(self.directory)
+            self.tracing = True
+
+    def after(self, step: int) -> None:
+        if step == self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            import jax
+            self.tracing = False
+            jax.profiler.stop_trace()
 
 
 def signal_name(signum: int) -> str:

@@ -89,6 +89,7 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--device-memory", "1.5"], "--device-memory: '1.5' is neither a fraction in (0, 1] nor a whole number"),
     (["--export-dtype", "int8"], "invalid choice"),
+    (["--profile-steps", "0"], "--profile-steps must be a whole number of at least 1"),
 ])
 def test_bad_flags_are_one_line_exit_2_before_any_work(tmp_path, capsys, argv, words):
     """Each of these was once a traceback or silently accepted: now one line naming the flag."""
@@ -113,12 +114,34 @@ def test_output_paths_are_checked_before_training(tmp_path, capsys):
     cases = [(["--metrics-out", str(tmp_path)], "is a directory"),
              (["--export-flax", str(tmp_path / "file")], "--export-flax"),
              (["--export-flax", str(tmp_path / "user")], "holds other files"),
-             (["--checkpoint-dir", str(tmp_path / "file" / "ck")], "--checkpoint-dir")]
+             (["--checkpoint-dir", str(tmp_path / "file" / "ck")], "--checkpoint-dir"),
+             (["--profile", str(tmp_path / "file" / "trace")], "--profile")]
     for argv, words in cases:
         assert main([*argv, "--steps", "1", "--quiet"]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("pstar-train: error:") and "\n" not in err and words in err, err
     assert (tmp_path / "user" / "config.json").read_text() == "mine"
+
+
+def test_profile_traces_the_chosen_steps_with_named_stages_and_host_updates(tmp_path):
+    """--profile writes a jax.profiler trace of --profile-steps steps after the two that compile:
+    the executor's moments and the host optimizer's updates appear by name, the updates on the
+    optimizer's own thread (on a GPU: beside the device's work)."""
+    import collections
+    import gzip
+    import json
+    assert main(["--steps", "5", "--quiet", "--adam-placement", "host", "--profile", str(tmp_path),
+                 "--profile-steps", "2"]) == 0
+    (trace,) = tmp_path.glob("plugins/profile/*/*.trace.json.gz")
+    events = [e for e in json.load(gzip.open(trace))["traceEvents"] if e.get("name", "").startswith("pstar ")]
+    threads = collections.defaultdict(set)
+    for e in events:
+        threads[e["name"].split(" ")[1]].add(e["tid"])
+    n_chunks = sum(1 for e in events if e["name"].startswith("pstar adam ")) // 2  # two steps traced
+    assert n_chunks >= 1 and {"fwd", "head", "bwd", "host"} <= set(threads)
+    # the updates begun after the first traced step all end inside the second, which waits for them
+    assert n_chunks <= sum(e["name"].startswith("pstar host AdamW") for e in events) <= 3 * n_chunks
+    assert threads["host"].isdisjoint(threads["fwd"])
 
 
 def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
