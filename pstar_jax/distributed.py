@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Iterator
 
 import jax
@@ -121,7 +122,8 @@ PEER_WORDS = ("gloo", "connection", "peer", "unavailable", "heartbeat", "deadlin
 def peer_failures_end_the_process(prog: str = "pstar-train") -> Iterator[None]:
     """In a multi-process run, a runtime error from the backend (most often a collective whose
     peer died) ends this process with one line and exit 3, skipping every cleanup that would
-    wait for the peer (jax's exit-time shutdown would abort with a native stack)."""
+    wait for the peer (jax's exit-time shutdown would abort with a native stack); any other
+    error ends it the same way with its own line, exit 2 for a user error (ConfigError), else 1."""
     try:
         yield
     except jax.errors.JaxRuntimeError as err:
@@ -134,6 +136,16 @@ def peer_failures_end_the_process(prog: str = "pstar-train") -> Iterator[None]:
             hard_exit(EXIT_PEER_FAILED, f"{where}: a collective with another process failed; another process "
                       f"probably died ({short})")
         hard_exit(EXIT_PEER_FAILED, f"{where}: the backend failed ({short}); the other processes stop too")
+    except Exception as err:  # noqa: BLE001 - every error of a multi-process run ends here
+        if jax.process_count() == 1:
+            raise
+        # Leaving through the interpreter's exit would join worker threads (a host optimizer update
+        # may wait on a dead peer's data) and run jax's shutdown barrier (which aborts with a
+        # native stack when a peer is gone): end now, with the error's one line.
+        if not type(err).__module__.startswith("pstar_jax"):  # ours name the problem; others keep their trace
+            traceback.print_exc()
+        hard_exit(2 if isinstance(err, ConfigError) else 1,
+                  f"{prog}: error: process {jax.process_index()}: {' '.join(str(err).split())}")
 
 
 def agree_to_stop(local_stop: bool) -> bool:

@@ -100,3 +100,31 @@ def test_unreachable_coordinator_is_one_line_within_the_timeout():
                                    f"coordinator 127.0.0.1:{port} within 3 s; check that process 0 runs there and "
                                    "every process has the same --coordinator")
     assert took < 30
+
+
+@pytest.mark.parametrize("error, code, trace", [
+    (RuntimeError("gloo: connection reset by peer"), 1, True),  # not a backend error: its trace is kept
+    (FloatingPointError("the loss is not finite at step 3"), 1, True),
+    (ConfigError("evaluation does not fit: lower the batch"), 2, False),
+])
+def test_any_error_of_a_multi_process_run_ends_the_process_at_once(monkeypatch, capsys, error, code, trace):
+    """In a multi-process run every error leaves through hard_exit (the interpreter's exit would join
+    worker threads and run jax's shutdown barrier, both of which can wait on a dead peer); one
+    process alone raises as usual."""
+    from pstar_jax import distributed
+    exits = []
+
+    def fake_exit(status, line=None):
+        exits.append((status, line))
+        raise SystemExit(status)
+    monkeypatch.setattr(distributed, "hard_exit", fake_exit)
+    with pytest.raises(type(error)):
+        with distributed.peer_failures_end_the_process():
+            raise error
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    with pytest.raises(SystemExit):
+        with distributed.peer_failures_end_the_process():
+            raise error
+    (status, line), = exits
+    assert status == code and line.startswith("pstar-train: error: process 0: ") and str(error) in line
+    assert ("Traceback" in capsys.readouterr().err) == trace
