@@ -120,32 +120,34 @@ PEER_WORDS = ("gloo", "connection", "peer", "unavailable", "heartbeat", "deadlin
 
 @contextlib.contextmanager
 def peer_failures_end_the_process(prog: str = "pstar-train") -> Iterator[None]:
-    """In a multi-process run, a runtime error from the backend (most often a collective whose
-    peer died) ends this process with one line and exit 3, skipping every cleanup that would
-    wait for the peer (jax's exit-time shutdown would abort with a native stack); any other
-    error ends it the same way with its own line, exit 2 for a user error (ConfigError), else 1."""
+    """In a multi-process run, a failed collective (most often: its peer died) or any other runtime
+    error from the backend ends this process with one line and exit 3, skipping every cleanup
+    that would wait for the peer (jax's exit-time shutdown would abort with a native stack); any
+    other error ends it the same way with its own line, exit 2 for a user error (ConfigError),
+    else 1. A failed collective is told by its message, not its type: jax raises a dead peer's
+    gloo error as a JaxRuntimeError from an asynchronous computation but as a ValueError from a
+    jit call that ran it at once (seen with jax 0.11.2 in process_allgather)."""
     try:
         yield
-    except jax.errors.JaxRuntimeError as err:
-        if jax.process_count() == 1:
-            raise
-        cause = " ".join(str(err).split())
-        short = cause[:200] + ("..." if len(cause) > 200 else "")
-        where = f"{prog}: error: process {jax.process_index()}"
-        if any(w in cause.lower() for w in PEER_WORDS):
-            hard_exit(EXIT_PEER_FAILED, f"{where}: a collective with another process failed; another process "
-                      f"probably died ({short})")
-        hard_exit(EXIT_PEER_FAILED, f"{where}: the backend failed ({short}); the other processes stop too")
     except Exception as err:  # noqa: BLE001 - every error of a multi-process run ends here
         if jax.process_count() == 1:
             raise
         # Leaving through the interpreter's exit would join worker threads (a host optimizer update
         # may wait on a dead peer's data) and run jax's shutdown barrier (which aborts with a
-        # native stack when a peer is gone): end now, with the error's one line.
+        # native stack when a peer is gone): end now, with one line.
+        cause = " ".join(str(err).split())
+        short = cause[:200] + ("..." if len(cause) > 200 else "")
+        where = f"{prog}: error: process {jax.process_index()}"
+        if isinstance(err, ConfigError):
+            hard_exit(2, f"{where}: {cause}")
+        if any(w in cause.lower() for w in PEER_WORDS) and not type(err).__module__.startswith("pstar_jax"):
+            hard_exit(EXIT_PEER_FAILED, f"{where}: a collective with another process failed; another process "
+                      f"probably died ({short})")
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            hard_exit(EXIT_PEER_FAILED, f"{where}: the backend failed ({short}); the other processes stop too")
         if not type(err).__module__.startswith("pstar_jax"):  # ours name the problem; others keep their trace
             traceback.print_exc()
-        hard_exit(2 if isinstance(err, ConfigError) else 1,
-                  f"{prog}: error: process {jax.process_index()}: {' '.join(str(err).split())}")
+        hard_exit(1, f"{where}: {cause}")
 
 
 def agree_to_stop(local_stop: bool) -> bool:
