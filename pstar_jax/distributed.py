@@ -138,14 +138,15 @@ def peer_failures_end_the_process(prog: str = "pstar-train") -> Iterator[None]:
         cause = " ".join(str(err).split())
         short = cause[:200] + ("..." if len(cause) > 200 else "")
         where = f"{prog}: error: process {jax.process_index()}"
+        ours = type(err).__module__.startswith("pstar_jax")  # ours name the problem; others keep their trace
         if isinstance(err, ConfigError):
             hard_exit(2, f"{where}: {cause}")
-        if any(w in cause.lower() for w in PEER_WORDS) and not type(err).__module__.startswith("pstar_jax"):
+        if any(w in cause.lower() for w in PEER_WORDS) and not ours:
             hard_exit(EXIT_PEER_FAILED, f"{where}: a collective with another process failed; another process "
                       f"probably died ({short})")
         if isinstance(err, jax.errors.JaxRuntimeError):
             hard_exit(EXIT_PEER_FAILED, f"{where}: the backend failed ({short}); the other processes stop too")
-        if not type(err).__module__.startswith("pstar_jax"):  # ours name the problem; others keep their trace
+        if not ours:
             traceback.print_exc()
         hard_exit(1, f"{where}: {cause}")
 

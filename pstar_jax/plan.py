@@ -185,7 +185,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     else one moment ahead (less device memory)."""
     streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
-    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    busiest = shape.busiest_non_model_bytes
     short = opt_device + busiest + shape.item_bytes - device_bytes
     if opt_device and short > 0:  # the state kept on the device leaves no room for a chunk: say so, not
         #                            a host shortfall computed as if the device could hold that state
@@ -287,7 +287,7 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     all sit on the host once the last update has run (a copy fetched to the device leaves the
     host copy valid)."""
     k = sum(opt_on_device)
-    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    busiest = shape.busiest_non_model_bytes
     room = device_bytes - k * shape.opt_state_bytes - busiest
     on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
     host_adam = sum(not d and not s for d, s in zip(opt_on_device, streamed))
@@ -299,7 +299,7 @@ def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
     """Whether the two memories together could hold the model data: every chunk has its bf16
     item (params or grad) and its optimizer state somewhere at every moment, and at the moment
     with the most non-model data the device holds the least. False: no placement fits."""
-    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    busiest = shape.busiest_non_model_bytes
     return shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes) <= max(0, device_bytes - busiest) + host_bytes
 
 

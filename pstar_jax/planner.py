@@ -221,7 +221,7 @@ def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: 
     from pstar_jax.schedule import scale_batch
     shape, device_bytes = planned.shape, planned.device_budget_bytes
     # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
-    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    busiest = shape.busiest_non_model_bytes
     memory_limit = device_bytes * micro // max(busiest, 1)
     batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
 

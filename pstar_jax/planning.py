@@ -70,7 +70,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
-        working = max(*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model)
+        working = shape.busiest_non_model_bytes
         budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
     if adam is None:
         plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)

@@ -85,8 +85,9 @@ def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], sh
     sent_up = [len(a.to_host) * shape.item_bytes for a in accesses]  # always dirty: written by the moment
     host_done, host_free = {}, 0.0
     for t, a in enumerate(accesses):
-        if host_update_s(a, shape, machine):
-            host_free = host_done[t] = host_free + host_update_s(a, shape, machine)
+        update_s = host_update_s(a, shape, machine)
+        if update_s:
+            host_free = host_done[t] = host_free + update_s
 
     stage(-1, 0.0)
     compute_start = compute_end = 0.0

@@ -63,6 +63,11 @@ class StepShape:
     opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
     micro_batches: int = 1
 
+    @property
+    def busiest_non_model_bytes(self) -> int:
+        """The non-model bytes of the step's busiest moment: where the device holds the fewest chunks."""
+        return max((*self.fwd_non_model, self.head_non_model, *self.bwd_non_model))
+
 
 def scale_batch(shape: StepShape, factor: float) -> StepShape:
     """The step at ``factor`` times the traced batch: activation memory and FLOPs scale linearly.

@@ -59,7 +59,7 @@ def row(report: ps.PlanReport) -> dict:
     """One table row as data (bytes in bytes, times in seconds; None where it does not fit)."""
     plan, shape, n = report.plan, report.planned.shape, report.planned.layout.n_chunks
     model_data = n * (shape.item_bytes + shape.opt_state_bytes)  # per device: a param or grad, master and Adam
-    busiest = max((*shape.fwd_non_model, shape.head_non_model, *shape.bwd_non_model))
+    busiest = shape.busiest_non_model_bytes
     out = {"preset": report.label, "n_params": report.n_params, "n_chunks": n,
            "chunk_numel": report.planned.layout.chunk_numel, "model_data_bytes": model_data, "fits": plan.fits,
            "problem": plan.problem,

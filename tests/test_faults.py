@@ -335,18 +335,23 @@ def reap_orphans(pids):
             os.kill(pid, signal.SIGKILL)
 
 
+def start_launcher(tmp_path, extra, **popen):
+    """scripts/launch_local.py with two trainers of BASE training 'forever', logs in tmp_path."""
+    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
+           "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_launcher_forwards_one_signal_and_waits_for_the_checkpoints(tmp_path, sig, to_group):
     """SIGTERM to the launcher, or Ctrl-C at its terminal (SIGINT to its process group): one
     signal reaches each trainer, they save the same step, nothing is left running."""
     d, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
-           "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--checkpoint-dir", str(d),
-           "--metrics-out", str(metrics)]
     trainers = []
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = start_launcher(tmp_path, ["--checkpoint-dir", str(d), "--metrics-out", str(metrics)],
+                              start_new_session=True)
     try:
         wait_for(lambda: lines(metrics) >= 2, 180, launcher)
         trainers[:] = children(launcher.pid)
@@ -372,11 +377,8 @@ def test_launcher_forwards_one_signal_and_waits_for_the_checkpoints(tmp_path, si
 @pytest.mark.slow
 def test_launcher_reports_whichever_trainer_fails_first_and_stops_the_rest(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
-           "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", "--metrics-out", str(metrics)]
     trainers = []
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = start_launcher(tmp_path, ["--metrics-out", str(metrics)])
     try:
         wait_for(lambda: lines(metrics) >= 2, 180, launcher)
         trainers[:] = children(launcher.pid)
