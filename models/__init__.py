@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import gpt, llama
-from models.hf import build_from_hf, hf_config, hf_tensors
+from pstar_models import gpt, llama
+from pstar_models.hf import build_from_hf, hf_config, hf_tensors
 
 __all__ = ["PRESET_NAMES", "build_from_hf", "build_model", "hf_config", "hf_tensors"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, NamedTuple
 
-from models.gpt import LN_EPS, GPTConfig, StagedGPT
-from models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
+from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
+from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.gpt import KVCache, _linear, decode_blocks, logits, visible_TxS, write_cache
+from pstar_models.gpt import KVCache, _linear, decode_blocks, logits, visible_TxS, write_cache
 from pstar_jax.model import NNXStaged, cross_entropy
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as

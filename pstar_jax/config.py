@@ -133,7 +133,7 @@ class ModelConfig:
     name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B, llama-3.2-1b ... llama-3.1-70b, "
                        "qwen2.5-0.5b ... qwen2.5-72b, mistral-7b)", flag="--model",
                        math_changing=True)
-    module: str = option("models", "module with build_model(name, **overrides) returning a staged model (and, "
+    module: str = option("pstar_models", "module with build_model(name, **overrides) returning a staged model (and, "
                          "for Hugging Face checkpoints, build_from_hf, hf_tensors, hf_config)", flag="--model-module")
     n_layer: int | None = option(None, "override the preset's depth", math_changing=True)
     d_model: int | None = option(None, "override the preset's width", math_changing=True)
@@ -413,6 +413,8 @@ def from_dict(cls: type, data: dict) -> Any:
         value = data[f.name]
         if isinstance(value, dict):  # a section
             value = from_dict(SECTIONS[f.name], value)
+        elif cls is ModelConfig and f.name == "module" and value == "models":
+            value = "pstar_models"  # checkpoints written before the families were installed under this name
         kwargs[f.name] = value
     return cls(**kwargs)
 

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "mistral)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--model-module", default=None, help="module with build_from_hf and hf_tensors for --hf "
-                   "(default: models; a checkpoint uses its run's)")
+                   "(default: pstar_models; a checkpoint uses its run's)")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None, help="tokenizer.json or its directory "
                    "(default: the --hf directory, or the run's --init-from-hf directory; byte-level for a "
                    "256-token vocabulary)")
@@ -112,7 +112,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
 def hf_source(directory: str, module: str | None) -> Source:
     from pstar_jax.hf import HFCheckpoint
     from pstar_jax.loop import hf_functions, load_model
-    config = RunConfig(model=ModelConfig(module=module or "models", init_from_hf=directory))
+    config = RunConfig(model=ModelConfig(module=module or "pstar_models", init_from_hf=directory))
     model = load_model(config)
     try:
         tensor_map = hf_functions(config)[0](model)
@@ -125,7 +125,7 @@ def hf_source(directory: str, module: str | None) -> Source:
 def flax_model(directory: str) -> Any:
     """The GPT or Llama a Flax export's config.json (the model config's fields) describes."""
     from pstar_jax.checkpoint import CheckpointError
-    from models import gpt, llama
+    from pstar_models import gpt, llama
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:

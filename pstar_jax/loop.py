@@ -40,7 +40,7 @@ def _module_function(module: Any, name: str, config: RunConfig) -> Any:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"ModelConfig.module {config.model.module!r} has no {name} function; use a module that "
-                          f"has one (the default, models, does)")
+                          f"has one (the default, pstar_models, does)")
     return fn
 
 

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
-from models import build_model  # noqa: E402
+from pstar_models import build_model  # noqa: E402
 from pstar_jax.machine import copies_overlap  # noqa: E402
 from pstar_jax.memory import Placement, Space  # noqa: E402
 from pstar_jax.planning import default_mesh  # noqa: E402

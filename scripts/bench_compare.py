@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
-from models import build_model  # noqa: E402
+from pstar_models import build_model  # noqa: E402
 from pstar_jax.config import format_bytes, parse_bytes  # noqa: E402
 from pstar_jax.memory import device_total_bytes, host_budget_bytes  # noqa: E402
 from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
-from models import build_model  # noqa: E402
+from pstar_models import build_model  # noqa: E402
 from pstar_jax.plan import plan_step  # noqa: E402
 from pstar_jax.planning import default_mesh  # noqa: E402
 from pstar_jax.schedule import step_accesses  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
-from models import build_model  # noqa: E402
+from pstar_models import build_model  # noqa: E402
 from pstar_jax import compat  # noqa: E402
 from pstar_jax.planning import default_mesh  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402

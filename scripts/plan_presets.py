@@ -97,7 +97,7 @@ def markdown(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=",".join(LLAMA_FAMILY), help="comma list of presets")
-    p.add_argument("--model-module", default="models")
+    p.add_argument("--model-module", default="pstar_models")
     p.add_argument("--device-memory", default="132GiB", help="per device, bytes (default: 0.95 of an H200)")
     p.add_argument("--host-memory", default="106GiB", help="pinned host memory for chunks (default: 85%% of 125 GiB)")
     p.add_argument("--seq-len", type=int, default=4096)

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
-from models import build_model  # noqa: E402
+from pstar_models import build_model  # noqa: E402
 from pstar_jax.memory import host_budget_bytes  # noqa: E402
 from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
 

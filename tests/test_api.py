@@ -99,3 +99,19 @@ def test_nnx_staged_module_names_order_and_init():
     assert not np.array_equal(a, model.init_tensor("blocks.0.up.kernel", 0))
     with pytest.raises(ValueError, match="unknown model preset"):
         build_model("other")
+
+
+def test_a_users_own_models_module_neither_hides_nor_replaces_ours(tmp_path):
+    """A directory with a models.py of the user's own (every Django project): the default model module
+    is pstar_models, so the user's file is not imported and the default preset still builds."""
+    (tmp_path / "models.py").write_text("raise RuntimeError('the user models.py was imported')\n")
+    code = ("import pstar_jax as ps\n"
+            "from pstar_jax.loop import load_model\n"
+            "model = load_model(ps.RunConfig(model=ps.ModelConfig(name='tiny')))\n"
+            "print(type(model).__name__)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "StagedGPT"
+    assert ps.ModelConfig().module == "pstar_models"

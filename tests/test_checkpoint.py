@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.gpt import load_gpt
+from pstar_models.gpt import load_gpt
 from pstar_jax.checkpoint import Checkpointer
 from pstar_jax.train import main
 
@@ -102,7 +102,7 @@ def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     assert main([*BASE, "--steps", "1", "--init-from-flax", str(out), "--metrics-out", str(metrics)]) == 0
     from pstar_jax.flax_io import import_flax
     from pstar_jax.model import compose_loss
-    from models.gpt import build_model
+    from pstar_models.gpt import build_model
     staged = build_model("tiny")
     params = import_flax(str(out), staged.param_shapes())
     again = float(compose_loss(staged.stages(jnp.float32))(params, tok[:, :-1], tok[:, 1:]))

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.gpt import GPTConfig, StagedGPT
-from models.llama import LlamaConfig, StagedLlama, _llama3
+from pstar_models.gpt import GPTConfig, StagedGPT
+from pstar_models.llama import LlamaConfig, StagedLlama, _llama3
 from pstar_jax.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
 
 MODELS = {

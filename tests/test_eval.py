@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 import pstar_jax as ps
-from models.gpt import StagedGPT, preset
+from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.data import Batches, eval_batches, held_out_split, write_tokens
 from pstar_jax.executor import ChunkedEngine

@@ -197,7 +197,7 @@ def test_init_from_flax_with_resume_is_refused(tmp_path, capsys):
 
 
 def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
-    from models.gpt import build_model
+    from pstar_models.gpt import build_model
     from pstar_jax.flax_io import export_flax
     shapes = build_model("tiny").param_shapes()
     empty = tmp_path / "empty"

@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.hf import hf_config, hf_tensors
-from models.llama import LlamaConfig, StagedLlama
+from pstar_models.hf import hf_config, hf_tensors
+from pstar_models.llama import LlamaConfig, StagedLlama
 from pstar_jax.checkpoint import Checkpointer, iter_master_tensors
 from pstar_jax.config import RunConfig, from_dict
 from pstar_jax.decode import StreamedDecoder, cache_bytes, params_bytes, stream_peak_bytes

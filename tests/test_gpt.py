@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, PRESETS, StagedGPT, gpt_from_params, preset
+from pstar_models.gpt import GPT, GPTConfig, PRESETS, StagedGPT, gpt_from_params, preset
 from pstar_jax.model import cast_params, compose_loss, validate_stages
 
 TINY = preset("tiny")

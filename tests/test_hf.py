@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.gpt import GPTConfig, StagedGPT
+from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
 from pstar_jax.hf import HFCheckpoint, HFCheckpointError, export_hf, read_hf_config
@@ -27,7 +27,7 @@ from pstar_jax.optim import default_tx
 
 HF_MODULE = '''
 import dataclasses
-from models.gpt import GPTConfig, StagedGPT, build_model
+from pstar_models.gpt import GPTConfig, StagedGPT, build_model
 
 def hf_tensors(model):
     return {n: ("transformer." + n, n.endswith("kernel"), n == "wpe") for n in model.param_shapes()}
@@ -431,7 +431,7 @@ def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family)
     and exports back byte-identical per tensor; from_pretrained loads the export completely."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    models_hf = pytest.importorskip("models.hf")
+    models_hf = pytest.importorskip("pstar_models.hf")
     if family == "gpt2":
         config = transformers.GPT2Config(vocab_size=96, n_positions=80, n_embd=48, n_layer=2, n_head=3)
     else:  # GQA groups of 3, untied head
@@ -465,7 +465,7 @@ def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family)
 
 def write_family_checkpoint(directory, model, dtype=np.float32):
     """A Hugging Face directory for ``model`` through models.hf's own maps: config.json, weights, a tokenizer."""
-    from models import hf as mhf
+    from pstar_models import hf as mhf
     os.makedirs(directory)
     tensors = {}
     for name, (hf_name, transpose, _) in mhf.hf_tensors(model).items():
@@ -484,8 +484,8 @@ def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
     """HF -> pstar (Run with init_from_hf, chunks moving) -> HF with no training step: every tensor's
     bytes are equal, config.json describes the same model, the tokenizer files come along."""
     import pstar_jax as ps
-    from models import hf as mhf
-    from models.llama import LlamaConfig, StagedLlama
+    from pstar_models import hf as mhf
+    from pstar_models.llama import LlamaConfig, StagedLlama
     if family == "gpt2":
         model = StagedGPT(dataclasses.replace(TINY, vocab_size=300))
     else:
@@ -508,7 +508,7 @@ def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
 
 
 def test_pstar_train_fine_tunes_an_hf_checkpoint_and_refuses_contradictions(tmp_path, capsys):
-    from models.llama import LlamaConfig, StagedLlama
+    from pstar_models.llama import LlamaConfig, StagedLlama
     from pstar_jax.train import main as train_main
     model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
                                     seq_len=32, max_position_embeddings=32))

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import build_from_hf, build_model, hf_config, hf_tensors
-from models.gpt import GPTConfig, StagedGPT, gpt_from_params
-from models.llama import PRESETS, LlamaConfig, StagedLlama, llama_from_params
+from pstar_models import build_from_hf, build_model, hf_config, hf_tensors
+from pstar_models.gpt import GPTConfig, StagedGPT, gpt_from_params
+from pstar_models.llama import PRESETS, LlamaConfig, StagedLlama, llama_from_params
 
 # Tiny checkpoints with odd sizes: heads not a power of two, GQA groups of 3, odd vocabularies.
 GPT2 = dict(model_type="gpt2", vocab_size=97, n_positions=40, n_embd=36, n_layer=2, n_head=3)

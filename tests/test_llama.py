@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-import models
-from models.llama import (PRESETS, Llama, Llama3RopeScaling, LlamaConfig, StagedLlama, apply_rope,
+import pstar_models
+from pstar_models.llama import (PRESETS, Llama, Llama3RopeScaling, LlamaConfig, StagedLlama, apply_rope,
                           causal_attention, llama_from_params, preset, rms_norm, rope_inv_freq, rope_tables)
 from pstar_jax.config import EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
@@ -184,19 +184,19 @@ PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llam
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_preset_sizes_match_the_published_models(name):
-    model = models.build_model(name)
+    model = pstar_models.build_model(name)
     assert model.n_params() == PUBLISHED[name]
     assert model.config.seq_len == 4096
     assert 0 < model.flops_per_token() < 6.2 * model.n_params() + 6 * model.config.n_layer * 4096 * model.config.d_model
 
 
 def test_build_model_serves_every_preset_and_overrides():
-    assert set(PRESETS) <= set(models.PRESET_NAMES) and "GPT2_1B" in models.PRESET_NAMES
-    short = models.build_model("llama-3.1-8b", seq_len=2048, n_layer=2, d_model=None)
+    assert set(PRESETS) <= set(pstar_models.PRESET_NAMES) and "GPT2_1B" in pstar_models.PRESET_NAMES
+    short = pstar_models.build_model("llama-3.1-8b", seq_len=2048, n_layer=2, d_model=None)
     assert short.config == dataclasses.replace(preset("llama-3.1-8b"), seq_len=2048, n_layer=2)
-    assert type(models.build_model("tiny")).__name__ == "StagedGPT"
+    assert type(pstar_models.build_model("tiny")).__name__ == "StagedGPT"
     with pytest.raises(ValueError, match="unknown model preset"):
-        models.build_model("llama-9")
+        pstar_models.build_model("llama-9")
 
 
 def test_flops_per_token_counts_matmul_params_and_attention():

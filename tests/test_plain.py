@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from models.gpt import StagedGPT, preset
+from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, OptimConfig
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine, segments

@@ -5,7 +5,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import pstar_jax as ps
-from models.gpt import build_model
+from pstar_models.gpt import build_model
 from pstar_jax.machine import H200
 
 MiB = 2**20

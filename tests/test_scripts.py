@@ -96,7 +96,7 @@ def test_plan_presets_answers_as_pstar_plan():
 
 
 def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():
-    import models
+    import pstar_models
 
     import pstar_jax as ps
     from pstar_jax.machine import H200

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models.gpt import build_model
+from pstar_models.gpt import build_model
 from pstar_jax.chunks import build_layout
 from pstar_jax.memory import Placement
 from pstar_jax.stages import StageFunctions, bind

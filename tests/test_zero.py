@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from models.gpt import StagedGPT, preset
+from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
 from pstar_jax.machine import H200
