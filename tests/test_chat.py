@@ -1,0 +1,187 @@
+"""pstar_jax.chat: the four formats and their bad lines; ids equal to transformers' apply_chat_template
+for Llama 3.1, Qwen2.5 and Mistral templates; the trained mask exactly the assistant's turns."""
+
+import json
+
+import numpy as np
+import pytest
+
+from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
+from pstar_jax.chat import BadLines, ChatTemplate, read_conversations
+from pstar_jax.data import DataError
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    out = {name: tokenizer_dir(root, name) for name in TEMPLATES}
+    out["qwen25-marks"] = tokenizer_dir(root, "qwen25", generation_marks=True)
+    return out
+
+
+def _jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def _hf_ids(tokenizer, conversation, **kwargs):
+    out = tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
+    return list(out["input_ids"] if not isinstance(out, list) else out)
+
+
+def _runs(template, ids, labels):
+    """The decoded text of each maximal run of trained tokens."""
+    runs, current = [], []
+    for i, trained in zip(ids.tolist(), labels.tolist()):
+        if trained:
+            current.append(i)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    return [template.tokenizer.decode(r, skip_special_tokens=False) for r in runs]
+
+
+# What each template trains of an assistant turn: its content and the tokens that end the turn.
+EXPECTED_TURN = {
+    "llama31": lambda content: content.strip() + "<|eot_id|>",  # the template trims the content
+    "qwen25": lambda content: content + "<|im_end|>\n",
+    "mistral": lambda content: " " + content + "</s>",
+    "qwen25-marks": lambda content: content + "<|im_end|>",  # the marks leave the newline out
+}
+
+
+@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral", "qwen25-marks"])
+def test_ids_equal_transformers_and_the_mask_is_the_assistant_turns(dirs, name):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(dirs[name])
+    template = ChatTemplate.from_tokenizer_dir(dirs[name])
+    assert template.has_generation_marks == name.endswith("marks")
+    for conversation in CONVERSATIONS:
+        for prompt in (False, True):
+            assert template.encode(template.render(conversation, prompt)) == \
+                _hf_ids(reference, conversation, add_generation_prompt=prompt), (name, prompt)
+        ids, labels = template.encode_with_mask(conversation)
+        assert ids.dtype == np.uint32 and labels.dtype == np.uint8
+        assert ids.tolist() == _hf_ids(reference, conversation)
+        answers = [m["content"] for m in conversation if m["role"] == "assistant"]
+        assert _runs(template, ids, labels) == [EXPECTED_TURN[name](a) for a in answers]
+        if template.has_generation_marks:
+            masked = reference.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True)
+            assert list(masked["assistant_masks"]) == labels.tolist()
+        ids_all, labels_all = template.encode_with_mask(conversation, train_on_prompt=True)
+        assert ids_all.tolist() == ids.tolist() and labels_all.all()
+
+
+def test_llama31_writes_its_date_header_and_bos(dirs):
+    template = ChatTemplate.from_tokenizer_dir(dirs["llama31"])
+    text = template.render(CONVERSATIONS[0], add_generation_prompt=True)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge "
+                           "Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>")
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert template.encode(text)[0] == template.tokenizer.token_to_id("<|begin_of_text|>")  # once, by the template
+
+
+@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral"])
+def test_end_of_turn_token(dirs, name):
+    template = ChatTemplate.from_tokenizer_dir(dirs[name])
+    assert template.end_of_turn_ids() == [template.tokenizer.token_to_id(TEMPLATES[name][4])]
+
+
+def test_template_sources(dirs, tmp_path):
+    source = dirs["qwen25"]
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    # The list form: the 'default' one.
+    listed = dict(config, chat_template=[{"name": "tool_use", "template": "x"},
+                                         {"name": "default", "template": config["chat_template"]}])
+    (d / "tokenizer_config.json").write_text(json.dumps(listed))
+    assert ChatTemplate.from_tokenizer_dir(d).source == config["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=[{"name": "a", "template": "x"}])))
+    with pytest.raises(DataError, match="no 'default' one; pass --chat-template"):
+        ChatTemplate.from_tokenizer_dir(d)
+    # chat_template.jinja beside it, and --chat-template over both.
+    (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert ChatTemplate.from_tokenizer_dir(d).render(CONVERSATIONS[0]) == "What is the capital of France?"
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m.role }}{% endfor %}")
+    assert ChatTemplate.from_tokenizer_dir(d, own).render(CONVERSATIONS[0]) == "userassistant"
+    (d / "chat_template.jinja").unlink()
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(DataError, match=r"has no chat template .*; pass --chat-template FILE"):
+        ChatTemplate.from_tokenizer_dir(d)
+
+
+def test_tojson_and_raise_exception_are_transformers(dirs, tmp_path):
+    own = tmp_path / "t.jinja"
+    own.write_text("{{ messages | tojson }}{% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}")
+    template = ChatTemplate.from_tokenizer_dir(dirs["qwen25"], own)
+    conv = [{"role": "user", "content": "<b>é</b>"}]
+    assert template.render(conv) == json.dumps(conv, ensure_ascii=False)  # no HTML escaping
+    with pytest.raises(ValueError, match="is refused by the chat template .*: too long"):
+        template.render(conv * 3)
+
+
+def test_inconsistent_template_is_refused(dirs, tmp_path):
+    own = tmp_path / "bad.jinja"  # the turn count leads the text, so a prefix renders differently
+    own.write_text("{{ messages | length }}{% for m in messages %}|{{ m.content }}{% endfor %}")
+    template = ChatTemplate.from_tokenizer_dir(dirs["qwen25"], own)
+    with pytest.raises(DataError, match=r"the chat template .*bad.jinja renders the first turns"):
+        template.encode_with_mask(CONVERSATIONS[0])
+    assert template.encode_with_mask(CONVERSATIONS[0], train_on_prompt=True)[1].all()
+
+
+FORMATS = {
+    "messages": ({"messages": CONVERSATIONS[1]}, CONVERSATIONS[1]),
+    "alpaca": ({"instruction": "Say", "input": "hi", "output": "hi!", "system": "Be brief."},
+               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say\n\nhi"},
+                {"role": "assistant", "content": "hi!"}]),
+    "sharegpt": ({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
+                 [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]),
+    "prompt-completion": ({"prompt": "p", "completion": "c"},
+                          [{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_formats_are_detected_and_chosen(tmp_path, fmt):
+    record, want = FORMATS[fmt]
+    path = _jsonl(tmp_path / "d.jsonl", ["", record, record])
+    got = list(read_conversations(path))
+    assert [c for c, _ in got] == [want, want] and [w for _, w in got] == [f"{path}:2", f"{path}:3"]
+    assert [c for c, _ in read_conversations(path, fmt)] == [want, want]
+    other = next(f for f in FORMATS if f != fmt)
+    with pytest.raises(DataError, match=f"{path}:2 has no"):
+        list(read_conversations(path, other))
+
+
+BAD = [
+    ("{not json", "is not JSON"),
+    ({"messages": [{"role": "user", "content": "a"}]}, "has no assistant turn"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "unknown role 'bot'"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "}]}, "empty assistant turn"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}, "holds int, not text"),
+    ({"messages": "hi"}, "holds str, not a list of turns"),
+    ({"messages": [{"role": "user"}]}, "has no 'content'"),
+    ({"text": "plain"}, "has no 'messages' field"),
+]
+
+
+def test_bad_lines_are_named_or_skipped(tmp_path):
+    good = {"messages": CONVERSATIONS[0]}
+    for record, reason in BAD:
+        path = _jsonl(tmp_path / "bad.jsonl", [good, record, good])
+        with pytest.raises(DataError) as err:
+            list(read_conversations(path))
+        assert str(err.value).startswith(f"{path}:2 ") and reason in str(err.value)
+        assert str(err.value).count("\n") == 0 and "--on-bad-example skip" in str(err.value)
+    path = _jsonl(tmp_path / "first.jsonl", [{"text": "plain"}, good])
+    with pytest.raises(DataError, match=f"{path}:1 has none of the fields .* --chat-format"):
+        list(read_conversations(path))
+    path = _jsonl(tmp_path / "all.jsonl", [good] + [r for r, _ in BAD] + [good])
+    bad = BadLines(skip=True, keep=3)
+    assert len(list(read_conversations(path, "messages", bad))) == 2
+    assert bad.count == len(BAD) and len(bad.named) == 3 and bad.named[0].startswith(f"{path}:2 is not JSON")
