@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from pstar_jax import data
+from pstar_jax.chat import FORMATS
 from pstar_jax.data import DataError, TokenWriter, io_errors
 
 PIECE_BYTES = 1 << 18
@@ -267,6 +268,20 @@ def _check_input(path: Path) -> None:
         raise DataError(f"cannot read input file {path}: permission denied")
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_not_an_input(out: Path, inputs: Sequence[Path]) -> None:
+    for path in inputs:
+        if _same_file(out, path):
+            raise DataError(f"the output {out} is also an input; it is never overwritten: name another output "
+                            f"with -o/--output")
+
+
 def make_token_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *,
                     tokenizer: str | os.PathLike | None = None, eos_token: str | None = None,
                     field: str = "text", default_corpus: bool = False, max_bytes: int | None = None,
@@ -282,6 +297,7 @@ def make_token_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] 
         raise DataError(f"--max-bytes must be >= 1, got {max_bytes}")
     for path in inputs:
         _check_input(path)
+    check_not_an_input(Path(out), inputs)
     encoder = ByteEncoder() if tokenizer is None else load_tokenizer(tokenizer, eos_token)
     if default_corpus:
         pieces, max_bytes = default_corpus_pieces(encoder), max_bytes or data.DEFAULT_CORPUS_BYTES
@@ -299,24 +315,31 @@ def make_token_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] 
         return writer.commit()
 
 
-def _split_paths(paths: Sequence[str]) -> tuple[str, list[str]]:
-    # The original order is OUT first (`pstar-tokens OUT.u16.bin FILES...`); the documented one
-    # is OUT last. A first path named like a token file, with none last, is the original order.
-    if not paths:
-        raise DataError("give the output token file, e.g. `pstar-tokens INPUTS... OUT.u16.bin`")
-    if data.is_token_file_name(paths[0]) and (len(paths) == 1 or not data.is_token_file_name(paths[-1])):
-        return paths[0], list(paths[1:])
-    return paths[-1], list(paths[:-1])
+def _split_paths(paths: Sequence[str], output: str | None) -> tuple[str, list[str]]:
+    """(OUT, inputs). With -o every path is an input. Without it, the old positional form: OUT is the
+    one path named like a token file (*.u16.bin, *.u32.bin), first or last; anything else is ambiguous
+    (``OUT.u16.bin IN.u16.bin`` once overwrote the file meant as input), so it is refused."""
+    if output is not None:
+        return output, list(paths)
+    named = [i for i, p in enumerate(paths) if data.is_token_file_name(p)]
+    if len(named) == 1 and named[0] in (0, len(paths) - 1):
+        i = named[0]
+        return paths[i], list(paths[:i]) + list(paths[i + 1:])
+    shown = " ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
+    raise DataError(f"cannot tell the output among {shown or 'no paths'}; name it with -o: "
+                    f"pstar-tokens -o OUT.u16.bin INPUTS...")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``pstar-tokens``: writes a token file from text and JSONL files or the default corpus."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pstar-tokens", usage="%(prog)s [options] INPUTS... OUT.u16.bin|OUT.u32.bin",
+        prog="pstar-tokens", usage="%(prog)s [options] -o OUT.u16.bin|OUT.u32.bin|OUT.sft.u16.bin INPUTS...",
         description="Make a token file: byte-level (vocab 256) by default, or with a Hugging Face "
                     "tokenizer. .jsonl inputs hold one document per line; other inputs are one "
-                    "document each. OUT may also come first, before the inputs.")
-    parser.add_argument("paths", nargs="*", metavar="PATH", help="input files, in order, and OUT")
+                    "document each. With --chat: conversations (JSONL) rendered with the checkpoint's "
+                    "chat template into a packed SFT file, trained on the assistant's tokens only.")
+    parser.add_argument("paths", nargs="*", metavar="INPUT", help="input files, in order (without -o, the "
+                        "one path named *.u16.bin/*.u32.bin, first or last, is the output)")
+    parser.add_argument("-o", "--output", default=None, metavar="OUT", help="the token file to write")
     parser.add_argument("--tokenizer", default=None, metavar="DIR_OR_JSON",
                         help="a tokenizer.json or a directory holding one (default: bytes)")
     parser.add_argument("--eos-token", default=None,
@@ -325,15 +348,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--default-corpus", action="store_true", help="use Python's stdlib sources")
     parser.add_argument("--max-bytes", type=int, default=None,
                         help="read at most this many input bytes (a document boundary counts 1)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (never an input)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    chat = parser.add_argument_group("conversations (--chat)")
+    chat.add_argument("--chat", action="store_true", help="conversation JSONL to a packed SFT file "
+                      "(OUT.sft.u16.bin); needs --tokenizer DIR and --seq-len")
+    chat.add_argument("--chat-format", default=None, choices=FORMATS,
+                      help="the JSONL format (default: detected per file from its first valid line)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template (default: the tokenizer's own)")
+    chat.add_argument("--seq-len", type=int, default=None, help="the training sequence length: rows hold "
+                      "seq_len + 1 tokens")
+    chat.add_argument("--train-on-prompt", action="store_true",
+                      help="train on every token, not only the assistant's")
+    chat.add_argument("--truncate", action="store_true", help="keep the beginning of an example longer than "
+                      "a row (default: drop it)")
+    chat.add_argument("--on-bad-example", choices=("error", "skip"), default="error",
+                      help="a malformed line stops with its file:line (error, the default) or is skipped and counted")
+    chat.add_argument("--seed", type=int, default=0, help="packing seed (default: 0)")
+    return parser
+
+
+_CHAT_ONLY = ("chat_format", "chat_template", "seq_len", "train_on_prompt", "truncate")
+
+
+def _run_chat(args: argparse.Namespace, out: str, inputs: list[str]) -> str:
+    from pstar_jax.sft_file import make_sft_file, summary
+    if args.tokenizer is None or args.seq_len is None:
+        raise DataError("--chat needs --tokenizer DIR (the checkpoint's Hugging Face tokenizer directory) "
+                        "and --seq-len (the training sequence length)")
+    for flag in ("default_corpus", "max_bytes", "eos_token"):
+        if getattr(args, flag) not in (None, False):
+            raise DataError(f"--{flag.replace('_', '-')} does not apply to --chat")
+    info = make_sft_file(out, inputs, args.tokenizer, args.seq_len, chat_format=args.chat_format,
+                         chat_template=args.chat_template, train_on_prompt=args.train_on_prompt,
+                         truncate=args.truncate, on_bad_example=args.on_bad_example, seed=args.seed,
+                         overwrite=args.overwrite)
+    lines = [f"skipped {line}" for line in info["skipped_named"]]
+    if info["skipped"] > len(info["skipped_named"]):
+        lines.append(f"... and {info['skipped'] - len(info['skipped_named']):,} more skipped")
+    return "\n".join(lines + [summary(out, info)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pstar-tokens``: writes a token file from text and JSONL files or the default corpus, or with
+    ``--chat`` a packed SFT file from conversations."""
+    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_intermixed_args(argv)  # inputs may come before and after the options
     except SystemExit as exit_:  # --help or a usage error, already printed by argparse
         return exit_.code if isinstance(exit_.code, int) else 0
     out = None
     try:
-        out, inputs = _split_paths(args.paths)
+        out, inputs = _split_paths(args.paths, args.output)
+        check_not_an_input(Path(out), [Path(p) for p in inputs])
+        if args.chat:
+            print(_run_chat(args, out, inputs))
+            return 0
+        given = [f for f in _CHAT_ONLY if getattr(args, f) not in (None, False)]
+        if given:
+            raise DataError(f"--{given[0].replace('_', '-')} needs --chat")
         info = make_token_file(out, inputs, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                field=args.field, default_corpus=args.default_corpus,
                                max_bytes=args.max_bytes, overwrite=args.overwrite,

@@ -58,7 +58,8 @@ def _leftovers(directory: Path) -> list[str]:
 def test_byte_level_either_order_and_default_corpus(tmp_path, capsys):
     text = _write(tmp_path / "a.txt", "hello world")
     want = data.encode_bytes(b"hello world\x00hello world")
-    for argv in (["first.u16.bin", str(text), str(text)], [str(text), str(text), "last.u16.bin"]):
+    for argv in (["-o", "named.u16.bin", str(text), str(text)], [str(text), "--output", "named2.u16.bin", str(text)],
+                 ["first.u16.bin", str(text), str(text)], [str(text), str(text), "last.u16.bin"]):
         out = tmp_path / next(a for a in argv if a.endswith(".bin"))
         argv = [str(tmp_path / a) if a.endswith(".bin") else a for a in argv]
         assert tokens.main(argv) == 0
@@ -71,6 +72,29 @@ def test_byte_level_either_order_and_default_corpus(tmp_path, capsys):
     # --max-bytes counts a document boundary as one byte, so bytes and tokens stay equal.
     assert tokens.main([str(tmp_path / "m.u16.bin"), str(text), str(text), "--max-bytes", "12"]) == 0
     np.testing.assert_array_equal(data.load_tokens(tmp_path / "m.u16.bin"), want[:12])
+
+
+def test_output_is_never_an_input(tmp_path, capsys):
+    """`pstar-tokens OUT.u16.bin IN.u16.bin --overwrite` once overwrote IN: two token-file names without -o
+    are refused, and an input is never the output, even with --overwrite."""
+    a, b = tmp_path / "a.u16.bin", tmp_path / "b.u16.bin"
+    a.write_bytes(b"input one")
+    b.write_bytes(b"input two")
+    assert tokens.main([str(a), str(b), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot tell the output" in err and "pstar-tokens -o OUT.u16.bin INPUTS..." in err
+    for argv in (["-o", str(a), str(a), "--overwrite"], ["-o", str(tmp_path / "." / "a.u16.bin"), str(b), str(a),
+                                                         "--overwrite"]):
+        assert tokens.main(argv) == 2
+        assert "is also an input; it is never overwritten" in capsys.readouterr().err
+    middle = _write(tmp_path / "t.txt", "x")
+    assert tokens.main([str(middle), str(tmp_path / "o.u16.bin"), str(middle)]) == 2  # OUT in the middle
+    assert "cannot tell the output" in capsys.readouterr().err
+    assert a.read_bytes() == b"input one" and b.read_bytes() == b"input two"
+    assert tokens.main(["-o", str(tmp_path / "o.u16.bin"), str(a), str(b)]) == 0  # token files as text inputs
+    np.testing.assert_array_equal(data.load_tokens(tmp_path / "o.u16.bin"), data.encode_bytes(b"input one\x00input two"))
+    assert tokens.main(["--seq-len", "8", "-o", str(tmp_path / "p.u16.bin"), str(middle)]) == 2
+    assert "--seq-len needs --chat" in capsys.readouterr().err
 
 
 def test_max_bytes_on_the_byte_path_is_a_prefix(tmp_path):
@@ -196,7 +220,8 @@ def _bad_cases(tmp: Path, bpe_dir: Path):
         ([str(tmp / "missing.txt"), out], f"input file {tmp / 'missing.txt'} does not exist"),
         ([str(tmp / "dir"), out], f"input {tmp / 'dir'} is a directory"),
         (["/proc/self/mem", out], "cannot read /proc/self/mem: Input/output error"),  # unreadable even as root
-        ([str(txt), str(tmp / "dir")], f"output {tmp / 'dir'} is a directory"),
+        (["-o", str(tmp / "dir"), str(txt)], f"output {tmp / 'dir'} is a directory"),
+        ([str(txt), str(tmp / "dir")], "cannot tell the output among"),
         ([str(txt), str(txt / "x.u16.bin")], f"cannot write {txt / 'x.u16.bin'}: "),  # under a file
         (tok + [str(bad_json), out], f"{bad_json} line 2 is not JSON"),
         (tok + [str(no_field), out], f"{no_field} line 1 has no 'text' field ('body'); choose one with --field"),
