@@ -12,6 +12,7 @@ The public surface, in the order a run uses it::
 Everything not re-exported here is internal and may change.
 """
 
+from pstar_jax.chat import ChatTemplate, read_conversations
 from pstar_jax.checkpoint import CheckpointError
 from pstar_jax.flax_io import export_flax, import_flax
 from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
@@ -23,8 +24,10 @@ from pstar_jax.loop import Run, load_model
 from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
 from pstar_jax.model import NNXStaged, Stage, StagedModel
 from pstar_jax.optim import default_tx
+from pstar_jax.packing import PackedRows, is_packed_file, load_packed, pack, write_packed
 from pstar_jax.planner import PlanReport, plan_report
 from pstar_jax.planning import Planned, build_engine, plan_model, resolve_engine_config
+from pstar_jax.sft_file import make_sft_file
 
 __all__ = [
     "RunConfig", "ModelConfig", "TrainConfig", "OptimConfig", "EngineConfig", "DataConfig", "CheckpointConfig",
@@ -33,6 +36,8 @@ __all__ = [
     "Engine", "StepResult", "NonFiniteLoss", "build_engine", "plan_model", "Planned", "resolve_engine_config",
     "default_tx", "Run", "plan_report", "PlanReport",
     "load_tokens", "default_corpus", "Batches", "DataError",
+    "ChatTemplate", "read_conversations", "make_sft_file", "pack", "PackedRows", "load_packed", "write_packed",
+    "is_packed_file",
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",
 ]

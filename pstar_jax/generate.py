@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token", default=None, help="end-of-text token, where generation stops (default: "
                    "eos_token of tokenizer_config.json; NUL on the byte-level path)")
     p.add_argument("--prompt", default="", help="text to continue (default: empty, starting from end-of-text)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template with the generation "
+                   "prompt to --prompt (a user message) or --messages, and stop at the end of the assistant's turn")
+    p.add_argument("--messages", metavar="FILE", default=None, help="with --chat: a JSON list of "
+                   "{\"role\", \"content\"} messages to answer")
+    p.add_argument("--chat-template", metavar="FILE", default=None, help="with --chat: a Jinja chat template "
+                   "(default: the tokenizer's own)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy (default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the most likely tokens "
@@ -186,6 +192,60 @@ def choose_codec(tokenizer: str | None, fallback_dir: str | None, vocab_size: in
                       "--tokenizer with its tokenizer.json")
 
 
+def read_messages(path: str) -> list[dict[str, str]]:
+    """A JSON list of chat messages, each {"role": system|user|assistant, "content": text}."""
+    from pstar_jax.chat import ROLES
+    try:
+        with open(path, encoding="utf-8") as f:
+            messages = json.load(f)
+    except OSError as err:
+        raise ConfigError(f"cannot read --messages {path}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ConfigError(f"--messages {path} is not JSON ({err})") from None
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+        raise ConfigError(f"--messages {path} must hold a non-empty JSON list of {{\"role\": "
+                          f"{'|'.join(ROLES)}, \"content\": text}} objects")
+    return messages
+
+
+def generation_stop_ids(directories: Sequence[str | None]) -> list[int]:
+    """eos_token_id of generation_config.json (an id or a list) in the first directory holding one."""
+    for directory in directories:
+        path = os.path.join(directory, "generation_config.json") if directory else None
+        if path and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    ids = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                raise ConfigError(f"{path} is not a JSON object; fix it or remove it") from None
+            ids = [ids] if isinstance(ids, int) else ids or []
+            return [i for i in ids if isinstance(i, int)]
+    return []
+
+
+def chat_prompt(args: argparse.Namespace, source: Source, codec: Codec) -> tuple[list[int], list[int]]:
+    """The prompt ids of the chat template with the generation prompt, and the ids that end the answer."""
+    from pstar_jax.chat import BadExample, ChatTemplate
+    directory = args.tokenizer or source.tokenizer_dir
+    if directory is None:
+        raise ConfigError("--chat needs the model's tokenizer directory (with its chat template); pass --tokenizer DIR")
+    template = ChatTemplate.from_tokenizer_dir(directory, args.chat_template)
+    messages = read_messages(args.messages) if args.messages else [{"role": "user", "content": args.prompt}]
+    try:
+        ids = template.encode(template.render(messages, add_generation_prompt=True))
+    except BadExample as err:
+        raise ConfigError(f"the messages {err}") from None
+    tokenizer_dir = directory if os.path.isdir(directory) else os.path.dirname(directory)
+    stops = [*template.end_of_turn_ids(), *generation_stop_ids([tokenizer_dir, source.tokenizer_dir]), codec.eos_id]
+    return ids, list(dict.fromkeys(stops))
+
+
+def until_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    ids = [int(i) for i in ids]
+    return ids[:next((k for k, i in enumerate(ids) if i in stop_ids), len(ids))]
+
+
 # -- running ----------------------------------------------------------------------------------
 
 
@@ -261,24 +321,31 @@ def run(argv: Sequence[str] | None = None) -> int:
         source = hf_source(args.hf, args.model_module)
     else:
         source = flax_source(args.flax)
+    if (args.messages or args.chat_template) and not args.chat:
+        raise ConfigError("--messages and --chat-template need --chat")
     try:
         codec = choose_codec(args.tokenizer, source.tokenizer_dir, source.model.vocab_size, args.eos_token)
-        prompt_ids = codec.encode(args.prompt) or [codec.eos_id]
+        if args.chat:
+            prompt_ids, stop_ids = chat_prompt(args, source, codec)
+        else:
+            prompt_ids, stop_ids = codec.encode(args.prompt) or [codec.eos_id], [codec.eos_id]
         too_large = [i for i in prompt_ids if i >= source.model.vocab_size]
         if too_large:
             raise ConfigError(f"the tokenizer {codec.name} gives id {max(too_large)}, outside the model's vocabulary "
                               f"of {source.model.vocab_size}; pass the model's own --tokenizer")
-        sampling = Sampling(args.temperature, args.top_p, args.seed, codec.eos_id)
+        # The decoder stops at one id (the end of turn in a chat); the output is cut at the first of any.
+        sampling = Sampling(args.temperature, args.top_p, args.seed, stop_ids[0])
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         new_ids, how, seconds = generate(source, prompt_ids, args.max_new_tokens, sampling,
                                          args.precision or source.precision, args.device_memory, args.stream, log)
     finally:
         source.close()
-    ids = [int(i) for i in new_ids]
-    if codec.eos_id in ids:
-        ids = ids[:ids.index(codec.eos_id)]
-    full, head = codec.decode([*prompt_ids, *ids]), codec.decode(prompt_ids)
-    print(args.prompt + full[len(head):] if full.startswith(head) else full, flush=True)
+    ids = until_stop(new_ids, stop_ids)
+    if args.chat:  # the answer alone
+        print(codec.decode(ids), flush=True)
+    else:
+        full, head = codec.decode([*prompt_ids, *ids]), codec.decode(prompt_ids)
+        print(args.prompt + full[len(head):] if full.startswith(head) else full, flush=True)
     where = ("KV cache on the device, one compiled loop" if how == "cached"
              else "streamed stage by stage from host memory: slow, every token moves the whole model")
     log(f"pstar-generate: {len(new_ids)} new tokens in {seconds:.2f} s, {len(new_ids) / seconds:.1f} tokens/s "

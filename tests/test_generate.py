@@ -186,3 +186,57 @@ def test_registered_as_a_script():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["pstar-generate"] == "pstar_jax.generate:main"
+
+
+@pytest.fixture(scope="module")
+def chat_hf_dir(tmp_path_factory):
+    """A tiny Llama as an HF directory with a Qwen2.5 chat template and its tokenizer."""
+    from chat_fixtures import tokenizer_dir
+    path = tokenizer_dir(tmp_path_factory.mktemp("chat"), "qwen25")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    model = StagedLlama(LlamaConfig(vocab_size=vocab, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64,
+                                    seq_len=128))
+    params = {n: np.asarray(v) for n, v in spread_params(model).items()}
+    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
+    return path, model, params, tok
+
+
+@pytest.mark.slow
+def test_chat_applies_the_template_and_stops_at_the_end_of_turn(chat_hf_dir, tmp_path, capsys):
+    from pstar_jax.chat import ChatTemplate
+    path, model, params, tok = chat_hf_dir
+    template = ChatTemplate.from_tokenizer_dir(path)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hello"}]
+    prompt_ids = template.encode(template.render(messages, add_generation_prompt=True))
+    assert tok.decode(prompt_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    reference = [int(i) for i in greedy_full_forward(model, {n: jnp.asarray(v) for n, v in params.items()},
+                                                     np.asarray([prompt_ids], np.int32), N_NEW)[0]]
+    im_end = tok.token_to_id("<|im_end|>")
+    want = until_eos(reference, im_end)
+    (tmp_path / "m.json").write_text(json.dumps(messages))
+    args = ["--hf", path, "--chat", "--max-new-tokens", N_NEW, "--temperature", 0, "--precision", "fp32"]
+    code, out, _ = generate(capsys, *args, "--messages", tmp_path / "m.json")
+    assert code == 0 and out == tok.decode(want, skip_special_tokens=True) + "\n"
+    # --prompt is one user message (Qwen's template adds its default system message).
+    code, out_prompt, _ = generate(capsys, *args, "--prompt", "hello")
+    one = template.encode(template.render([{"role": "user", "content": "hello"}], add_generation_prompt=True))
+    ref = greedy_full_forward(model, {n: jnp.asarray(v) for n, v in params.items()}, np.asarray([one], np.int32), N_NEW)
+    assert code == 0 and out_prompt == tok.decode(until_eos(ref[0], im_end), skip_special_tokens=True) + "\n"
+    # An id of generation_config.json's eos_token_id list stops it too: the reference's fourth new token.
+    assert len(want) > 3 and want.index(want[3]) == 3  # the random model says enough for the test
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, want[3]]}))
+    try:
+        code, out_stop, _ = generate(capsys, *args, "--messages", tmp_path / "m.json")
+    finally:
+        (path / "generation_config.json").unlink()
+    assert code == 0 and out_stop == tok.decode(want[:3], skip_special_tokens=True) + "\n"
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "bot", "content": "x"}]))
+    for extra, message in (((("--messages", tmp_path / "bad.json")), "must hold a non-empty JSON list"),
+                           (("--messages", tmp_path / "none.json"), "cannot read --messages")):
+        code, out, err = generate(capsys, *args, *extra)
+        assert code == 2 and message in err and err.count("\n") == 1
+    code, _, err = generate(capsys, "--hf", path, "--messages", tmp_path / "m.json")
+    assert code == 2 and "need --chat" in err
