@@ -71,7 +71,15 @@ def _text(record: dict, field: str, optional: bool = False) -> str | None:
         raise BadExample(f"has no {field!r} field")
     if not isinstance(value := record[field], str):
         raise BadExample(f"field {field!r} holds {type(value).__name__}, not text")
+    _check_text(value, f"field {field!r}")
     return value
+
+
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON allows "\ud800"; no tokenizer takes it
+        raise BadExample(f"{what} holds an unpaired surrogate escape, not text") from None
 
 
 def _turns(items: Any, field: str, role_key: str, text_key: str, roles: dict[str, str]) -> Conversation:
@@ -89,6 +97,7 @@ def _turns(items: Any, field: str, role_key: str, text_key: str, roles: dict[str
             raise BadExample(f"{field}[{i}] has the unknown {role_key} {role!r} (known: {', '.join(roles)})")
         if not isinstance(content, str):
             raise BadExample(f"{field}[{i}].{text_key} holds {type(content).__name__}, not text")
+        _check_text(content, f"{field}[{i}].{text_key}")
         turns.append({"role": roles[role], "content": content})
     return turns
 
@@ -282,8 +291,8 @@ class ChatTemplate:
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @classmethod
-    def from_tokenizer_dir(cls, tokenizer_dir: str | os.PathLike,
-                           template_file: str | os.PathLike | None = None) -> ChatTemplate:
+    def from_tokenizer_dir(cls, tokenizer_dir: str | os.PathLike, template_file: str | os.PathLike | None = None,
+                           eos_token: str | None = None) -> ChatTemplate:
         from pstar_jax.tokens import load_tokenizer
         tokenizer_dir = Path(tokenizer_dir)
         if tokenizer_dir.is_file():
@@ -291,7 +300,7 @@ class ChatTemplate:
         config_path = tokenizer_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         source, where = template_text(tokenizer_dir, config, template_file)
-        encoder = load_tokenizer(tokenizer_dir)
+        encoder = load_tokenizer(tokenizer_dir, eos_token)
         variables = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_NAMES if config.get(k)}
         return cls(source, where, encoder.tokenizer, variables, encoder.eos_id)
 

@@ -80,7 +80,7 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
 def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], tokenizer_dir: str | os.PathLike,
                   seq_len: int, *, chat_format: str | None = None, chat_template: str | os.PathLike | None = None,
                   train_on_prompt: bool = False, truncate: bool = False, on_bad_example: str = "error",
-                  seed: int = 0, overwrite: bool = False) -> dict:
+                  seed: int = 0, eos_token: str | None = None, overwrite: bool = False) -> dict:
     """Writes packed SFT file ``out`` from conversation JSONL ``inputs``; returns its sidecar, with
     ``skipped_named`` (the first bad lines) and ``seconds``."""
     from pstar_jax.tokens import _check_input, check_not_an_input
@@ -95,12 +95,14 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
     for path in inputs:
         _check_input(path)
     check_not_an_input(out, inputs)
-    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template)
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token)
     packing.check_packed_destination(out, template.vocab_size, overwrite)  # before the work, not after
     bad, counts = BadLines(skip=on_bad_example == "skip"), Counts()
     conversations = (item for path in inputs for item in read_conversations(path, chat_format, bad))
     examples = encode_examples(conversations, template, seq_len + 1, train_on_prompt=train_on_prompt,
                                truncate=truncate, bad=bad, counts=counts)
+    if not counts.read:
+        raise DataError(f"the inputs hold no usable conversation ({counts.skipped} skipped), so {out} was not written")
     if not len(examples.lengths):
         raise DataError(f"no example fits --seq-len {seq_len} ({counts.read} read, {counts.skipped} skipped, "
                         f"{counts.dropped} dropped), so {out} was not written; raise --seq-len or pass --truncate")

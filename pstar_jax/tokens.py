@@ -377,13 +377,13 @@ def _run_chat(args: argparse.Namespace, out: str, inputs: list[str]) -> str:
     if args.tokenizer is None or args.seq_len is None:
         raise DataError("--chat needs --tokenizer DIR (the checkpoint's Hugging Face tokenizer directory) "
                         "and --seq-len (the training sequence length)")
-    for flag in ("default_corpus", "max_bytes", "eos_token"):
+    for flag in ("default_corpus", "max_bytes"):
         if getattr(args, flag) not in (None, False):
             raise DataError(f"--{flag.replace('_', '-')} does not apply to --chat")
     info = make_sft_file(out, inputs, args.tokenizer, args.seq_len, chat_format=args.chat_format,
                          chat_template=args.chat_template, train_on_prompt=args.train_on_prompt,
                          truncate=args.truncate, on_bad_example=args.on_bad_example, seed=args.seed,
-                         overwrite=args.overwrite)
+                         eos_token=args.eos_token, overwrite=args.overwrite)
     lines = [f"skipped {line}" for line in info["skipped_named"]]
     if info["skipped"] > len(info["skipped_named"]):
         lines.append(f"... and {info['skipped'] - len(info['skipped_named']):,} more skipped")

@@ -166,6 +166,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}, "holds int, not text"),
     ({"messages": "hi"}, "holds str, not a list of turns"),
     ({"messages": [{"role": "user"}]}, "has no 'content'"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "b"}]}',
+     "messages[0].content holds an unpaired surrogate escape"),
     ({"text": "plain"}, "has no 'messages' field"),
 ]
 

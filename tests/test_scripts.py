@@ -109,3 +109,9 @@ def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_it
     plain = ps.build_engine(model, ps.EngineConfig(kind="plain"), ps.OptimConfig(), (2, 64), mesh=mesh,
                             scan_layers=False, opt_on_host=True)
     assert plain.kind == "plain"
+
+
+def test_bench_sft_data_prints_the_summary():
+    r = script("bench_sft_data.py", "--conversations", "200", "--seq-len", "512")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "200 examples read" in r.stdout and "packing efficiency" in r.stdout and "load average" in r.stdout

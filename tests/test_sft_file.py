@@ -103,6 +103,7 @@ def test_long_examples_dropped_or_truncated(qwen, tmp_path):
 
 def test_errors_are_one_line(qwen, tmp_path, capsys):
     good = _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}])
+    empty = _jsonl(tmp_path / "e.jsonl", [])
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "tokenizer.json").write_bytes((qwen / "tokenizer.json").read_bytes())
@@ -118,9 +119,13 @@ def test_errors_are_one_line(qwen, tmp_path, capsys):
         (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", "--chat-format", "alpaca", str(good), "-o", out],
          f"{good}:1 has no 'instruction' field"),
         (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "-o", str(good)], "is also an input"),
+        (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(empty), "-o", out],
+         "the inputs hold no usable conversation (0 skipped)"),
+        (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "--max-bytes", "9", "-o", out],
+         "--max-bytes does not apply to --chat"),
     ]
     for argv, message in cases:
         assert tokens.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (message, err)
-        assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "plain"], argv
+        assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "e.jsonl", "plain"], argv
