@@ -100,6 +100,10 @@ def load_tokens(path: str | os.PathLike, dtype: npt.DTypeLike = None) -> np.memm
         raise DataError(f"data file {path} is a directory; give a token file from `pstar-tokens`")
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; make one with `pstar-tokens`")
+    with io_errors(path, "read"), open(path, "rb") as f:
+        if f.read(8) == b"PSTARSFT":  # pstar_jax.packing.MAGIC; read as tokens it would be noise
+            raise DataError(f"data file {path} is a packed SFT file (pstar-tokens --chat), not a plain token "
+                            f"file; read it with pstar_jax.packing.load_packed")
     named = _suffix_dtype(path)
     dtype = named if dtype is None else np.dtype(dtype)
     if dtype is None or dtype not in _SUFFIX_DTYPES.values():

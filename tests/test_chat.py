@@ -115,12 +115,15 @@ def test_template_sources(dirs, tmp_path):
         ChatTemplate.from_tokenizer_dir(d)
 
 
-def test_tojson_and_raise_exception_are_transformers(dirs, tmp_path):
+def test_tojson_raise_exception_and_strftime_now_are_transformers(dirs, tmp_path):
+    import datetime
     own = tmp_path / "t.jinja"
-    own.write_text("{{ messages | tojson }}{% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}")
+    own.write_text("{{ messages | tojson }}{% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}"
+                   "{{ strftime_now('|%Y') }}")
     template = ChatTemplate.from_tokenizer_dir(dirs["qwen25"], own)
     conv = [{"role": "user", "content": "<b>é</b>"}]
-    assert template.render(conv) == json.dumps(conv, ensure_ascii=False)  # no HTML escaping
+    year = datetime.datetime.now().year
+    assert template.render(conv) == json.dumps(conv, ensure_ascii=False) + f"|{year}"  # no HTML escaping
     with pytest.raises(ValueError, match="is refused by the chat template .*: too long"):
         template.render(conv * 3)
 

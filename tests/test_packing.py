@@ -100,6 +100,9 @@ def test_file_round_trip_and_sidecar(tmp_path):
     assert side["rows"] == rows.rows and side["real_position_fraction"] == pytest.approx(34 / (rows.rows * 17))
     with pytest.raises(DataError, match="already exists; pass overwrite=True"):
         packing.write_packed(path, rows, {"vocab_size": 70_000})
+    from pstar_jax.data import load_tokens  # its .u32.bin suffix does not make it a plain token file
+    with pytest.raises(DataError, match="is a packed SFT file .*, not a plain token file"):
+        load_tokens(path)
 
 
 def test_file_mode_follows_the_umask(tmp_path):
