@@ -100,7 +100,7 @@ def load_tokens(path: str | os.PathLike, dtype: npt.DTypeLike = None) -> np.memm
         raise DataError(f"data file {path} is a directory; give a token file from `pstar-tokens`")
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; make one with `pstar-tokens`")
-    with io_errors(path, "read"), open(path, "rb") as f:
+    with io_errors(f"data file {path}", "read"), open(path, "rb") as f:
         if f.read(8) == b"PSTARSFT":  # pstar_jax.packing.MAGIC; read as tokens it would be noise
             raise DataError(f"data file {path} is a packed SFT file (pstar-tokens --chat), not a plain token "
                             f"file; read it with pstar_jax.packing.load_packed")
