@@ -343,7 +343,7 @@ class ChatTemplate:
             if message["role"] != "assistant":
                 continue
             before = self._render(conversation[:i], True)
-            through = self._render(conversation[:i + 1], False)
+            through = full if i == len(conversation) - 1 else self._render(conversation[:i + 1], False)
             if not (full.startswith(through) and through.startswith(before)):
                 raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
                                 f"other text than the whole conversation begins with, so the assistant's tokens "

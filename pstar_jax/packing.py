@@ -115,8 +115,11 @@ def assign_rows(lengths: np.ndarray, row_len: int, seed: int) -> tuple[np.ndarra
     return shuffled[row_of] if len(used) else row_of, offset_of, len(used)
 
 
-def pack(examples: Examples, seq_len: int, seed: int = 0) -> PackedRows:
-    """Packs ``examples`` (each 1 to seq_len + 1 tokens) into rows (``info`` holds vocab_size: largest id + 1)."""
+def pack(examples: Examples | Iterable[tuple[np.ndarray, np.ndarray]], seq_len: int, seed: int = 0) -> PackedRows:
+    """Packs ``examples`` (an Examples, or (ids, labels) pairs; each 1 to seq_len + 1 tokens) into rows
+    (``info`` holds vocab_size: the largest id + 1)."""
+    if not isinstance(examples, Examples):
+        examples = Examples.from_pairs(examples)
     row_of, offset_of, rows = assign_rows(examples.lengths, seq_len + 1, seed)
     out = empty_rows(rows, seq_len + 1, int(examples.tokens.max(initial=0)) + 1)
     fill_rows(examples, row_of, offset_of, out)

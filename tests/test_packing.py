@@ -45,6 +45,10 @@ def test_every_example_lands_whole_and_once():
                   for s, n in zip(ex.starts, ex.lengths))
     assert sorted(_unpack(rows)) == want
     assert rows.rows == int(np.ceil(ex.lengths.sum() / 17))  # this mix packs perfectly
+    pairs = [(ex.tokens[s:s + n], ex.labels[s:s + n]) for s, n in zip(ex.starts, ex.lengths)]
+    from_pairs = packing.pack(pairs, seq_len=16, seed=3)
+    np.testing.assert_array_equal(from_pairs.tokens, rows.tokens)
+    np.testing.assert_array_equal(from_pairs.labels, rows.labels)
     with pytest.raises(DataError, match="1 to seq_len \\+ 1 = 17 tokens"):
         packing.pack(_examples([18]), seq_len=16)
 
