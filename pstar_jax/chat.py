@@ -395,7 +395,9 @@ class ChatTemplate:
         found = []
         for start, end in spans:
             tail = text[start:end]
-            tail = tail[tail.find("Hello") + len("Hello"):]
+            if "Hello" not in tail:
+                continue
+            tail = tail[tail.index("Hello") + len("Hello"):]
             for token in self.encode(tail):
                 if self.tokenizer.id_to_token(token) in specials:
                     found.append(token)

@@ -90,6 +90,8 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
         raise DataError("give the conversation JSONL files to read")
     if seq_len < 1:
         raise DataError(f"--seq-len must be >= 1, got {seq_len}")
+    if not 0 <= seed < 2**63:
+        raise DataError(f"--seed must be a whole number >= 0, got {seed}")
     if on_bad_example not in ("skip", "error"):
         raise DataError(f"--on-bad-example must be skip or error, got {on_bad_example!r}")
     for path in inputs:

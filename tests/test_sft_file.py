@@ -121,6 +121,9 @@ def test_errors_are_one_line(qwen, tmp_path, capsys):
         (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "-o", str(good)], "is also an input"),
         (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(empty), "-o", out],
          "the inputs hold no usable conversation (0 skipped)"),
+        (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "--seed", "-1", "-o", out],
+         "--seed must be a whole number >= 0"),
+        (["--chat", "--tokenizer", str(qwen), "--seq-len", "0", str(good), "-o", out], "--seq-len must be >= 1"),
         (["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "--max-bytes", "9", "-o", out],
          "--max-bytes does not apply to --chat"),
     ]
