@@ -35,6 +35,7 @@ VERSION = 1
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIIIQQQ")
 _ALIGN = 64
+FILL_TOKENS = 1 << 22
 
 
 @dataclasses.dataclass
@@ -139,10 +140,14 @@ def fill_rows(examples: Examples, row_of: np.ndarray, offset_of: np.ndarray, out
     segment_of = np.empty(len(lengths), np.int64)
     segment_of[by_place] = np.arange(len(lengths)) - first_in_row + 1
     flat_tokens, flat_segments, flat_labels = (a.reshape(-1) for a in (out.tokens, out.segments, out.labels))
-    chunk = 1 << 16  # examples at a time: bounded index arrays for any number of examples
-    for lo in range(0, len(lengths), chunk):
-        sl = slice(lo, lo + chunk)
+    # About FILL_TOKENS tokens at a time: bounded index arrays for any number or length of examples.
+    ends = np.cumsum(lengths)
+    cuts = np.unique(np.searchsorted(ends, np.arange(FILL_TOKENS, int(ends[-1]) if len(ends) else 0, FILL_TOKENS)))
+    for lo, hi in zip([0, *(cuts + 1).tolist()], [*(cuts + 1).tolist(), len(lengths)]):
+        sl = slice(lo, hi)
         n = lengths[sl]
+        if not len(n):
+            continue
         src = np.repeat(starts[sl], n) + _ranges(n)
         dst = np.repeat(row_of[sl] * row_len + offset_of[sl], n) + _ranges(n)
         flat_tokens[dst] = examples.tokens[src]

@@ -154,3 +154,14 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=f"cannot write {path}: No space left on device"):
         packing.write_packed(path, rows, {"vocab_size": 1000}, overwrite=True)
     assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["a.sft.u16.bin"]
+
+
+def test_filling_in_pieces_gives_the_same_rows(monkeypatch):
+    ex = _examples(np.random.default_rng(4).integers(1, 30, 500))
+    whole = packing.pack(ex, 31, seed=1)
+    monkeypatch.setattr(packing, "FILL_TOKENS", 7)  # many pieces, some cut inside long examples' runs
+    pieces = packing.pack(ex, 31, seed=1)
+    for name in ("tokens", "segments", "labels"):
+        np.testing.assert_array_equal(getattr(pieces, name), getattr(whole, name))
+    assert sorted(_unpack(pieces)) == sorted((tuple(ex.tokens[s:s + n].tolist()), tuple(ex.labels[s:s + n].tolist()))
+                                             for s, n in zip(ex.starts, ex.lengths))
