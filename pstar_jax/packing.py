@@ -183,15 +183,16 @@ def packed_suffix(vocab_size: int) -> str:
 
 
 def is_packed_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is (or, if absent, is named as) a packed SFT file."""
+    """Whether ``path`` is named as a packed SFT file (*.sft.u16.bin, *.sft.u32.bin) or starts with its
+    header; ``load_packed`` then reads it or says what is wrong with it."""
     path = Path(path)
-    if path.is_file():
-        try:
-            with open(path, "rb") as f:
-                return f.read(len(MAGIC)) == MAGIC
-        except OSError:
-            pass
-    return path.name.endswith((".sft.u16.bin", ".sft.u32.bin"))
+    if path.name.endswith((".sft.u16.bin", ".sft.u32.bin")):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:  # absent, a directory, unreadable: not one
+        return False
 
 
 def _layout(rows: int, row_len: int, token_size: int, segment_size: int) -> tuple[int, int, int, int]:

@@ -140,7 +140,11 @@ def test_malformed_files_are_one_line(tmp_path):
         packing.load_packed(path)
     with pytest.raises(DataError, match="does not exist"):
         packing.load_packed(tmp_path / "none.sft.u16.bin")
-    assert not packing.is_packed_file(tmp_path / "plain.sft.u16.bin")
+    assert packing.is_packed_file(tmp_path / "plain.sft.u16.bin")  # by its name: load_packed says what is wrong
+    (tmp_path / "plain.u16.bin").write_bytes(b"\x01\x00" * 40)
+    assert not packing.is_packed_file(tmp_path / "plain.u16.bin") and not packing.is_packed_file(tmp_path)
+    (tmp_path / "renamed.u16.bin").write_bytes(raw)
+    assert packing.is_packed_file(tmp_path / "renamed.u16.bin")  # by its header
 
 
 def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
