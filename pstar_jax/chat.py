@@ -297,10 +297,10 @@ class ChatTemplate:
         tokenizer_dir = Path(tokenizer_dir)
         if tokenizer_dir.is_file():
             tokenizer_dir = tokenizer_dir.parent
+        encoder = load_tokenizer(tokenizer_dir, eos_token)
         config_path = tokenizer_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         source, where = template_text(tokenizer_dir, config, template_file)
-        encoder = load_tokenizer(tokenizer_dir, eos_token)
         variables = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_NAMES if config.get(k)}
         return cls(source, where, encoder.tokenizer, variables, encoder.eos_id)
 
@@ -324,7 +324,8 @@ class ChatTemplate:
             finally:
                 self._template.environment.activate_tracker(None, None)
             return "".join(blocks)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            # raise_exception's refusals, and a template's own failures on this conversation
             raise BadExample(f"is refused by the chat template {self.name}: {e}") from None
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False) -> str:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
-from pstar_jax.chat import BadLines, ChatTemplate, read_conversations
+from pstar_jax.chat import BadExample, BadLines, ChatTemplate, read_conversations
 from pstar_jax.data import DataError
 
 
@@ -124,8 +124,11 @@ def test_tojson_raise_exception_and_strftime_now_are_transformers(dirs, tmp_path
     conv = [{"role": "user", "content": "<b>é</b>"}]
     year = datetime.datetime.now().year
     assert template.render(conv) == json.dumps(conv, ensure_ascii=False) + f"|{year}"  # no HTML escaping
-    with pytest.raises(ValueError, match="is refused by the chat template .*: too long"):
+    with pytest.raises(BadExample, match="is refused by the chat template .*: too long"):
         template.render(conv * 3)
+    own.write_text("{{ messages[0].content + 1 }}")  # the template's own error: a bad line, not a traceback
+    with pytest.raises(BadExample, match="is refused by the chat template"):
+        ChatTemplate.from_tokenizer_dir(dirs["qwen25"], own).render(conv)
 
 
 def test_inconsistent_template_is_refused(dirs, tmp_path):
