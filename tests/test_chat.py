@@ -193,3 +193,38 @@ def test_bad_lines_are_named_or_skipped(tmp_path):
     bad = BadLines(skip=True, keep=3)
     assert len(list(read_conversations(path, "messages", bad))) == 2
     assert bad.count == len(BAD) and len(bad.named) == 3 and bad.named[0].startswith(f"{path}:2 is not JSON")
+
+
+# The assistant's part of each template wrapped in {% generation %}: what the prefix renders find.
+MARKED = {
+    "llama31": ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+                "'<|eot_id|>' }}",
+                "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}{% if message.role == "
+                "'assistant' %}{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+                "{% else %}{{- message['content'] | trim + '<|eot_id|>' }}{% endif %}"),
+    "qwen25": ("{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}",
+               "{{- '<|im_start|>' + message.role + '\\n' }}{% if message.role == 'assistant' %}{% generation %}"
+               "{{- message.content + '<|im_end|>' + '\\n' }}{% endgeneration %}{% else %}"
+               "{{- message.content + '<|im_end|>' + '\\n' }}{% endif %}"),
+    "mistral": ("{{- ' ' + message['content'] + eos_token}}",
+                "{% generation %}{{- ' ' + message['content'] + eos_token}}{% endgeneration %}"),
+}
+
+
+@pytest.mark.parametrize("name", list(MARKED))
+def test_prefix_spans_equal_transformers_mask_of_the_marked_template(dirs, name):
+    """The mask found from prefix renders is, token for token, transformers' own assistant mask for the
+    same template with the assistant's part marked."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(dirs[name])
+    old, new = MARKED[name]
+    source = TEMPLATES[name][0]
+    assert source.count(old) == 1
+    marked = source.replace(old, new)
+    template = ChatTemplate.from_tokenizer_dir(dirs[name])
+    assert not template.has_generation_marks
+    for conversation in CONVERSATIONS:
+        ids, labels = template.encode_with_mask(conversation)
+        out = reference.apply_chat_template(conversation, chat_template=marked, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        assert list(out["input_ids"]) == ids.tolist() and list(out["assistant_masks"]) == labels.tolist()
