@@ -192,6 +192,8 @@ def build_from_hf(config: Mapping[str, Any], **overrides: Any) -> StagedGPT | St
 
 # Keys whose place depends on the transformers version that wrote the file.
 _LAYOUT_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+# Training settings, not the model: an export keeps the source's (we train without dropout).
+_SOURCE_WINS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range", "use_cache")
 
 
 def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
     if source is None or source.get("model_type") != ours["model_type"]:
         return ours
     out = {k: v for k, v in source.items() if k not in _LAYOUT_KEYS}
-    out.update((k, v) for k, v in ours.items() if k not in _LAYOUT_KEYS)
+    out.update((k, v) for k, v in ours.items() if k not in _LAYOUT_KEYS and not (k in _SOURCE_WINS and k in source))
     out["dtype" if "dtype" in source and "torch_dtype" not in source else "torch_dtype"] = torch_dtype
     if "rope_theta" in ours:
         if "rope_parameters" in source and "rope_theta" not in source:  # 5.x
