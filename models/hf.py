@@ -341,6 +341,6 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
         if rows != heads * head_dim:
             fix = (f"set {key} to {rows // head_dim}" if (explicit or proj == "k") and rows % head_dim == 0
                    else "fix config.json")
-            raise ValueError(f"config.json's {key}={heads} (heads of {head_dim}) disagrees with the weights: "
-                             f"{tensor} has {rows} rows, not {heads * head_dim}; {fix} or use the weights this "
+            raise ValueError(f"config.json's {key}={heads} disagrees with the weights: {tensor} has {rows} rows, "
+                             f"not {heads} heads of {head_dim}; {fix} or use the weights this "
                              "config.json belongs to")
