@@ -314,7 +314,8 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
     gpt = model_type == "gpt2"
     block = "transformer.h" if gpt else "model.layers"
     n_layer_key = "n_layer" if gpt else "num_hidden_layers"
-    layers = {int(m.group(1)) for n in shapes if (m := re.match(rf"^(?:{block}\.|{block.split('.', 1)[1]}\.)(\d+)\.", n))}
+    layer_name = re.compile(rf"^(?:{block}|{block.split('.', 1)[1]})\.(\d+)\.")  # with the prefix or without
+    layers = {int(m.group(1)) for n in shapes if (m := layer_name.match(n))}
     n_layer = _require(config, n_layer_key)
     if layers and n_layer != len(layers):
         raise ValueError(f"config.json's {n_layer_key}={n_layer} disagrees with the weights, which hold "

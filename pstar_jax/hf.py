@@ -232,9 +232,14 @@ def tokenizer_files(directory: str) -> list[str]:
 
 def _is_earlier_export(directory: str) -> bool:
     names = os.listdir(directory)
-    ok = lambda n: (n in (CONFIG, SINGLE, INDEX) or _SHARD.match(n) or _TOKENIZER_FILE.match(n)  # noqa: E731
-                    and os.path.isfile(os.path.join(directory, n)) or n == _TEMPLATES_DIR)
-    if not all(ok(n) for n in names):
+
+    def ours(name: str) -> bool:  # a name an export writes, of the kind it writes
+        if name == _TEMPLATES_DIR:
+            return os.path.isdir(os.path.join(directory, name))
+        return (name in (CONFIG, SINGLE, INDEX) or bool(_SHARD.match(name) or _TOKENIZER_FILE.match(name))) \
+            and os.path.isfile(os.path.join(directory, name))
+
+    if not all(ours(n) for n in names):
         return False
     weights = SINGLE if SINGLE in names else next((n for n in sorted(names) if _SHARD.match(n)), None)
     if CONFIG not in names or weights is None:

@@ -261,4 +261,33 @@ def test_export_carries_the_tokenizer_and_chat_template(tmp_path, template_file)
            for d in (src, out)]
     ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
     assert ids[0] == ids[1] == [1, 3, 6, 7, 2, 4, 8, 9, 10, 2, 4]
-    export_hf(str(out), tiny_params(model).items(), hfmap["hf_tensors"](model), {})  # an earlier export: replaced
+    (src / "additional_chat_templates").mkdir()  # transformers' named templates, one file each
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
+    export_hf(str(out), tiny_params(model).items(), hfmap["hf_tensors"](model), {},  # replaces the earlier export
+              tokenizer_from=str(src))
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == TEMPLATE
+
+
+def test_a_run_from_a_5x_config_trains_its_rope_and_exports_in_its_layout(tmp_path):
+    """transformers 5.x writes no rope_theta: the run must still use the checkpoint's theta and
+    Llama 3.1 scaling, and its export must say so in rope_parameters with the source's token ids."""
+    import pstar_jax as ps
+    src, out = tmp_path / "src", str(tmp_path / "out")
+    write_family_checkpoint(src, StagedLlama(LLAMA))
+    with open(src / "config.json") as f:
+        config = json.load(f)
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        config.pop(key, None)
+    rope = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config.update(rope_parameters=rope, bos_token_id=1, eos_token_id=[2, 3], dtype="float32",
+                  transformers_version="5.24.0")
+    (src / "config.json").write_text(json.dumps(config))
+    run_config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=str(src)), train=ps.TrainConfig(batch_size=8),
+                              engine=ps.EngineConfig(precision="fp32"), output=ps.OutputConfig(quiet=True))
+    with ps.Run(run_config) as run:
+        assert run.model.config.rope_theta == 500000.0 and run.model.config.rope_scaling.factor == 8.0
+        run.export_hf(out, "fp32")
+    with open(os.path.join(out, "config.json")) as f:
+        exported = json.load(f)
+    assert exported == config
