@@ -68,6 +68,8 @@ def read_hf_config(directory: str) -> dict:
     try:
         with open(path) as f:
             config = json.load(f)
+    except PermissionError:
+        raise _unreadable(path) from None
     except (OSError, ValueError) as err:
         raise HFCheckpointError(f"{path} is not readable JSON ({err})") from None
     if not isinstance(config, dict):
@@ -95,17 +97,20 @@ def weight_files(directory: str) -> dict[str, str]:
     return {name: SINGLE for name in _open(os.path.join(directory, SINGLE)).keys()}
 
 
+def _unreadable(path: str) -> HFCheckpointError:
+    return HFCheckpointError(f"{path} cannot be read (permission denied); make it readable (chmod a+r {path}) "
+                             "or run as a user who may read it")
+
+
 def _open(path: str):
     """A safetensors file's handle (header read, data mapped lazily)."""
-    try:
+    try:  # safe_open reports every failure to open as 'No such file or directory': ask first
+        with open(path, "rb"):
+            pass
         return safe_open(path, framework="numpy")
     except PermissionError:
-        raise HFCheckpointError(f"{path} cannot be read (permission denied); make it readable "
-                                f"(chmod a+r {path}) or run as a user who may read it") from None
+        raise _unreadable(path) from None
     except Exception as err:  # SafetensorError, OSError: the file is not a readable safetensors file
-        if "Permission denied" in str(err) or "os error 13" in str(err):
-            raise HFCheckpointError(f"{path} cannot be read (permission denied); make it readable "
-                                    f"(chmod a+r {path}) or run as a user who may read it") from None
         raise HFCheckpointError(f"{path} is not a readable safetensors file ({err}); download it again") from None
 
 

@@ -121,19 +121,34 @@ def test_pstar_generate_from_a_nan_weight_is_one_line(tmp_path, capsys):
         list(finite(iter([("v", np.ones(3)), ("w", np.array([1.0, np.nan]))]), "ck"))
 
 
-def test_an_unreadable_weights_file_is_called_unreadable_not_missing(tmp_path, monkeypatch):
+def test_unreadable_files_are_called_unreadable_not_missing(tmp_path, monkeypatch):
+    """As root, chmod 000 does not stop a read: open itself is made to refuse. safe_open calls any
+    failure to open 'No such file or directory', which is what the user used to be told."""
+    import builtins
     import pstar_jax.hf as hf
     model = StagedGPT(dataclasses.replace(TINY, n_layer=1))
     write_hf(tmp_path, model)
+    real_open, real_safe_open, denied = builtins.open, hf.safe_open, set()
 
-    def denied(path, **_):
-        raise PermissionError(errno.EACCES, "Permission denied", path)
+    def guarded_open(path, *args, **kwargs):
+        if os.path.basename(str(path)) in denied:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(hf, "safe_open", denied)  # root reads a chmod 000 file anyway
-    with pytest.raises(HFCheckpointError) as err:
-        open_hf(tmp_path, model)
-    path = os.path.join(tmp_path, "model.safetensors")
-    assert f"{path} cannot be read (permission denied)" in one_line(err) and "download" not in str(err.value)
+    def safetensors_open(path, **kwargs):
+        if os.path.basename(str(path)) in denied:
+            raise FileNotFoundError(f"No such file or directory: {path!r}")
+        return real_safe_open(path, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(hf, "safe_open", safetensors_open)
+    for name in ("model.safetensors", "config.json"):
+        denied.add(name)
+        with pytest.raises(HFCheckpointError) as err:
+            open_hf(tmp_path, model)
+        path = os.path.join(tmp_path, name)
+        assert f"{path} cannot be read (permission denied); make it readable (chmod a+r {path})" in one_line(err)
+        assert "download" not in str(err.value)
 
 
 # -- export targets that cannot be written -------------------------------------------------------
