@@ -1,5 +1,6 @@
 """Hugging Face checkpoints: config.json <-> our model configs, and the tensor name map.
 
+``check_hf_shapes(config, shapes)`` checks its sizes against the weights' headers first;
 ``build_from_hf(config)`` reads a config.json dict (model_type gpt2, llama, qwen2, mistral) into
 a staged model, refusing what our models do not implement; ``hf_config(model)`` writes one that
 transformers' from_pretrained loads; ``hf_tensors(model)`` names, for each of our parameters,
@@ -10,7 +11,9 @@ writer use these three.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+import json
+import re
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
@@ -33,10 +36,14 @@ class HFTensor(NamedTuple):
     truncate_rows: bool  # GPT-2's wpe: the checkpoint may hold more positions than seq_len
 
 
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
+def _require(config: Mapping[str, Any], key: str) -> int:
+    """A size the model needs: present, a positive whole number."""
+    value = config.get(key)
+    if value is None:
         raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")
-    return config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json's {key} is {value!r}; it must be a positive whole number")
+    return value
 
 
 def _refuse_unless(ok: bool, what: str) -> None:
@@ -85,16 +92,39 @@ def _gpt2_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> GPT
         "tie_embeddings": "tie_word_embeddings", "mlp_ratio": "n_inner / n_embd"})
 
 
-def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
-    if value is None:
-        return None
-    kind = value.get("rope_type", value.get("type"))
+def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE's theta and scaling from either layout: transformers 4.x writes top-level ``rope_theta``
+    and ``rope_scaling``, 5.x only ``rope_parameters`` (theta, rope_type and factors in one dict).
+    Precedence as in 5.x: a non-null rope_scaling, else rope_parameters; theta from that dict,
+    else the top-level rope_theta, else 10000."""
+    key = "rope_scaling" if config.get("rope_scaling") is not None else "rope_parameters"
+    params = config.get(key)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json's {key} is {params!r}, not an object of RoPE settings")
+    if params and all(isinstance(v, dict) for v in params.values()):  # one dict per layer type
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        _refuse_unless(len(distinct) == 1, f"a different {key} per layer type ({', '.join(params)})")
+        params = next(iter(params.values()))
+    theta = params.get("rope_theta")
+    theta = config.get("rope_theta", 10000.0) if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"config.json's rope_theta is {theta!r}; it must be a positive number")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    _refuse_unless(partial in (None, 1, 1.0), f"partial_rotary_factor {partial} (only 1.0, RoPE on the whole head)")
+    kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return None
-    _refuse_unless(kind == "llama3", f"rope_scaling type {kind!r} (only llama3)")
-    return Llama3RopeScaling(factor=float(value["factor"]), low_freq_factor=float(value["low_freq_factor"]),
-                             high_freq_factor=float(value["high_freq_factor"]),
-                             original_max_position_embeddings=int(value["original_max_position_embeddings"]))
+        return float(theta), None
+    _refuse_unless(kind == "llama3", f"{key} rope_type {kind!r} (only 'default' and 'llama3')")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json's {key} (rope_type 'llama3') has no {missing[0]!r}")
+    # 5.x fills a missing original context with max_position_embeddings, as here.
+    original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    return float(theta), Llama3RopeScaling(
+        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original))
 
 
 def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int | None:
@@ -119,6 +149,11 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         _refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
     _refuse_unless(config.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor below 1")
     n_head, n_layer = _require(config, "num_attention_heads"), _require(config, "num_hidden_layers")
+    d_model = _require(config, "hidden_size")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and isinstance(d_model, int) and isinstance(n_head, int) and head_dim * n_head == d_model:
+        head_dim = None  # transformers writes the derived value; ours means the same by None
+    rope_theta, rope_scaling = _rope(config)
     max_positions = config.get("max_position_embeddings") or defaults["max_position_embeddings"]
     seq_len = overrides.get("seq_len") or min(max_positions, DEFAULT_SEQ_LEN)
     window = _sliding_window(config, family, n_layer)
@@ -126,17 +161,18 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         raise ValueError(f"config.json's sliding_window={window} would take effect at seq_len={seq_len}, and "
                          f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
     derived = dict(
-        vocab_size=_require(config, "vocab_size"), d_model=_require(config, "hidden_size"), n_layer=n_layer,
+        vocab_size=_require(config, "vocab_size"), d_model=d_model, n_layer=n_layer,
         n_head=n_head, n_kv_head=config.get("num_key_value_heads") or n_head,
-        d_ff=_require(config, "intermediate_size"), seq_len=seq_len, head_dim=config.get("head_dim"),
-        rope_theta=float(config.get("rope_theta", 10000.0)), rope_scaling=_rope_scaling(config.get("rope_scaling")),
+        d_ff=_require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=None if max_positions == seq_len else max_positions, family=family)
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
-        "head_dim": "head_dim", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+        "head_dim": "head_dim", "rope_theta": "rope_theta (or rope_parameters)",
+        "rope_scaling": "rope_scaling (or rope_parameters)",
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
         "qkv_bias": "model_type"})
 
@@ -146,6 +182,7 @@ def build_from_hf(config: Mapping[str, Any], **overrides: Any) -> StagedGPT | St
     ignored): ``seq_len`` may be chosen (for GPT-2 at most n_positions; default n_positions for
     GPT-2, min(max_position_embeddings, 4096) for the Llama family), any other must agree."""
     model_type = config.get("model_type")
+    _refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(_gpt2_config(config, overrides))
     if model_type in FAMILIES:
@@ -153,9 +190,35 @@ def build_from_hf(config: Mapping[str, Any], **overrides: Any) -> StagedGPT | St
     raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
 
 
-def hf_config(model: Any, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+# Keys whose place depends on the transformers version that wrote the file.
+_LAYOUT_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+# Training settings, not the model: an export keeps the source's (we train without dropout).
+_SOURCE_WINS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range", "use_cache")
+
+
+def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config.json for ``model`` (a StagedGPT/StagedLlama or anything with such a ``.config``),
-    its weights stored in ``torch_dtype``."""
+    its weights stored in ``torch_dtype``. With ``source``, the config.json the model was read from:
+    its other fields (bos/eos ids, ...) are kept and its layout followed (5.x rope_parameters or
+    4.x rope_theta/rope_scaling; dtype or torch_dtype)."""
+    ours = _hf_config(model, torch_dtype)
+    if source is None or source.get("model_type") != ours["model_type"]:
+        return ours
+    out = {k: v for k, v in source.items() if k not in _LAYOUT_KEYS}
+    out.update((k, v) for k, v in ours.items() if k not in _LAYOUT_KEYS and not (k in _SOURCE_WINS and k in source))
+    out["dtype" if "dtype" in source and "torch_dtype" not in source else "torch_dtype"] = torch_dtype
+    if "rope_theta" in ours:
+        if "rope_parameters" in source and "rope_theta" not in source:  # 5.x
+            out["rope_parameters"] = {"rope_theta": ours["rope_theta"],
+                                      **(ours["rope_scaling"] or {"rope_type": "default"})}
+        else:
+            out.update(rope_theta=ours["rope_theta"], rope_scaling=ours["rope_scaling"])
+    if ours["model_type"] == "qwen2" and "layer_types" in source:  # what we trained: no layer slides
+        out["layer_types"] = ["full_attention"] * ours["num_hidden_layers"]
+    return out
+
+
+def _hf_config(model: Any, torch_dtype: str) -> dict[str, Any]:
     c = model.config
     if isinstance(c, GPTConfig):
         return {"architectures": [_ARCHITECTURES["gpt2"]], "model_type": "gpt2", "vocab_size": c.vocab_size,
@@ -228,3 +291,57 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
         else:
             raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
     return out
+
+
+def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse, naming the field, a config.json size that the weights' shapes (from the safetensors
+    headers, before anything is allocated) contradict. Tensors absent here are left to the loader."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        return
+
+    def shape(name: str) -> tuple[int, ...] | None:  # GPT-2's own files lack the 'transformer.' prefix
+        found = shapes.get(name, shapes.get(name.split(".", 1)[1]))
+        return None if found is None else tuple(found)
+
+    def agree(key: str, value: Any, tensor: str, axis: int, what: str) -> None:
+        found = shape(tensor)
+        if found is None or len(found) <= axis or found[axis] == value:
+            return
+        raise ValueError(f"config.json's {key}={value} disagrees with the weights: {tensor} has {found[axis]} "
+                         f"{what}; set {key} to {found[axis]} or use the weights this config.json belongs to")
+
+    gpt = model_type == "gpt2"
+    block = "transformer.h" if gpt else "model.layers"
+    n_layer_key = "n_layer" if gpt else "num_hidden_layers"
+    layer_name = re.compile(rf"^(?:{block}|{block.split('.', 1)[1]})\.(\d+)\.")  # with the prefix or without
+    layers = {int(m.group(1)) for n in shapes if (m := layer_name.match(n))}
+    n_layer = _require(config, n_layer_key)
+    if layers and n_layer != len(layers):
+        raise ValueError(f"config.json's {n_layer_key}={n_layer} disagrees with the weights, which hold "
+                         f"{len(layers)} layers; set {n_layer_key} to {len(layers)} or use the weights this "
+                         "config.json belongs to")
+    if gpt:
+        d = _require(config, "n_embd")
+        agree("vocab_size", _require(config, "vocab_size"), "transformer.wte.weight", 0, "rows")
+        agree("n_embd", d, "transformer.wte.weight", 1, "columns")
+        agree("n_positions", config.get("n_positions", 1024), "transformer.wpe.weight", 0, "rows")
+        if config.get("n_inner") is not None:
+            agree("n_inner", config["n_inner"], "transformer.h.0.mlp.c_fc.weight", 1, "columns")
+        return
+    d, n_head = _require(config, "hidden_size"), _require(config, "num_attention_heads")
+    agree("vocab_size", _require(config, "vocab_size"), "model.embed_tokens.weight", 0, "rows")
+    agree("hidden_size", d, "model.embed_tokens.weight", 1, "columns")
+    agree("intermediate_size", _require(config, "intermediate_size"), "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    explicit = config.get("head_dim") is not None  # else it follows hidden_size / num_attention_heads
+    head_dim = config.get("head_dim") or d // n_head
+    for key, heads, proj in (("num_attention_heads", n_head, "q"),
+                             ("num_key_value_heads", config.get("num_key_value_heads") or n_head, "k")):
+        tensor = f"model.layers.0.self_attn.{proj}_proj.weight"
+        rows = (shape(tensor) or (heads * head_dim,))[0]
+        if rows != heads * head_dim:
+            fix = (f"set {key} to {rows // head_dim}" if (explicit or proj == "k") and rows % head_dim == 0
+                   else "fix config.json")
+            raise ValueError(f"config.json's {key}={heads} disagrees with the weights: {tensor} has {rows} rows, "
+                             f"not {heads} heads of {head_dim}; {fix} or use the weights this "
+                             "config.json belongs to")

@@ -14,7 +14,7 @@ from typing import Sequence
 from pstar_jax import cli
 from pstar_jax.config import ConfigError, RunConfig, from_dict
 from pstar_jax.hf import EXPORT_DTYPES
-from pstar_jax.loop import hf_functions, load_model
+from pstar_jax.loop import hf_export_config, load_model
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-export", description=__doc__.splitlines()[0])
@@ -37,7 +37,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.chunks import ChunkLayout
     from pstar_jax.hf import check_export_target, export_hf
 
-    check_export_target(os.path.abspath(args.hf))
+    check_export_target(args.hf, "--hf")
     ckpt = Checkpointer(args.checkpoint_dir)
     try:
         meta = ckpt.meta(args.step)
@@ -51,17 +51,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         if args.model_module:
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=args.model_module))
         model = load_model(config)
-        hf_tensors, hf_config = hf_functions(config)
-        try:
-            tensor_map, hf_json = hf_tensors(model), hf_config(model)
-        except ValueError as err:  # models/ refuses in one sentence too, without pstar_jax's error type
-            raise ConfigError(str(err)) from None
+        tensor_map, hf_json = hf_export_config(config, model)
         saved = {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}
         if saved != {name: tuple(shape) for name, shape in model.param_shapes().items()}:
             raise CheckpointError(f"the model rebuilt from the run's flags does not match the checkpoint in "
                                   f"{ckpt.directory}; pass the --model-module it was trained with")
         files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), tensor_map, hf_json, args.export_dtype,
-                          args.tokenizer_from or config.model.init_from_hf)
+                          args.tokenizer_from or config.model.init_from_hf, what="--hf")
     finally:
         ckpt.close()
     print(f"exported step {meta['step']} of {ckpt.directory} to {os.path.abspath(args.hf)} "

@@ -111,8 +111,18 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
     except BaseException:
         ckpt.close()
         raise
-    return Source(model, lambda: iter_master_tensors(ckpt, meta["step"]), config.model.init_from_hf,
-                  config.engine.precision, ckpt.close)
+    return Source(model, lambda: finite(iter_master_tensors(ckpt, meta["step"]), ckpt.directory),
+                  config.model.init_from_hf, config.engine.precision, ckpt.close)
+
+
+def finite(tensors: Iterator[tuple[str, np.ndarray]], where: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors, refusing one with a NaN or inf: such a model samples garbage without a word."""
+    from pstar_jax.checkpoint import CheckpointError
+    for name, value in tensors:
+        if not np.isfinite(value).all():
+            raise CheckpointError(f"parameter {name} in {where} holds NaN or infinite values; generate from an "
+                                  "earlier checkpoint (--step)")
+        yield name, value
 
 
 def hf_source(directory: str, module: str | None) -> Source:

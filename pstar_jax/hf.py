@@ -26,18 +26,23 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
+from pstar_jax.paths import check_output_dir, os_error_cause
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+# What an export copies from the source checkpoint beside the weights: the tokenizer in any of its
+# forms, its chat template (a file of its own since transformers 4.43) and the generation defaults.
+_TOKENIZER_FILE = re.compile(r"^(tokenizer.*\.(json|model|txt)|special_tokens_map\.json|added_tokens\.json|"
+                             r"chat_template\.(jinja|json)|generation_config\.json|vocab\.(json|txt)|merges\.txt|"
+                             r"[\w.-]*\.(model|tiktoken))$")
+_TEMPLATES_DIR = "additional_chat_templates"  # transformers 4.5x+: one .jinja per named template
 # HF dtype name -> numpy dtype we read; everything is converted to fp32.
 _SOURCE_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
 EXPORT_DTYPES = {"bf16": (ml_dtypes.bfloat16, "bfloat16"), "fp16": (np.float16, "float16"),
@@ -63,6 +68,8 @@ def read_hf_config(directory: str) -> dict:
     try:
         with open(path) as f:
             config = json.load(f)
+    except PermissionError:
+        raise _unreadable(path) from None
     except (OSError, ValueError) as err:
         raise HFCheckpointError(f"{path} is not readable JSON ({err})") from None
     if not isinstance(config, dict):
@@ -90,12 +97,30 @@ def weight_files(directory: str) -> dict[str, str]:
     return {name: SINGLE for name in _open(os.path.join(directory, SINGLE)).keys()}
 
 
+def _unreadable(path: str) -> HFCheckpointError:
+    return HFCheckpointError(f"{path} cannot be read (permission denied); make it readable (chmod a+r {path}) "
+                             "or run as a user who may read it")
+
+
 def _open(path: str):
     """A safetensors file's handle (header read, data mapped lazily)."""
-    try:
+    try:  # safe_open reports every failure to open as 'No such file or directory': ask first
+        with open(path, "rb"):
+            pass
         return safe_open(path, framework="numpy")
+    except PermissionError:
+        raise _unreadable(path) from None
     except Exception as err:  # SafetensorError, OSError: the file is not a readable safetensors file
         raise HFCheckpointError(f"{path} is not a readable safetensors file ({err}); download it again") from None
+
+
+def header_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, from the safetensors headers alone (nothing is read or allocated)."""
+    shapes = {}
+    for filename in sorted(set(weight_files(directory).values())):
+        handle = _open(os.path.join(directory, filename))
+        shapes.update((name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys())
+    return shapes
 
 
 class HFCheckpoint(Mapping[str, np.ndarray]):
@@ -177,6 +202,11 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
             value = value.T
         if truncate and transpose:
             value = value[:rows]
+        # Checked as each tensor streams in: a corrupt weight would otherwise surface as a NaN loss.
+        if not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            raise HFCheckpointError(f"tensor {hf} in {self._where[hf]} in {self.directory} holds {bad} NaN or "
+                                    "infinite values; the checkpoint is corrupt: download it again")
         return value
 
     def __iter__(self) -> Iterator[str]:
@@ -198,10 +228,23 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
 # -- out ----------------------------------------------------------------------------------------
 
 
+def tokenizer_files(directory: str) -> list[str]:
+    """The tokenizer, chat-template and generation files of an HF directory, as an export copies them."""
+    names = sorted(n for n in os.listdir(directory) if _TOKENIZER_FILE.match(n) and n != CONFIG
+                   and os.path.isfile(os.path.join(directory, n)))
+    return names + ([_TEMPLATES_DIR] if os.path.isdir(os.path.join(directory, _TEMPLATES_DIR)) else [])
+
+
 def _is_earlier_export(directory: str) -> bool:
     names = os.listdir(directory)
-    allowed = {CONFIG, SINGLE, INDEX, *TOKENIZER_FILES}
-    if not all((n in allowed or _SHARD.match(n)) and os.path.isfile(os.path.join(directory, n)) for n in names):
+
+    def ours(name: str) -> bool:  # a name an export writes, of the kind it writes
+        if name == _TEMPLATES_DIR:
+            return os.path.isdir(os.path.join(directory, name))
+        return (name in (CONFIG, SINGLE, INDEX) or bool(_SHARD.match(name) or _TOKENIZER_FILE.match(name))) \
+            and os.path.isfile(os.path.join(directory, name))
+
+    if not all(ours(n) for n in names):
         return False
     weights = SINGLE if SINGLE in names else next((n for n in sorted(names) if _SHARD.match(n)), None)
     if CONFIG not in names or weights is None:
@@ -213,12 +256,14 @@ def _is_earlier_export(directory: str) -> bool:
         return False
 
 
-def check_export_target(directory: str) -> None:
-    """Refuse a file, or a non-empty directory that is not an earlier export (which is replaced)."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ConfigError(f"{directory} is a file; choose a directory to export the Hugging Face checkpoint to")
+def check_export_target(directory: str, what: str = "CheckpointConfig.export_hf") -> None:
+    """Refuse, before any work, a target that cannot be written (a file, a path under a file, a
+    read-only or unwritable place) or a non-empty directory that is not an earlier export (which
+    is replaced). ``what`` names the setting in messages."""
+    directory = os.path.abspath(directory)
+    check_output_dir(directory, what)
     if os.path.isdir(directory) and os.listdir(directory) and not _is_earlier_export(directory):
-        raise ConfigError(f"{directory} is not empty and is not an earlier pstar_jax Hugging Face export; "
+        raise ConfigError(f"{what} {directory} is not empty and is not an earlier pstar_jax Hugging Face export; "
                           "choose a new or empty directory")
 
 
@@ -242,7 +287,9 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         filename = f"shard-{len(self.files)}.safetensors"
-        save_file(self._shard, os.path.join(self.directory, filename), metadata={"format": "pt", _EXPORT_MARK: "1"})
+        path = os.path.join(self.directory, filename)
+        save_file(self._shard, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
+        _sort_metadata(path)
         self.files.append(filename)
         self.weight_map.update((name, filename) for name in self._shard)
         self._shard, self._shard_bytes = {}, 0
@@ -262,13 +309,29 @@ class _ShardWriter:
                 json.dump(index, f, indent=2)
 
 
+def _sort_metadata(path: str) -> None:
+    """Rewrite a safetensors header with its metadata keys sorted, in place: safetensors keeps them
+    in a Rust HashMap, whose order changes from run to run, so two exports would differ in bytes.
+    The same keys and values sorted take the same bytes, so the tensors' data does not move."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size), object_pairs_hook=dict)
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # padded with spaces, as safetensors pads its headers
+            f.seek(8)
+            f.write(text.ljust(size))
+
+
 def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], tensor_map: TensorMap,
               config: dict, dtype: str = "bf16", tokenizer_from: str | None = None,
-              max_shard_bytes: int = 5 * 10**9) -> list[str]:
-    """Write an HF checkpoint: config.json (``torch_dtype`` set), safetensors weights in ``dtype``
-    (bf16, fp16 or fp32) and the tokenizer files found in ``tokenizer_from``. Tensors arrive one
-    at a time as (pstar name, fp32 array); every name of ``tensor_map`` must come exactly once.
-    Returns the file names written."""
+              max_shard_bytes: int = 5 * 10**9, what: str = "CheckpointConfig.export_hf") -> list[str]:
+    """Write an HF checkpoint: config.json (``dtype`` or ``torch_dtype``, whichever ``config``
+    uses, set), safetensors weights in ``dtype`` (bf16, fp16 or fp32) and the tokenizer,
+    chat-template and generation files found in ``tokenizer_from``. Tensors arrive one at a time as
+    (pstar name, fp32 array); every name of ``tensor_map`` must come exactly once. A failed write
+    (disk full, permissions) is one ConfigError naming the path, and leaves the target as it was.
+    Returns the file names written. The same tensors and config give the same bytes."""
     directory = os.path.abspath(directory)
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"export dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
@@ -276,12 +339,13 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
         raise ConfigError(f"the shard size must be positive, got {max_shard_bytes} bytes")
     if tokenizer_from is not None and not os.path.isdir(tokenizer_from):
         raise ConfigError(f"{tokenizer_from} is not a directory; pass the HF directory holding the tokenizer")
-    check_export_target(directory)
+    check_export_target(directory, what)
     np_dtype, torch_name = EXPORT_DTYPES[dtype]
     parent, base = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = _new_dir(parent, f".{base}.partial-")
+    staging = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        staging = _new_dir(parent, f".{base}.partial-")
         writer = _ShardWriter(staging, max_shard_bytes)
         seen: set[str] = set()
         for name, value in named_tensors:
@@ -302,17 +366,27 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
         if missing:
             raise ConfigError(f"the export got no tensor {missing[0]} ({len(missing)} missing); nothing was written")
         writer.finish()
+        dtype_key = "dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"
         with open(os.path.join(staging, CONFIG), "w") as f:
-            json.dump({**config, "torch_dtype": torch_name}, f, indent=2)
+            json.dump({**config, dtype_key: torch_name}, f, indent=2)
         mode = os.stat(os.path.join(staging, CONFIG)).st_mode & 0o777  # what the umask gives a new file
         for name in os.listdir(staging):  # safetensors creates its files private
             os.chmod(os.path.join(staging, name), mode)
-        for name in TOKENIZER_FILES if tokenizer_from else ():
-            if os.path.isfile(os.path.join(tokenizer_from, name)):
-                shutil.copyfile(os.path.join(tokenizer_from, name), os.path.join(staging, name))
+        for name in tokenizer_files(tokenizer_from) if tokenizer_from else ():
+            source = os.path.join(tokenizer_from, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(staging, name))
+            else:
+                shutil.copyfile(source, os.path.join(staging, name))
         _replace(staging, directory)
+    except (OSError, SafetensorError) as err:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"{what} {directory} could not be written ({os_error_cause(err)}); nothing was "
+                          "changed there: free space or choose a writable place") from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return sorted(os.listdir(directory))
 

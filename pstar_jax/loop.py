@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import signal
 import time
@@ -52,9 +53,12 @@ def load_model(config: RunConfig) -> StagedModel:
     module = _model_module(config)
     try:
         if cfg.init_from_hf:
-            from pstar_jax.hf import read_hf_config
-            return _module_function(module, "build_from_hf", config)(read_hf_config(cfg.init_from_hf),
-                                                                     **cfg.overrides())
+            from pstar_jax.hf import header_shapes, read_hf_config
+            hf_json = read_hf_config(cfg.init_from_hf)
+            check = getattr(module, "check_hf_shapes", None)  # optional: sizes against the headers, first
+            if callable(check):
+                check(hf_json, header_shapes(cfg.init_from_hf))
+            return _module_function(module, "build_from_hf", config)(hf_json, **cfg.overrides())
         return _module_function(module, "build_model", config)(cfg.name, **cfg.overrides())
     except (ValueError, TypeError, KeyError) as err:
         if isinstance(err, ConfigError):
@@ -66,6 +70,21 @@ def hf_functions(config: RunConfig) -> tuple[Any, Any]:
     """The model module's (hf_tensors, hf_config)."""
     module = _model_module(config)
     return _module_function(module, "hf_tensors", config), _module_function(module, "hf_config", config)
+
+
+def hf_export_config(config: RunConfig, model: StagedModel) -> tuple[Any, dict]:
+    """The model's HF tensor map and config.json; the config keeps the fields and layout of the
+    run's --init-from-hf config.json where the module's hf_config takes ``source``."""
+    tensors, hf_config = hf_functions(config)
+    source = None
+    src = config.model.init_from_hf
+    if src and os.path.isfile(os.path.join(src, "config.json")) and "source" in inspect.signature(hf_config).parameters:
+        from pstar_jax.hf import read_hf_config
+        source = read_hf_config(src)
+    try:
+        return tensors(model), hf_config(model) if source is None else hf_config(model, source=source)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"the model cannot be exported to Hugging Face: {err}") from None
 
 
 class Run:
@@ -96,7 +115,7 @@ class Run:
             check_export_dir(cfg.checkpoint.export_flax)
         if cfg.checkpoint.export_hf:
             from pstar_jax.hf import check_export_target
-            check_export_target(os.path.abspath(cfg.checkpoint.export_hf))
+            check_export_target(cfg.checkpoint.export_hf)
             hf_functions(cfg)
 
         from pstar_jax.memory import configure_backend, host_budget_bytes
@@ -268,11 +287,7 @@ class Run:
         """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time, with the
         tokenizer files of the checkpoint the run started from."""
         from pstar_jax.hf import export_hf
-        tensors, hf_config = hf_functions(self.config)
-        try:
-            tensor_map, config = tensors(self.model), hf_config(self.model)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"the model cannot be exported to Hugging Face: {err}") from None
+        tensor_map, config = hf_export_config(self.config, self.model)
         return export_hf(directory, self.engine.iter_params(), tensor_map, config,
                          dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf)
 

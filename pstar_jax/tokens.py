@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
@@ -105,6 +106,13 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> HFE
         raise DataError(f"cannot load tokenizer {file}: {reason}") from None
     if eos_token is None:
         eos_token = _config_eos_token(config)
+    if eos_token is not None and not isinstance(eos_token, str):
+        # transformers reads only a string or an AddedToken there; an id would be a guess.
+        token = tokenizer.id_to_token(eos_token) if isinstance(eos_token, int) and eos_token >= 0 else None
+        hint = (f"--eos-token {shlex.quote(token)}" if token is not None
+                else "--eos-token with the end-of-text token's text")
+        raise DataError(f"{config} gives eos_token as {json.dumps(eos_token)}, not the token's text; pass {hint} "
+                        "or write the token itself there")
     if eos_token is None:
         raise DataError(f"cannot tell the end-of-text token of {file}: {config} names no "
                         f"eos_token; pass --eos-token (for example --eos-token '<|endoftext|>')")
@@ -115,7 +123,7 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> HFE
     return HFEncoder(tokenizer, str(path.resolve()), eos_id)
 
 
-def _config_eos_token(config: Path) -> str | None:
+def _config_eos_token(config: Path) -> object:
     if not config.exists():
         return None
     with io_errors(config, "read"):
@@ -125,7 +133,7 @@ def _config_eos_token(config: Path) -> str | None:
     except (ValueError, AttributeError):  # not JSON, not UTF-8, or not an object
         raise DataError(f"{config} is not a JSON object; fix it or pass --eos-token") from None
     # Older configs store the token as a serialised AddedToken: {"content": "</s>", ...}.
-    return eos.get("content") if isinstance(eos, dict) else eos
+    return eos.get("content") if isinstance(eos, dict) and "content" in eos else eos
 
 
 def _char_boundary(text: bytes, at: int) -> int:

@@ -424,6 +424,7 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
 
 
 @pytest.mark.slow
+@pytest.mark.hf_reference
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family):
     """A checkpoint that transformers' save_pretrained writes (bf16, sharded, GPT-2's head tied and

@@ -90,6 +90,7 @@ def assert_logits_match(ours, theirs):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-6 * scale)
 
 
+@pytest.mark.hf_reference
 @pytest.mark.parametrize("config", CHECKPOINTS.values(), ids=CHECKPOINTS.keys())
 def test_hf_weights_give_hf_logits(config):
     hf_model = hf_reference(config)
@@ -121,8 +122,9 @@ EXPORTS = {
 }
 
 
+@pytest.mark.hf_reference
 @pytest.mark.parametrize("config", EXPORTS.values(), ids=EXPORTS.keys())
-def test_export_loads_in_transformers_with_the_same_logits(config, tmp_path):
+def test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source=None):
     """Our config.json and our weights under hf_tensors' names: from_pretrained loads them with no
     missing or unexpected tensor, and gives our logits."""
     transformers = pytest.importorskip("transformers")
@@ -133,7 +135,7 @@ def test_export_loads_in_transformers_with_the_same_logits(config, tmp_path):
               for n, v in model.init_params(0).items()}  # norms and biases away from 1 and 0
     tensors = {hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()}
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32", source=source)))
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager", output_loading_info=True)
     assert not any(info.values()), info
@@ -216,3 +218,80 @@ def test_qwen2_window_inside_full_attention_layers_is_accepted():
     config = {**QWEN2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
     assert build_from_hf(config, seq_len=SEQ_LEN).config == dataclasses.replace(
         build_from_hf(QWEN2).config, seq_len=SEQ_LEN, max_position_embeddings=64)
+
+
+# -- config.json as transformers 4.57 and 5.x write it ------------------------------------------
+
+from hf_configs import V4, V5  # noqa: E402
+
+ROPE = {"llama": (500000.0, (8.0, 1.0, 4.0, 64)), "qwen2": (1000000.0, None), "mistral": (1000000.0, None)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_saved_configs_of_both_layouts_read_the_same(family):
+    """5.x writes RoPE only as rope_parameters; 4.57 as rope_theta/rope_scaling: the same model."""
+    four, five = build_from_hf(V4[family]).config, build_from_hf(V5[family]).config
+    assert four == five
+    if family in ROPE:
+        theta, scaling = ROPE[family]
+        assert five.rope_theta == theta
+        assert (None if five.rope_scaling is None else tuple(dataclasses.astuple(five.rope_scaling))) == scaling
+
+
+@pytest.mark.parametrize("version", ["V4", "V5"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_export_config_keeps_the_source_fields_and_layout(family, version):
+    source = {"V4": V4, "V5": V5}[version][family]
+    exported = hf_config(build_from_hf(source), torch_dtype=source["dtype"], source=source)
+    if family == "gpt2":  # null means 4 * n_embd, which we write out; 4.57 leaves the default tie out
+        assert exported.pop("n_inner") == 4 * source["n_embd"] and source["n_inner"] is None
+        assert exported.pop("tie_word_embeddings") is source.get("tie_word_embeddings", True) is True
+        source = {k: v for k, v in source.items() if k not in ("n_inner", "tie_word_embeddings")}
+    assert exported == source  # bos/eos ids, dtype, rope layout, everything
+    assert json.loads(json.dumps(exported)) == exported
+
+
+@pytest.mark.parametrize("rope,match", [
+    ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_parameters rope_type 'yarn'"),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "rope_type 'linear'"),
+    ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}, "rope_type 'dynamic'"),
+    ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "per layer type"),
+    ({"rope_type": "default", "rope_theta": "big"}, "rope_theta is 'big'"),
+])
+def test_unsupported_rope_parameters_are_refused_by_name(rope, match):
+    with pytest.raises(ValueError, match=match) as err:
+        build_from_hf({**V5["qwen2"], "rope_parameters": rope})
+    assert "\n" not in str(err.value)
+
+
+def test_quantized_and_non_integer_sizes_are_refused_by_name():
+    with pytest.raises(ValueError, match="quantization_config"):
+        build_from_hf({**V5["llama"], "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ValueError, match="vocab_size is 1000000000000.0; it must be a positive whole number"):
+        build_from_hf({**V5["llama"], "vocab_size": 1e12})
+
+
+def _needs_layout(version):
+    transformers = pytest.importorskip("transformers")
+    if version == "V5" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x does not read rope_parameters (CI's second pass runs 5.x)")
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("version", ["V4", "V5"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_saved_configs_give_transformers_logits(family, version):
+    _needs_layout(version)
+    test_hf_weights_give_hf_logits({"V4": V4, "V5": V5}[version][family])
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("version", ["V4", "V5"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_export_in_the_source_layout_loads_in_transformers(family, version, tmp_path):
+    _needs_layout(version)
+    source = {"V4": V4, "V5": V5}[version][family]
+    test_export_loads_in_transformers_with_the_same_logits(build_from_hf(source, seq_len=SEQ_LEN).config, tmp_path,
+                                                           source)

@@ -298,3 +298,26 @@ def test_module_entry_point_has_no_traceback(tmp_path):
                            str(tmp_path / "out.u16.bin")], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"pstar-tokens: error: input file {tmp_path / 'missing.txt'} does not exist\n"
+
+
+@pytest.mark.parametrize("eos,words", [
+    (0, "gives eos_token as 0, not the token's text; pass --eos-token '<|endoftext|>'"),
+    (10**9, "gives eos_token as 1000000000, not the token's text; pass --eos-token with the end-of-text token's"),
+    (["</s>"], 'gives eos_token as ["</s>"], not the token'),
+    ({"special": True}, 'gives eos_token as {"special": true}'),
+])
+def test_eos_token_that_is_not_a_token_string_is_one_line(bpe_dir, tmp_path, eos, words):
+    """transformers reads a string or an AddedToken dict there; an id is refused with the token to pass."""
+    import shutil
+    from pstar_jax.tokens import load_tokenizer
+    directory = tmp_path / "tok"
+    shutil.copytree(bpe_dir, directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    with pytest.raises(DataError) as err:
+        load_tokenizer(directory)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    if eos == 0:  # the suggestion works
+        assert load_tokenizer(directory, EOS).eos_id == 0
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"__type": "AddedToken",
+                                                                               "content": EOS, "lstrip": False}}))
+    assert load_tokenizer(directory).eos_id == load_tokenizer(bpe_dir).eos_id
