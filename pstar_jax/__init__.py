@@ -10,24 +10,50 @@ The public surface, in the order a run uses it::
         params = run.engine.params()     # name -> numpy array
 
 Everything not re-exported here is internal and may change.
+
+Only the configuration is imported with the package (it needs nothing but the standard library);
+the rest comes in on first use of its name, so ``import pstar_jax`` (and a CLI's ``--help`` or
+config error) does not wait seconds for jax, flax, orbax and numba to load.
 """
 
-from pstar_jax.chat import ChatTemplate, read_conversations
-from pstar_jax.checkpoint import CheckpointError
-from pstar_jax.flax_io import export_flax, import_flax
+import importlib as _importlib
+
 from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
                               ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig, format_bytes,
                               parse_bytes)
-from pstar_jax.data import Batches, DataError, default_corpus, load_tokens
-from pstar_jax.engine import Engine, NonFiniteLoss, StepResult
-from pstar_jax.loop import Run, load_model
-from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
-from pstar_jax.model import NNXStaged, Stage, StagedModel
-from pstar_jax.optim import default_tx
-from pstar_jax.packing import PackedRows, is_packed_file, load_packed, pack, write_packed
-from pstar_jax.planner import PlanReport, plan_report
-from pstar_jax.planning import Planned, build_engine, plan_model, resolve_engine_config
-from pstar_jax.sft_file import make_sft_file
+
+# name -> the module that defines it, imported when the name is first used
+_LAZY = {
+    "CheckpointError": "checkpoint",
+    "export_flax": "flax_io", "import_flax": "flax_io",
+    "Batches": "data", "DataError": "data", "default_corpus": "data", "load_tokens": "data",
+    "Engine": "engine", "NonFiniteLoss": "engine", "StepResult": "engine",
+    "Run": "loop", "load_model": "loop",
+    "JsonlWriter": "metrics", "MetricsWriter": "metrics", "TensorBoardWriter": "metrics",
+    "NNXStaged": "model", "Stage": "model", "StagedModel": "model",
+    "default_tx": "optim",
+    "PlanReport": "planner", "plan_report": "planner",
+    "Planned": "planning", "build_engine": "planning", "plan_model": "planning",
+    "resolve_engine_config": "planning",
+    "ChatTemplate": "chat", "read_conversations": "chat",
+    "PackedRows": "packing", "is_packed_file": "packing", "load_packed": "packing", "pack": "packing",
+    "write_packed": "packing",
+    "make_sft_file": "sft_file",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pstar_jax' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"pstar_jax.{module}"), name)
+    globals()[name] = value  # later uses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "RunConfig", "ModelConfig", "TrainConfig", "OptimConfig", "EngineConfig", "DataConfig", "CheckpointConfig",

@@ -13,7 +13,10 @@ unpacked with the saved layout and packed with the new one.
 
 A run owns its checkpoint directory: process 0 holds an flock on a file inside it, which the
 kernel drops when the process dies, so a second run into the same directory is refused while
-the first lives and a crashed run never blocks the next. A save that fails (full disk, read-only
+the first lives and a crashed run never blocks the next. The lock file records the holder's pid and
+host, so a reader (pstar-generate, pstar-export) whose step a live run rotated away mid-read is told
+which run holds the directory and to retry, rather than to remove a step. Removal is only ever
+suggested for a directory that holds a pstar step's items (``meta/``, ``state/``). A save that fails (full disk, read-only
 file system) ends the run with one line naming the cause and the latest good step; its
 temporary directory is removed and earlier steps are kept. The latest step is never deleted:
 ``--keep-checkpoints`` is at least 1.
@@ -22,11 +25,10 @@ temporary directory is removed and earlier steps are kept. The latest step is ne
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import shutil
 import signal
-import sys
+import socket
 from typing import Any, Iterator
 
 import jax
@@ -37,12 +39,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax.chunks import ChunkLayout, pack, unpack
 from pstar_jax.config import ConfigError
+from pstar_jax.orbax_quiet import drop_closed_loop_errors, silence_orbax_errors
 from pstar_jax.paths import check_output_dir, os_error_cause
 from pstar_jax.zero import to_numpy
 
 FORMAT = 1
 LOCK_NAME = ".pstar-run.lock"
 META_KEYS = ("format", "step", "checksums")
+STEP_ITEMS = ("meta", "state")  # the folders orbax writes into each step of ours (a Composite save)
 
 
 class CheckpointError(ConfigError):
@@ -55,46 +59,36 @@ class CheckpointSaveError(Exception):
     process with ``pstar_jax.distributed.hard_exit`` rather than returning."""
 
 
-class _DropOrbaxErrors(logging.Filter):
-    """orbax logs a traceback per failed save thread; the caller reports the failure as one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR)
-
-
-def _silence_orbax_errors() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
-        logger.addFilter(_DropOrbaxErrors())
+def _holder_text(lock_path: str) -> str:
+    """'pid 123 on host gpu7' from a lock file's record ('123 gpu7'; older runs wrote the pid alone)."""
+    try:
+        with open(lock_path) as f:
+            pid, _, host = f.read().strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    return f"pid {pid or 'unknown'}" + (f" on host {host}" if host else "")
 
 
-def _is_closed_loop(kind, value) -> bool:
-    return kind is RuntimeError and str(value) == "Event loop is closed"
-
-
-def _drop_closed_loop_errors() -> None:
-    """After a failed save, tensorstore's remaining write callbacks (native threads) find orbax's
-    event loop closed and print a traceback each; the failure itself is reported as one line.
-    Both hooks are wrapped (the callbacks report through one or the other), for that error only."""
-    if getattr(sys.unraisablehook, "pstar_drops_closed_loop", False):
-        return
-    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
-
-    def on_exception(kind, value, tb) -> None:
-        if not _is_closed_loop(kind, value):
-            excepthook(kind, value, tb)
-
-    def on_unraisable(args) -> None:
-        if not _is_closed_loop(args.exc_type, args.exc_value):
-            unraisablehook(args)
-
-    on_unraisable.pstar_drops_closed_loop = True
-    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+def live_holder(directory: str) -> str | None:
+    """'pid 123 on host gpu7' if a live run holds ``directory``'s lock, else None. Probed with a
+    shared lock (a live run holds an exclusive one), released at once; never creates the file."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return _holder_text(path)
+    finally:
+        os.close(fd)  # (drops the shared lock if we got it)
+    return None
 
 
 class DirectoryLock:
-    """An exclusive flock on ``directory``/.pstar-run.lock, holding the owner's pid for messages.
-    The kernel releases it when the process ends, however it ends."""
+    """An exclusive flock on ``directory``/.pstar-run.lock, holding the owner's pid and host for
+    messages. The kernel releases it when the process ends, however it ends."""
 
     def __init__(self, directory: str, what: str = "--checkpoint-dir"):
         self.path = os.path.join(directory, LOCK_NAME)
@@ -106,13 +100,11 @@ class DirectoryLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            with open(self.path) as f:
-                owner = f.read().strip() or "unknown"
-            raise CheckpointError(f"another run (pid {owner}) is using {what} {directory}; wait for it to end "
-                                  "or choose another directory") from None
+            raise CheckpointError(f"another run ({_holder_text(self.path)}) is using {what} {directory}; wait for "
+                                  "it to end or choose another directory") from None
         self._fd = fd
         with open(self.path, "w") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -150,14 +142,19 @@ def checksums(state: Any) -> list[int]:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, max_to_keep: int = 3, lock: DirectoryLock | None = None):
+    """``in_run``: this process belongs to the run that owns the directory (its lock is ours), so
+    a failed read is never blamed on a live run rotating the steps."""
+
+    def __init__(self, directory: str, max_to_keep: int = 3, lock: DirectoryLock | None = None,
+                 in_run: bool = False):
         if max_to_keep < 1:
             raise ConfigError(f"--keep-checkpoints must be at least 1 (the latest checkpoint is always kept), "
                               f"got {max_to_keep}")
-        _silence_orbax_errors()
-        _drop_closed_loop_errors()
+        silence_orbax_errors()
+        drop_closed_loop_errors()
         self.directory = os.path.abspath(directory)
         self._lock = lock
+        self.in_run = in_run or lock is not None
         self._pending: int | None = None  # the step of the save in flight
         self.failed = False  # a save failed: orbax threads may never finish, do not wait for them
         self._manager = ocp.CheckpointManager(
@@ -170,6 +167,32 @@ class Checkpointer:
         """Steps whose directories orbax finished (renamed from their temporary names)."""
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
         return sorted(int(n) for n in names if n.isdigit())
+
+    def is_step(self, step: int) -> bool:
+        """Whether ``directory``/``step`` holds a pstar step's items (not, say, a user's own folder '7')."""
+        return any(os.path.isdir(os.path.join(self.directory, str(step), item)) for item in STEP_ITEMS)
+
+    def _steps_there(self) -> str:
+        steps = [s for s in self.committed_steps() if self.is_step(s)]
+        return f"the steps there are {', '.join(map(str, steps))}" if steps else \
+            f"{self.directory} holds no pstar checkpoint step"
+
+    def _unreadable(self, step: int, problem: str) -> CheckpointError:
+        """The error for a step that failed to read or verify: the step is gone or changing under a
+        live run (retry), or it is not ours (say what is there), and only then removable."""
+        where, path = f"checkpoint step {step} in {self.directory}", os.path.join(self.directory, str(step))
+        gone = not os.path.isdir(path)
+        holder = None if self.in_run else live_holder(self.directory)
+        if holder:
+            return CheckpointError(f"{where} {'was removed' if gone else 'changed'} while being read: the run "
+                                   f"({holder}) training into this directory rotates its checkpoints; retry "
+                                   f"({self._steps_there()}) or wait for that run to end")
+        if gone:
+            return CheckpointError(f"{where} was removed while being read; retry ({self._steps_there()})")
+        if not self.is_step(step):
+            return CheckpointError(f"{path} is not a pstar checkpoint step (it has no meta/ or state/ folder); "
+                                   f"{self._steps_there()}")
+        return CheckpointError(f"{where} {problem}; remove {path} to fall back to an earlier one")
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Start an asynchronous save; the previous one is finished first."""
@@ -208,12 +231,13 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}; train without --resume first")
+        if step not in self.committed_steps():
+            raise CheckpointError(f"no checkpoint step {step} in {self.directory}; {self._steps_there()}")
         where = f"checkpoint step {step} in {self.directory}"
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as err:  # orbax raises many kinds; all mean the files are unreadable
-            raise CheckpointError(f"{where} is unreadable ({type(err).__name__}); "
-                                  f"remove {self.directory}/{step} to fall back to an earlier one") from None
+            raise self._unreadable(step, f"is unreadable ({type(err).__name__})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not a pstar_jax checkpoint")
         missing = [k for k in (*META_KEYS, *required) if k not in meta]
@@ -226,15 +250,12 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, abstract: Any, expected_checksums: list[int]) -> Any:
-        where = f"checkpoint step {step} in {self.directory}"
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
         except Exception as err:
-            raise CheckpointError(f"{where} is corrupt or incomplete ({type(err).__name__}); "
-                                  f"remove {self.directory}/{step} to fall back to an earlier one") from None
+            raise self._unreadable(step, f"is corrupt or incomplete ({type(err).__name__})") from None
         if checksums(state) != expected_checksums:
-            raise CheckpointError(f"{where} fails its checksums; remove {self.directory}/{step} to fall back "
-                                  "to an earlier one")
+            raise self._unreadable(step, "fails its checksums")
         return state
 
     def restore_chunk(self, step: int, kind: str, chunk: int, numel: int, expected_checksum: int) -> np.ndarray:
@@ -245,12 +266,10 @@ class Checkpointer:
             state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item=item, restore_args=restore_args, partial_restore=True))).state
         except Exception as err:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt or incomplete "
-                                  f"({type(err).__name__}); remove it to fall back to an earlier one") from None
+            raise self._unreadable(step, f"is corrupt or incomplete ({type(err).__name__})") from None
         value = np.asarray(state[kind][str(chunk)])
         if _host_checksum(value) != expected_checksum:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} fails its checksums; "
-                                  "remove it to fall back to an earlier one")
+            raise self._unreadable(step, "fails its checksums")
         return value
 
     def close(self) -> None:
@@ -371,7 +390,7 @@ def open_run_checkpoints(directory: str, resume: bool, steps: int, keep: int,
     os.makedirs(directory, exist_ok=True)
     owner = DirectoryLock(directory) if lock else None
     try:
-        ckpt = Checkpointer(directory, keep, owner)
+        ckpt = Checkpointer(directory, keep, owner, in_run=True)
         latest = ckpt.latest_step()
         if resume and latest is None:
             raise CheckpointError(f"no checkpoint in {directory} to resume from; drop --resume to start afresh")

@@ -15,6 +15,8 @@ import math
 import re
 from typing import Any, Callable
 
+from pstar_jax.config_types import section
+
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
           "tb": 1000**4, "tib": 1024**4}
@@ -127,7 +129,7 @@ def _finite(obj: Any, name: str, low: float, high: float = math.inf, low_open: b
 MODEL_SHAPE = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class ModelConfig:
     """Which model: a preset of a model module, with some fields replaced, and its initial weights."""
     name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B, llama-3.2-1b ... llama-3.1-70b, "
@@ -159,7 +161,7 @@ class ModelConfig:
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class TrainConfig:
     steps: int = option(300, "optimizer steps in all (also when resuming)", math_changing=True)
     batch_size: int = option(16, "sequences per step, over all micro-batches", math_changing=True)
@@ -182,7 +184,7 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.seed must be a whole number in [0, {MAX_SEED}], got {self.seed!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class OptimConfig:
     """AdamW with warmup + cosine decay to ``lr * final_lr_fraction`` and global-norm clipping."""
     lr: float = option(1e-3, "peak learning rate", math_changing=True)
@@ -226,7 +228,7 @@ ENGINES = ("chunked", "plain")
 REMATS = ("none", "dots", "full", "offload")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class EngineConfig:
     """How the model is run. Sizes are per device.
 
@@ -283,7 +285,7 @@ class EngineConfig:
         return self.device_memory
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class DataConfig:
     path: str | None = option(None, "token file from pstar-tokens; default: the Python standard library's "
                               "sources as bytes", flag="--data", metavar="FILE")
@@ -291,7 +293,7 @@ class DataConfig:
                                    "1%% of the training tokens, held out)", flag="--eval-data", metavar="FILE")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class CheckpointConfig:
     directory: str | None = option(None, "orbax checkpoints of all engine state", flag="--checkpoint-dir",
                                    metavar="DIR")
@@ -320,7 +322,7 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.export_dtype must be one of bf16, fp16, fp32, got {self.export_dtype!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class DistributedConfig:
     data_parallel: int | None = option(None, "devices W to shard chunks and the batch over (default: all "
                                        "devices of all processes)")
@@ -352,7 +354,7 @@ class DistributedConfig:
             raise ConfigError(f"DistributedConfig.coordinator must be HOST:PORT, got {self.coordinator!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class OutputConfig:
     metrics_out: str | None = option(None, "JSON lines, one per step", metavar="FILE")
     tensorboard: str | None = option(None, "TensorBoard event files of the same metrics (needs tensorboardX: "
@@ -367,7 +369,7 @@ class OutputConfig:
         _positive_int(self, "profile_steps", upper=MAX_STEPS)
 
 
-@dataclasses.dataclass(frozen=True)
+@section
 class RunConfig:
     """Everything a training run needs; pstar-train's flags are derived from it."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)

@@ -24,7 +24,6 @@ import io
 import json
 import os
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
@@ -32,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pstar_jax.config import ConfigError
+from pstar_jax.paths import create_temp_beside
 
 _SUFFIX_DTYPES = {".u16.bin": np.dtype(np.uint16), ".u32.bin": np.dtype(np.uint32)}
 # NUL never occurs in source text, so it marks file boundaries unambiguously.
@@ -190,8 +190,7 @@ class TokenWriter:
         self.num_tokens, self.max_id = 0, -1
         with io_errors(self.path, "write"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                       suffix=".tmp")
+            fd, tmp = create_temp_beside(self.path)  # (the umask's permissions, not mkstemp's 0600)
         self._tmp = Path(tmp)
         self._file: BinaryIO | None = os.fdopen(fd, "wb")
 
@@ -251,7 +250,7 @@ class TokenWriter:
 
 def _write_atomic(path: Path, content: bytes) -> None:
     with io_errors(path, "write"):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = create_temp_beside(path)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(content)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import IO, Any, Protocol
 
 from tqdm import tqdm
 
 from pstar_jax.config import ConfigError, format_bytes
 from pstar_jax.engine import StepResult
-from pstar_jax.paths import check_output_file
+from pstar_jax.paths import check_output_file, create_temp_beside
 
 
 class MetricsWriter(Protocol):
@@ -63,7 +62,7 @@ def _truncate_steps(path: str, first_step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut off by a crash
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".metrics-")
+    fd, tmp = create_temp_beside(path)  # (the umask's permissions, not mkstemp's 0600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.writelines(kept)
     os.replace(tmp, path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import tempfile
 
 from pstar_jax.config import ConfigError
@@ -29,6 +30,19 @@ def check_output_dir(path: str, what: str) -> None:
     except OSError as err:
         raise ConfigError(f"{what} {path} cannot be written ({existing}: {os_error_cause(err)}); "
                           "choose a writable place") from None
+
+
+def create_temp_beside(path: str | os.PathLike) -> tuple[int, str]:
+    """(fd, name) of a new hidden file beside ``path``, open for writing, to be renamed over it.
+    It gets the permissions the umask gives any new file: tempfile's are private (0600), which a
+    rename would carry over to a token or metrics file the user's group then cannot read."""
+    directory, name = os.path.split(os.path.abspath(path))
+    while True:
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:  # (2**32 names: another writer's, try the next)
+            continue
 
 
 def os_error_cause(err: BaseException) -> str:

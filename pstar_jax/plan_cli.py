@@ -59,6 +59,10 @@ def _check(args) -> None:
             raise ConfigError(f"--plot {args.plot} must name an image file ending in {', '.join(PLOT_FORMATS)}")
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ConfigError(f"--plot {args.plot}: {folder} is not a directory this process can write to")
+        try:  # an optional dependency, checked before the planning rather than after it
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install 'pstar_jax[plot]'") from None
 
 
 def _backend(W: int) -> None:

@@ -221,6 +221,10 @@ def main(argv=None) -> int:
                    "measured matmul rate on a CPU)")
     p.add_argument("--out", default="runs/compare")
     args = p.parse_args(argv)
+    try:  # the plots' optional dependency, checked before the benchmarks rather than after them
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error("the plots need matplotlib: pip install 'pstar_jax[plot]'")
     sizes = (args.sizes or ",".join(TINY_SIZES if args.tiny else ("GPT2_1B",))).split(",")
     batch_sizes = [int(b) for b in (args.batch_sizes or ("8" if args.tiny else "16")).split(",")]
     methods = args.methods.split(",")

@@ -115,3 +115,18 @@ def test_a_users_own_models_module_neither_hides_nor_replaces_ours(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "StagedGPT"
     assert ps.ModelConfig().module == "pstar_models"
+
+
+def test_import_loads_no_heavy_library():
+    """``import pstar_jax`` brings in the configuration only: jax, flax, orbax, numba, tokenizers,
+    safetensors and matplotlib load when a name that needs them is first used (a fresh interpreter,
+    since this one has imported them all)."""
+    heavy = ("jax", "flax", "optax", "orbax", "numba", "tokenizers", "safetensors", "matplotlib")
+    code = ("import sys, pstar_jax as ps\n"
+            "config = ps.RunConfig(train=ps.TrainConfig(steps=2))\n"
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+            "ps.Run, ps.DataError\n"  # the lazy names resolve
+            "print('jax' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[]", "True"]

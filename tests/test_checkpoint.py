@@ -217,3 +217,84 @@ def test_plain_engine_checkpoints_resume_bit_for_bit(tmp_path, capsys):
     capsys.readouterr()
     assert main([*BASE, "--steps", "8", "--resume", "--allow-config-change", "--checkpoint-dir", str(d)]) == 2
     assert "written by the plain engine; resume it with --engine plain" in capsys.readouterr().err
+
+
+def small_steps(directory, steps):
+    """A Checkpointer's steps of one 8-element master chunk (no model needed); its checksum."""
+    ckpt = Checkpointer(str(directory), max_to_keep=10)
+    for step in steps:
+        ckpt.save(step, {"master": {"0": jnp.arange(8, dtype=jnp.float32) + step}}, {})
+    ckpt.close()
+    return lambda step: ckpt_meta(directory, step)["checksums"][0]
+
+
+def ckpt_meta(directory, step):
+    ckpt = Checkpointer(str(directory))
+    try:
+        return ckpt.meta(step)
+    finally:
+        ckpt.close()
+
+
+def read_error(directory, step=None):
+    from pstar_jax.checkpoint import CheckpointError
+    ckpt = Checkpointer(str(directory))
+    try:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.meta(step)
+    finally:
+        ckpt.close()
+    return str(err.value)
+
+
+def test_removal_is_suggested_only_for_pstar_steps_and_a_missing_step_names_those_present(tmp_path):
+    """A user's own folders 1, 2, 7 are never called a checkpoint to remove; --step 999 names the
+    steps there instead of calling a step that never existed unreadable; a damaged step of ours is
+    still named for removal."""
+    own = tmp_path / "own"
+    for name in ("1", "2", "7"):
+        (own / name).mkdir(parents=True)
+        (own / name / "notes.txt").write_text("mine")
+    err = read_error(own)
+    assert err == f"{own}/7 is not a pstar checkpoint step (it has no meta/ or state/ folder); {own} holds no " \
+                  "pstar checkpoint step" and "remove" not in err
+    mixed = tmp_path / "mixed"
+    small_steps(mixed, [3, 6])
+    (mixed / "7").mkdir()
+    assert read_error(mixed) == f"{mixed}/7 is not a pstar checkpoint step (it has no meta/ or state/ folder); " \
+                                "the steps there are 3, 6"
+    assert read_error(mixed, 999) == f"no checkpoint step 999 in {mixed}; the steps there are 3, 6"
+    os.remove(mixed / "6" / "meta" / "metadata")
+    err = read_error(mixed, 6)
+    assert err.startswith(f"checkpoint step 6 in {mixed} is unreadable (") and \
+        err.endswith(f"; remove {mixed}/6 to fall back to an earlier one"), err
+
+
+def test_a_step_rotated_away_mid_read_names_the_live_run_and_says_retry(tmp_path):
+    """pstar-export reading a step that the live run owning the directory rotates away (keeps its
+    latest --keep-checkpoints): the run (pid, host) is named and the reader told to retry, never to
+    remove a step; without a live run the step is still only said to have gone."""
+    import socket
+
+    from pstar_jax.checkpoint import CheckpointError, DirectoryLock
+    d = tmp_path / "ck"
+    checksum = small_steps(d, [3, 6])(3)
+    reader = Checkpointer(str(d))
+    try:
+        np.testing.assert_array_equal(reader.restore_chunk(3, "master", 0, 8, checksum), np.arange(8) + 3)
+        run = DirectoryLock(str(d))  # the live run, which now saves step 9 and drops step 3
+        try:
+            shutil.rmtree(d / "3")
+            with pytest.raises(CheckpointError) as err:
+                reader.restore_chunk(3, "master", 0, 8, checksum)
+            assert str(err.value) == (
+                f"checkpoint step 3 in {d} was removed while being read: the run (pid {os.getpid()} on host "
+                f"{socket.gethostname()}) training into this directory rotates its checkpoints; retry (the steps "
+                "there are 6) or wait for that run to end")
+        finally:
+            run.release()
+        with pytest.raises(CheckpointError, match=r"^checkpoint step 3 in .* was removed while being read; retry "
+                                                  r"\(the steps there are 6\)$"):
+            reader.restore_chunk(3, "master", 0, 8, checksum)
+    finally:
+        reader.close()

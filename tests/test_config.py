@@ -2,9 +2,9 @@ import dataclasses
 
 import pytest
 
-from pstar_jax.config import (CheckpointConfig, ConfigError, DistributedConfig, EngineConfig, ModelConfig,
-                              OptimConfig, RunConfig, TrainConfig, format_bytes, from_dict, math_differences,
-                              parse_bytes, parse_count, parse_device_memory, to_dict)
+from pstar_jax.config import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
+                              ModelConfig, OptimConfig, RunConfig, TrainConfig, format_bytes, from_dict,
+                              math_differences, parse_bytes, parse_count, parse_device_memory, to_dict)
 
 
 @pytest.mark.parametrize("text, size_bytes", [
@@ -175,3 +175,63 @@ def test_every_flag_has_help_and_errors_name_flags():
     assert parse_config([]) == RunConfig()
     err = ConfigError("OptimConfig.lr must be positive; EngineConfig.micro_batches too")
     assert cli.error_line("x", err) == "x: error: --lr must be positive; --micro-batches too"
+
+
+def _wrong_values(allowed: tuple) -> list:
+    """Values of a type the annotation ``allowed`` does not take (an int is a number to a float field;
+    a bool is never a number)."""
+    takes = {True: bool in allowed, 3: int in allowed or float in allowed, 2.5: float in allowed,
+             "false": str in allowed, None: type(None) in allowed}
+    return [v for v, ok in takes.items() if not ok] + [{"a": 1}, b"x", [1]]
+
+
+SECTION_FIELDS = [(cls, f) for cls in (*SECTIONS.values(), RunConfig) for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize("cls, field", SECTION_FIELDS, ids=[f"{c.__name__}.{f.name}" for c, f in SECTION_FIELDS])
+def test_every_field_refuses_a_value_of_the_wrong_type_naming_it(cls, field):
+    """Each field of each section (and each section of RunConfig) refuses a value its annotation does
+    not allow with a ConfigError naming it: never a string 'false' taken as true, a dict for a section
+    ending in an AttributeError later, or an int path in a TypeError at open time."""
+    import typing
+    hint = typing.get_type_hints(cls)[field.name]
+    allowed = tuple(SECTIONS.values()) if cls is RunConfig else (typing.get_args(hint) or (hint,))
+    wrong = _wrong_values(allowed) + ([OptimConfig() if hint is not OptimConfig else TrainConfig()]
+                                      if cls is RunConfig else [])
+    for value in wrong:
+        with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.{field.name} must be .*, got "):
+            cls(**{field.name: value})
+
+
+def test_wrong_types_read_as_one_line_naming_what_to_write():
+    with pytest.raises(ConfigError, match=r"^CheckpointConfig\.resume must be True or False, got 'false'$"):
+        CheckpointConfig(directory="ck", resume="false")
+    with pytest.raises(ConfigError, match=r"^RunConfig\.train must be a TrainConfig, got a dict; write "
+                                          r"TrainConfig\(\*\*\.\.\.\) instead$"):
+        RunConfig(train={"steps": 3})
+    with pytest.raises(ConfigError, match=r"^RunConfig\.optim must be an OptimConfig, got a TrainConfig$"):
+        RunConfig(optim=TrainConfig())
+    with pytest.raises(ConfigError, match=r"^DataConfig\.path must be a path \(str or os\.PathLike\) or None, got 3$"):
+        DataConfig(path=3)
+    with pytest.raises(ConfigError, match=r"^TrainConfig\.steps must be a whole number \(int\), got True$"):
+        TrainConfig(steps=True)
+    with pytest.raises(ConfigError, match=r"^OptimConfig\.lr must be a number, got '1e-3'$"):
+        OptimConfig(lr="1e-3")
+
+
+def test_numbers_and_paths_are_normalised_so_configs_stay_json_able(tmp_path):
+    """An int in a float field becomes a float, a numpy number a Python one, a PathLike its str; a
+    bool or an int in an int-or-float field keeps its type (device_memory: bytes vs. a fraction)."""
+    import json
+    import pathlib
+
+    import numpy as np
+    run = RunConfig(train=TrainConfig(steps=np.int64(7), seed=np.uint32(3)),
+                    optim=OptimConfig(lr=1, b1=np.float32(0.5)), data=DataConfig(path=pathlib.Path(tmp_path / "t.bin")),
+                    engine=EngineConfig(device_memory=4096),
+                    checkpoint=CheckpointConfig(directory=tmp_path, resume=True))
+    kinds = (type(run.train.steps), type(run.train.seed), type(run.optim.lr), type(run.optim.b1))
+    assert kinds == (int, int, float, float)
+    assert run.data.path == str(tmp_path / "t.bin") and run.checkpoint.directory == str(tmp_path)
+    assert type(run.engine.device_memory) is int and EngineConfig(device_memory=0.5).device_memory == 0.5
+    assert from_dict(RunConfig, json.loads(json.dumps(to_dict(run)))) == run

@@ -21,6 +21,21 @@ def test_write_load_round_trip(tmp_path, vocab_size, suffix, dtype):
                                           "dtype": np.dtype(dtype).name}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_token_files_get_the_umasks_permissions(tmp_path, umask):
+    """A token file and its sidecar are created like any file under the user's umask (0644 under
+    022), not private as tempfile makes its files: the group reading a shared data directory can."""
+    old = os.umask(umask)
+    try:
+        path = tmp_path / "t.u16.bin"
+        data.write_tokens(path, np.arange(10), 256)
+        data.write_tokens(path, np.arange(20), 256, overwrite=True)
+    finally:
+        os.umask(old)
+    for name in (path, data.sidecar_path(path)):
+        assert os.stat(name).st_mode & 0o777 == 0o666 & ~umask, name
+
+
 def test_write_refuses_overwrite_and_wrong_suffix(tmp_path):
     path = tmp_path / "t.u16.bin"
     data.write_tokens(path, np.arange(10), 256)

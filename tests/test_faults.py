@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -93,7 +94,8 @@ def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capsys)
     lock = DirectoryLock(str(d))  # another run, alive
     try:
         assert main([*BASE, "--steps", "2", "--checkpoint-dir", str(d)]) == 2
-        one_line(capsys.readouterr().err, f"another run (pid {os.getpid()}) is using --checkpoint-dir")
+        one_line(capsys.readouterr().err,
+                 f"another run (pid {os.getpid()} on host {socket.gethostname()}) is using --checkpoint-dir")
         assert sorted(os.listdir(d)) == [".pstar-run.lock"]
     finally:
         lock.release()
@@ -336,8 +338,8 @@ def reap_orphans(pids):
 
 
 def start_launcher(tmp_path, extra, **popen):
-    """scripts/launch_local.py with two trainers of BASE training 'forever', logs in tmp_path."""
-    cmd = [sys.executable, "scripts/launch_local.py", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
+    """pstar-launch with two trainers of BASE training 'forever', logs in tmp_path."""
+    cmd = [sys.executable, "-m", "pstar_jax.launch", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
            "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
@@ -392,8 +394,8 @@ def test_launcher_reports_whichever_trainer_fails_first_and_stops_the_rest(tmp_p
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
     # Process 1 is named whichever way the race goes: the launcher stops process 0, or process 0
     # has already ended by itself on the dead peer (then there is nothing left to stop).
-    assert "launch_local: process 1 was killed by SIGKILL" in err, err[-3000:]
-    assert "launch_local: process 0" not in err, err[-3000:]
+    assert "pstar-launch: process 1 was killed by SIGKILL" in err, err[-3000:]
+    assert "pstar-launch: process 0" not in err, err[-3000:]
     assert not orphans, "orphaned trainers"
 
 

@@ -157,6 +157,9 @@ def test_bad_input_is_one_line_and_exit_2(trained, hf_dir, tmp_path, capsys):
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(hf_dir[0] / name, no_tokenizer / name)
+    own = tmp_path / "own"  # a directory of the user's own folders, none a checkpoint step
+    for name in ("1", "2", "7"):
+        (own / name).mkdir(parents=True)
     cases = {
         (): "one of the arguments",
         ("--checkpoint-dir", ckpt, "--flax", flax): "not allowed with",
@@ -173,12 +176,15 @@ def test_bad_input_is_one_line_and_exit_2(trained, hf_dir, tmp_path, capsys):
         ("--checkpoint-dir", ckpt, "--tokenizer", str(tmp_path / "nope.json")): "does not exist",
         ("--hf", str(no_tokenizer)): "vocabulary of 320 tokens and no tokenizer",
         ("--hf", str(tmp_path / "missing")): "is not a directory",
+        ("--checkpoint-dir", str(own)): f"{own}/7 is not a pstar checkpoint step",
+        ("--checkpoint-dir", ckpt, "--step", "999"): f"no checkpoint step 999 in {ckpt}; the steps there are 3",
     }
     for argv, message in cases.items():
         code, out, err = generate(capsys, *argv)
         assert code == 2 and out == "", argv
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pstar-generate: error: ") and message in lines[0], (argv, err)
+        assert "remove" not in err, (argv, err)
 
 
 def test_registered_as_a_script():

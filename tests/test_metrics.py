@@ -34,6 +34,21 @@ def test_jsonl_resume_drops_the_steps_after_the_checkpoint(tmp_path):
     assert path.read_text() == ""
 
 
+def test_a_resumed_metrics_file_keeps_the_umasks_permissions(tmp_path):
+    """Dropping the steps after the checkpoint rewrites the file through a temporary one: it keeps
+    the permissions a new file gets under the umask (0644), not tempfile's private 0600."""
+    path = tmp_path / "m.jsonl"
+    old = os.umask(0o022)
+    try:
+        w = JsonlWriter(str(path))
+        w.write_scalars(0, {"loss": 1.0})
+        w.close()
+        JsonlWriter(str(path), first_step=1).close()
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644 and len(lines(path)) == 1
+
+
 def test_output_paths_are_checked_before_work(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a directory"):

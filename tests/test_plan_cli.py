@@ -111,3 +111,12 @@ def test_data_parallel_plan_is_per_device(capsys):
     capsys.readouterr()
     assert main([*TINY, "--batch-size", "8", "--device-memory", "1MiB", "--no-search", "--data-parallel", "8"]) == 0
     assert "8 data-parallel device(s)" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    """matplotlib is the optional extra pstar_jax[plot]: without it --plot is one line, before planning."""
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra sees
+    assert main([*TINY, "--plot", str(tmp_path / "t.png")]) == 2
+    assert capsys.readouterr().err == "pstar-plan: error: --plot needs matplotlib: pip install 'pstar_jax[plot]'\n"
+    assert not (tmp_path / "t.png").exists()

@@ -264,7 +264,7 @@ def test_read_only_output_names_the_file(tmp_path, capsys, monkeypatch):
 
     def refuse(*args, **kwargs):  # what a read-only directory does (root ignores chmod, so fake it)
         raise PermissionError(13, "Permission denied", str(tmp_path / ".out.u16.bin.x.tmp"))
-    monkeypatch.setattr(data.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(data, "create_temp_beside", refuse)
     assert tokens.main([str(txt), str(out)]) == 2
     assert capsys.readouterr().err == f"pstar-tokens: error: cannot write {out}: Permission denied\n"
 

@@ -1,6 +1,6 @@
-"""Start N pstar-train processes on this machine, joined by jax.distributed, to try multi-host.
+"""pstar-launch: start N pstar-train processes on this machine, joined by jax.distributed.
 
-    python scripts/launch_local.py -n 2 --local-devices 2 -- --steps 20 --metrics-out m.jsonl
+    pstar-launch -n 2 --local-devices 2 -- --steps 20 --metrics-out m.jsonl
 
 Each process gets PSTAR_COORDINATOR / PSTAR_NUM_PROCESSES / PSTAR_PROCESS_ID and, on a CPU,
 ``--local-devices`` fake devices, so 2 processes x 2 devices train with W=4. Process 0's output
@@ -24,6 +24,10 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
+
+from pstar_jax import cli
+from pstar_jax.config import ConfigError
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 60  # how long stopped trainers get to save before they are killed
@@ -108,16 +112,20 @@ class Trainers:
             time.sleep(0.05)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.Parser(prog="pstar-launch", description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("-n", "--num-processes", type=int, default=2)
     p.add_argument("--local-devices", type=int, default=None, help="fake CPU devices per process")
     p.add_argument("--log-dir", default=None, help="where processes 1.. write their output")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then pstar-train's flags")
-    args = p.parse_args(argv)
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.num_processes < 1:
-        p.error(f"--num-processes must be at least 1, got {args.num_processes}")
+        raise ConfigError(f"--num-processes must be at least 1, got {args.num_processes}")
     train_args = [a for a in args.train_args if a != "--"]
     port = free_port()
     log_dir = args.log_dir or os.getcwd()
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     def forward(signum, frame) -> None:  # no KeyboardInterrupt: the trainers save, the launcher waits
         signalled.append(signum)
         if len(signalled) == 1:
-            print(f"launch_local: forwarding {signal.Signals(signum).name} to the trainers; waiting for their "
+            print(f"pstar-launch: forwarding {signal.Signals(signum).name} to the trainers; waiting for their "
                   "checkpoints", file=sys.stderr, flush=True)
         trainers.send(signum)
 
@@ -152,19 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         while trainers.running():
             if trainers.failed:
                 i, code = trainers.failed
-                print(f"launch_local: process {i} {describe(code)}; stopping the others", file=sys.stderr, flush=True)
+                print(f"pstar-launch: process {i} {describe(code)}; stopping the others", file=sys.stderr, flush=True)
                 trainers.send(signal.SIGTERM)
                 trainers.wait(GRACE_S)
                 return exit_status(code)
             if args.timeout and time.monotonic() - start > args.timeout and not signalled:
-                print(f"launch_local: stopped after {args.timeout:.0f} s", file=sys.stderr, flush=True)
+                print(f"pstar-launch: stopped after {args.timeout:.0f} s", file=sys.stderr, flush=True)
                 trainers.send(signal.SIGTERM)
                 trainers.wait(GRACE_S)
                 return 124
             time.sleep(0.05)
         if trainers.failed:
             i, code = trainers.failed
-            print(f"launch_local: process {i} {describe(code)}", file=sys.stderr, flush=True)
+            print(f"pstar-launch: process {i} {describe(code)}", file=sys.stderr, flush=True)
             return exit_status(code)
         return 0
     finally:
@@ -174,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run_main("pstar-launch", run, argv)
 
 
 if __name__ == "__main__":
