@@ -331,7 +331,8 @@ class DistributedConfig:
     coordinator_timeout: float = option(120.0, "seconds for every process to join through the coordinator before "
                                         "giving up with one line")
     step_timeout: float | None = option(None, "end with an error if a step makes no progress for this many "
-                                        "seconds")
+                                        "seconds (timed from the end of the second step: the first two "
+                                        "compile)")
     local_devices: int | None = option(None, "CPU only: fake this many devices per process (for trying data "
                                        "parallelism)")
 

@@ -13,6 +13,7 @@ end, on ``data.eval_path`` or else on the last 1% of the training tokens, which 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -221,6 +222,7 @@ class Run:
         step_tokens = cfg.train.batch_size * self.model.seq_len
         flops = flops_per_token(self.model)
         first_step, every = engine.step_count, cfg.checkpoint.every
+        evaluated = False
         profile = Profile(cfg.output.profile if self.main_process else None, first_step + 2, cfg.output.profile_steps)
         try:
             with distributed.peer_failures_end_the_process():
@@ -228,15 +230,20 @@ class Run:
                     profile.before(step)
                     result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
                     profile.after(step)
-                    watchdog.progress(step + 1)
+                    timed = step > first_step  # the first two steps compile: not timed (see Watchdog)
+                    if timed:
+                        watchdog.progress(step + 1)
                     record = step_record(step, result, step_tokens, flops)
                     last = step + 1 == cfg.train.steps or bool(
                         cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
                     if cfg.train.eval_every and (last or (step + 1) % cfg.train.eval_every == 0):
                         start = time.perf_counter()
-                        record["eval_loss"] = self.evaluate()
+                        with watchdog.untimed() if not evaluated else contextlib.nullcontext():
+                            record["eval_loss"] = self.evaluate()  # the first one compiles
+                        evaluated = True
                         record["eval_s"] = time.perf_counter() - start
-                        watchdog.progress(step + 1)
+                        if timed:  # an evaluation is timed on its own, not as part of the next step
+                            watchdog.progress(step + 1)
                     for writer in writers:
                         writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
                     progress.update(record)

@@ -40,18 +40,30 @@ def env_without_fake_devices():
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-def run_cli(args, **kw):
+def run_cli(args, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *BASE, *args], cwd=ROOT,
-                            env=env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env or env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
 
 
-def wait_for(predicate, timeout_s, proc=None):
+def wait_for(predicate, timeout_s, proc=None, output=None):
+    """Wait until ``predicate()``; if ``proc`` exits first or time runs out, fail showing what the
+    processes wrote: ``output()`` (processes writing to log files), else ``proc``'s stderr pipe."""
+    def shown():
+        if output is not None:
+            return output()
+        if proc is None or proc.stderr is None:
+            return ""
+        if proc.poll() is None:
+            proc.kill()  # reading a live process's pipe would wait for its end
+        return proc.stderr.read()[-2000:]
+
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited early with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"exited early with {proc.returncode}: {shown()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s: {shown()}")
         time.sleep(0.05)
 
 
@@ -265,6 +277,16 @@ def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
         check_failed_save(proc, d, "the file system is read-only", read_only=True)
 
 
+def test_step_timeout_does_not_count_compilation(tmp_path):
+    """A limit below the compilation of the first two steps (0.6 and 2 s here without the compilation cache) and of the first
+    evaluation (after the third step): they are not timed, and the run ends normally."""
+    env = {k: v for k, v in env_without_fake_devices().items() if not k.startswith(("JAX_COMP", "JAX_PERS"))}
+    proc = run_cli(["--steps", "4", "--eval-every", "3", "--step-timeout", "0.5"], env=env)  # compiles afresh
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "made no progress" not in err and out.splitlines()[-1].startswith("done:"), out[-2000:]
+
+
 # -- signals to multi-process runs and to the launcher --------------------------------------------
 
 
@@ -282,6 +304,19 @@ def spawn(i, port, extra, log):
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
+def logs_of(tmp_path, n=2):
+    """The tail of each spawned process's log, its Python lines (native stack frames, '@', left out)."""
+    def output():
+        texts = []
+        for i in range(n):
+            path = tmp_path / f"p{i}.log"
+            text = path.read_text() if path.exists() else ""
+            text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("@"))
+            texts.append(f"--- process {i}:\n{text[-2000:]}")
+        return "\n".join(texts)
+    return output
+
+
 def lines(path):
     return path.read_text().count("\n") if path.exists() else 0
 
@@ -296,7 +331,7 @@ def test_signal_to_some_processes_stops_all_at_one_step_with_a_checkpoint(tmp_pa
     procs = [spawn(i, port, ["--steps", "100000", "--checkpoint-dir", str(d), "--metrics-out", str(metrics)], logs[i])
              for i in range(2)]
     try:
-        wait_for(lambda: lines(metrics) >= 3, 180, procs[0])
+        wait_for(lambda: lines(metrics) >= 3, 180, procs[0], logs_of(tmp_path))
         sig = signal.SIGTERM if targets == (1,) else signal.SIGINT
         for i in targets:
             procs[i].send_signal(sig)
@@ -408,7 +443,7 @@ def test_dead_peer_is_one_line_without_a_native_stack(tmp_path):
     procs = [spawn(i, port, ["--steps", "100000", "--metrics-out", str(metrics), "--step-timeout", "6",
                              "--heartbeat-timeout", "30"], logs[i]) for i in range(2)]
     try:
-        wait_for(lambda: lines(metrics) >= 2, 180, procs[0])
+        wait_for(lambda: lines(metrics) >= 2, 180, procs[0], logs_of(tmp_path))
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         code = procs[0].wait(timeout=60)
