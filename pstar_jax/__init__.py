@@ -12,19 +12,22 @@ The public surface, in the order a run uses it::
 Everything not re-exported here is internal and may change.
 """
 
-from pstar_jax.checkpoint import CheckpointError
-from pstar_jax.flax_io import export_flax, import_flax
-from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
-                              ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig, format_bytes,
-                              parse_bytes)
-from pstar_jax.data import Batches, DataError, default_corpus, load_tokens
-from pstar_jax.engine import Engine, NonFiniteLoss, StepResult
-from pstar_jax.loop import Run, load_model
-from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
-from pstar_jax.model import NNXStaged, Stage, StagedModel
-from pstar_jax.optim import default_tx
-from pstar_jax.planner import PlanReport, plan_report
-from pstar_jax.planning import Planned, build_engine, plan_model, resolve_engine_config
+import typing
+
+if typing.TYPE_CHECKING:  # what each public name is; at run time they are imported on first use (below)
+    from pstar_jax.checkpoint import CheckpointError
+    from pstar_jax.flax_io import export_flax, import_flax
+    from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
+                                  ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig, format_bytes,
+                                  parse_bytes)
+    from pstar_jax.data import Batches, DataError, default_corpus, load_tokens
+    from pstar_jax.engine import Engine, NonFiniteLoss, StepResult
+    from pstar_jax.loop import Run, load_model
+    from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
+    from pstar_jax.model import NNXStaged, Stage, StagedModel
+    from pstar_jax.optim import default_tx
+    from pstar_jax.planner import PlanReport, plan_report
+    from pstar_jax.planning import Planned, build_engine, plan_model, resolve_engine_config
 
 __all__ = [
     "RunConfig", "ModelConfig", "TrainConfig", "OptimConfig", "EngineConfig", "DataConfig", "CheckpointConfig",
@@ -36,3 +39,36 @@ __all__ = [
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",
 ]
+
+# The public names are imported on first use (PEP 562): ``import pstar_jax`` (every command-line
+# tool imports it first) stays quick and free of JAX, so a tool can install its signal handlers
+# before the seconds of importing JAX, during which jaxlib swallows a Ctrl-C.
+_MODULES = {"checkpoint": ("CheckpointError",), "flax_io": ("export_flax", "import_flax"),
+            "config": ("CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EngineConfig",
+                       "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig", "TrainConfig", "format_bytes",
+                       "parse_bytes"),
+            "data": ("Batches", "DataError", "default_corpus", "load_tokens"),
+            "engine": ("Engine", "NonFiniteLoss", "StepResult"), "loop": ("Run", "load_model"),
+            "metrics": ("JsonlWriter", "MetricsWriter", "TensorBoardWriter"),
+            "model": ("NNXStaged", "Stage", "StagedModel"), "optim": ("default_tx",),
+            "planner": ("PlanReport", "plan_report"),
+            "planning": ("Planned", "build_engine", "plan_model", "resolve_engine_config")}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str):
+    import importlib
+    if name not in _HOME:  # a submodule (pstar_jax.loop), as when every module was imported here
+        try:
+            return importlib.import_module(f"pstar_jax.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"pstar_jax.{name}":
+                raise
+            raise AttributeError(f"module 'pstar_jax' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"pstar_jax.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 import traceback
@@ -32,20 +31,10 @@ import jax
 import numpy as np
 
 from pstar_jax.config import ConfigError
+from pstar_jax.exits import hard_exit
 
 ENV = {"coordinator": "PSTAR_COORDINATOR", "num_processes": "PSTAR_NUM_PROCESSES", "process_id": "PSTAR_PROCESS_ID"}
 EXIT_PEER_FAILED = 3  # the exit status of a process ended by a dead peer, a hang or an unreachable coordinator
-
-
-def hard_exit(code: int, line: str | None = None) -> None:
-    """Print ``line`` (one line on stderr) and end the process now, without exit-time handlers.
-
-    For states the interpreter cannot leave cleanly: jax's exit-time shutdown waits for a dead
-    peer and then aborts; orbax's worker threads wait forever for a save that failed."""
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
 
 
 def _env_int(name: str, flag: str) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import os
 import signal
 import time
@@ -26,6 +27,8 @@ import numpy as np
 from pstar_jax.config import ConfigError, RunConfig, from_dict, math_differences, to_dict
 from pstar_jax.metrics import JsonlWriter, MetricsWriter, Progress, TensorBoardWriter, step_record
 from pstar_jax.model import StagedModel, flops_per_token
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
 
 def _model_module(config: RunConfig) -> Any:
@@ -137,8 +140,11 @@ class Run:
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
+            from pstar_jax.optim import default_tx
+            self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
-                                       init_params=init, skip_nonfinite=cfg.train.skip_nonfinite, make_tx=make_tx)
+                                       init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
+                                       make_tx=self._make_tx)
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
@@ -152,6 +158,7 @@ class Run:
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.checkpoint import restore_engine
+                log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
                 position = restore_engine(self._ckpt, self.engine)["data_position"]
         except BaseException:
             self.close()
@@ -209,12 +216,15 @@ class Run:
 
         from pstar_jax import distributed
         from pstar_jax.checkpoint import StopSignal
+        from pstar_jax.optim import learning_rate
         cfg, engine = self.config, self.engine
         writers = list(self._writers)
         if self.main_process and cfg.output.metrics_out:
             writers.append(JsonlWriter(cfg.output.metrics_out, first_step=engine.step_count))
         if self.main_process and cfg.output.tensorboard:
-            writers.append(TensorBoardWriter(cfg.output.tensorboard))
+            writers.append(TensorBoardWriter(cfg.output.tensorboard, to_dict(cfg)))
+        if engine.step_count < cfg.train.steps:
+            log.info("compiling the first step")
         progress = Progress(cfg.train.steps, initial=engine.step_count,
                             enabled=self.verbose and not cfg.output.quiet)
         watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
@@ -233,7 +243,7 @@ class Run:
                     timed = step > first_step  # the first two steps compile: not timed (see Watchdog)
                     if timed:
                         watchdog.progress(step + 1)
-                    record = step_record(step, result, step_tokens, flops)
+                    record = step_record(step, result, step_tokens, flops, learning_rate(self._make_tx, step))
                     last = step + 1 == cfg.train.steps or bool(
                         cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
                     if cfg.train.eval_every and (last or (step + 1) % cfg.train.eval_every == 0):
