@@ -223,12 +223,12 @@ class Run:
             writers.append(JsonlWriter(cfg.output.metrics_out, first_step=engine.step_count))
         if self.main_process and cfg.output.tensorboard:
             writers.append(TensorBoardWriter(cfg.output.tensorboard, to_dict(cfg)))
+        watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
+        stop = StopSignal()  # from here a signal stops after a step, with a checkpoint
         if engine.step_count < cfg.train.steps:
-            log.info("compiling the first step")
+            log.info("compiling the first step")  # before the bar, which would cut the line
         progress = Progress(cfg.train.steps, initial=engine.step_count,
                             enabled=self.verbose and not cfg.output.quiet)
-        watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
-        stop = StopSignal()
         step_tokens = cfg.train.batch_size * self.model.seq_len
         flops = flops_per_token(self.model)
         first_step, every = engine.step_count, cfg.checkpoint.every

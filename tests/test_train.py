@@ -181,3 +181,16 @@ def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
                  "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "not finite at step" in err and err.count("\n") == 1, err
+
+
+def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PSTAR_MACHINES_DIR", str(tmp_path / "machines"))  # nothing measured yet
+    assert main(["--steps", "1", "--batch-size", "8"]) == 0
+    err = capsys.readouterr().err
+    phases = ["building the model", "measuring this machine's rates (once, kept in " + str(tmp_path / "machines"),
+              "tracing 4 stages", "planning", "compiling the first step"]
+    at = [err.find(phase) for phase in phases]
+    assert -1 not in at and at == sorted(at), err[-3000:]
+    assert all(sum(line.startswith(phase) for line in err.splitlines()) == 1 for phase in phases), err[-3000:]
+    assert main(["--steps", "1", "--batch-size", "8", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
