@@ -402,6 +402,9 @@ def test_signal_to_some_processes_stops_all_at_one_step_with_a_checkpoint(tmp_pa
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
     text = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
     step = Checkpointer(str(d)).latest_step()
@@ -513,6 +516,9 @@ def test_dead_peer_is_one_line_without_a_native_stack(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
     log = (tmp_path / "p0.log").read_text()
     python_lines = "\n".join(line for line in log.splitlines() if not line.lstrip().startswith("@"))
     assert code == 3 and waited < 12, (code, waited, python_lines[-4000:])  # native stack frames left out
