@@ -56,7 +56,7 @@ class CheckpointError(ConfigError):
 class CheckpointSaveError(Exception):
     """A save failed (disk full, read-only file system): one sentence naming the cause and the
     latest good step. orbax may leave worker threads waiting on the failed save, so a CLI ends the
-    process with ``pstar_jax.distributed.hard_exit`` rather than returning."""
+    process with ``pstar_jax.exits.hard_exit`` rather than returning."""
 
 
 def _holder_text(lock_path: str) -> str:

@@ -10,11 +10,15 @@ dataclasses' own defaults fill the rest. Library errors name fields (``OptimConf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import re
+import signal
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from pstar_jax import exits
 from pstar_jax.config import SECTIONS, ConfigError, format_bytes, parse_device_memory, parse_optional_bytes
 
 _TITLES = {"model": "model", "train": "training", "optim": "optimizer", "engine": "engine", "data": "data",
@@ -107,14 +111,40 @@ def error_line(prog: str, err: BaseException) -> str:
     return f"{prog}: error: {' '.join(_with_flags(str(err)).split())}"
 
 
+@contextlib.contextmanager
+def start_up_notes(enabled: bool = True) -> Iterator[None]:
+    """Inside, pstar_jax's notes on what it is doing (the INFO lines of its loggers: measuring the
+    machine, tracing, planning, compiling) go to stderr, one line each, so that the seconds
+    before the first step are not silent."""
+    if not enabled:
+        yield
+        return
+    logger, handler = logging.getLogger("pstar_jax"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # once: a library may have given the root logger a handler too
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def run_main(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None,
              user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Run a CLI: user errors are one line and exit 2, Ctrl-C exit 130, never a traceback for those."""
-    try:
-        return run(argv)
-    except (ConfigError, *user_errors) as err:
-        print(error_line(prog, err), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    """Run a CLI: user errors are one line and exit 2, never a traceback. SIGINT and SIGTERM end
+    the process at once with one line (exit 130, 143; see pstar_jax.exits), except where the
+    training loop's own handler stops after a step; a KeyboardInterrupt that still comes out
+    (a second Ctrl-C in the loop) ends it the same way, without the interpreter's teardown."""
+    with exits.signals_end_the_process(prog):
+        try:
+            return run(argv)
+        except (ConfigError, *user_errors) as err:
+            print(error_line(prog, err), file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            exits.hard_exit(exits.EXIT_INTERRUPTED, exits.signal_line(prog, signal.SIGINT))
+            return exits.EXIT_INTERRUPTED

@@ -168,7 +168,8 @@ class TrainConfig:
     seed: int = option(0, "seed of the initial weights and the data order", math_changing=True)
     skip_nonfinite: bool = option(False, "skip steps whose loss or grads are not finite (default: stop with "
                                   "an error naming the step)")
-    eval_every: int = option(0, "report a held-out loss (forward only) every N steps and at the end, on "
+    eval_every: int = option(0, "report a held-out loss (forward only) after steps N, 2N, ... (counted from 1) "
+                             "and at the end, on "
                              "--eval-data or else the last 1%% of the training tokens, which are then not "
                              "trained on; 0: never", metavar="N")
     eval_batches: int = option(8, "micro-batches (of the training micro-batch shape) each held-out loss "
@@ -333,7 +334,8 @@ class DistributedConfig:
     coordinator_timeout: float = option(120.0, "seconds for every process to join through the coordinator before "
                                         "giving up with one line")
     step_timeout: float | None = option(None, "end with an error if a step makes no progress for this many "
-                                        "seconds")
+                                        "seconds (timed from the end of the second step: the first two "
+                                        "compile)")
     local_devices: int | None = option(None, "CPU only: fake this many devices per process (for trying data "
                                        "parallelism)")
 

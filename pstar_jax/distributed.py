@@ -10,7 +10,7 @@ stack:
   reports it and leaves with ``hard_exit``, skipping jax's exit-time shutdown barrier, which
   would otherwise abort the process waiting for the dead peer;
 - a step hangs (a peer stopped but its sockets are open): the ``Watchdog`` thread only measures
-  time, and ends the process when a step makes no progress for its limit.
+  time, and ends the process when a step after the first makes no progress for its limit.
 
 A signal that reaches the processes at different steps, or only one of them, must not split the
 run (one process saving, the other inside the next step's collectives): every step the processes
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 import traceback
@@ -32,20 +31,10 @@ import jax
 import numpy as np
 
 from pstar_jax.config import ConfigError
+from pstar_jax.exits import hard_exit
 
 ENV = {"coordinator": "PSTAR_COORDINATOR", "num_processes": "PSTAR_NUM_PROCESSES", "process_id": "PSTAR_PROCESS_ID"}
 EXIT_PEER_FAILED = 3  # the exit status of a process ended by a dead peer, a hang or an unreachable coordinator
-
-
-def hard_exit(code: int, line: str | None = None) -> None:
-    """Print ``line`` (one line on stderr) and end the process now, without exit-time handlers.
-
-    For states the interpreter cannot leave cleanly: jax's exit-time shutdown waits for a dead
-    peer and then aborts; orbax's worker threads wait forever for a save that failed."""
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
 
 
 def _env_int(name: str, flag: str) -> int | None:
@@ -168,7 +157,13 @@ class Watchdog:
 
     Collectives over a stuck peer can block inside the runtime, where Python cannot interrupt
     them; a daemon thread that watches a progress clock can still report and exit. It never
-    calls into JAX: the backend may be what is stuck, or already failed."""
+    calls into JAX: the backend may be what is stuck, or already failed.
+
+    The clock starts at the first ``progress``: the loop calls it from the end of the second step
+    on, since the first two steps compile (the first every stage, the second the optimizer update
+    again for the layout the first step's outputs have), which takes as long as it takes on a
+    loaded machine and is no sign of a dead peer. ``untimed()`` covers other work that compiles
+    (the first evaluation)."""
 
     def __init__(self, limit_s: float | None, prog: str = "pstar-train", process_index: int = 0):
         if limit_s is not None and not (limit_s > 0 and math.isfinite(limit_s)):
@@ -176,21 +171,32 @@ class Watchdog:
         self.limit_s = limit_s
         self.prog = prog
         self.process_index = process_index
-        self._last = time.monotonic()
+        self._last: float | None = None  # None: not timing
         self._step = 0
         self._stopped = threading.Event()
         if limit_s:
             threading.Thread(target=self._watch, daemon=True, name="pstar-watchdog").start()
 
     def progress(self, step: int) -> None:
+        """``step`` steps are done; the next must make progress within the limit."""
         self._step, self._last = step, time.monotonic()
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """No limit inside (work that compiles); the clock restarts when it ends, if it ran before."""
+        timing, self._last = self._last is not None, None
+        try:
+            yield
+        finally:
+            self._last = time.monotonic() if timing else None
 
     def stop(self) -> None:
         self._stopped.set()
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(1.0, self.limit_s / 4)):
-            if time.monotonic() - self._last > self.limit_s:
+            last = self._last
+            if last is not None and time.monotonic() - last > self.limit_s:
                 hard_exit(EXIT_PEER_FAILED, f"{self.prog}: error: step {self._step} made no progress for "
                           f"{self.limit_s:g} s (process {self.process_index}); another process probably died "
                           "or hangs")

@@ -26,6 +26,7 @@ class StepResult:
     predicted_h2d_bytes: int = 0
     predicted_d2h_bytes: int = 0
     skipped: bool = False  # a non-finite loss or gradient: no update was applied
+    clip_scale: float = 1.0  # the factor global-norm clipping multiplied the grads by (1: not clipped)
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -46,7 +46,8 @@ from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.machine import Machine
 from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
 from pstar_jax.model import StagedModel
-from pstar_jax.optim import ChunkOptimizer, PendingUpdate, TxFactory, clip_scale, sum_of_squares, zeros_chunk
+from pstar_jax.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
+                             zeros_chunk)
 from pstar_jax.plan import Plan, PlanMoment, plan_forward
 from pstar_jax.planning import Planned, plan_model, require_fit
 from pstar_jax.schedule import Access, staged_after
@@ -211,8 +212,9 @@ class ChunkedEngine:
         self._pending_clip = None if skip else clip_scale(sum(run.sumsq), self.clip_norm)
         if self._pending_clip is not None:
             self._begin_host_updates(accesses, self._pending_clip)
-        return StepResult(loss=loss, grad_norm=float(np.sqrt(sumsq)), step_s=end - start,
-                          h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
+        grad_norm = float(np.sqrt(sumsq))
+        return StepResult(loss=loss, grad_norm=grad_norm, step_s=end - start,
+                          clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip)
 

@@ -13,9 +13,11 @@ end, on ``data.eval_path`` or else on the last 1% of the training tokens, which 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
+import logging
 import os
 import signal
 import time
@@ -26,6 +28,8 @@ import numpy as np
 from pstar_jax.config import ConfigError, RunConfig, from_dict, math_differences, to_dict
 from pstar_jax.metrics import JsonlWriter, MetricsWriter, Progress, TensorBoardWriter, step_record
 from pstar_jax.model import StagedModel, flops_per_token
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
 
 def _model_module(config: RunConfig) -> Any:
@@ -155,8 +159,11 @@ class Run:
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
+            from pstar_jax.optim import default_tx
+            self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
-                                       init_params=init, skip_nonfinite=cfg.train.skip_nonfinite, make_tx=make_tx)
+                                       init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
+                                       make_tx=self._make_tx)
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
@@ -170,6 +177,7 @@ class Run:
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.checkpoint import restore_engine
+                log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
                 position = restore_engine(self._ckpt, self.engine)["data_position"]
         except BaseException:
             self.close()
@@ -227,19 +235,23 @@ class Run:
 
         from pstar_jax import distributed
         from pstar_jax.checkpoint import StopSignal
+        from pstar_jax.optim import learning_rate
         cfg, engine = self.config, self.engine
         writers = list(self._writers)
         if self.main_process and cfg.output.metrics_out:
             writers.append(JsonlWriter(cfg.output.metrics_out, first_step=engine.step_count))
         if self.main_process and cfg.output.tensorboard:
-            writers.append(TensorBoardWriter(cfg.output.tensorboard))
+            writers.append(TensorBoardWriter(cfg.output.tensorboard, to_dict(cfg)))
+        watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
+        stop = StopSignal()  # from here a signal stops after a step, with a checkpoint
+        if engine.step_count < cfg.train.steps:
+            log.info("compiling the first step")  # before the bar, which would cut the line
         progress = Progress(cfg.train.steps, initial=engine.step_count,
                             enabled=self.verbose and not cfg.output.quiet)
-        watchdog = distributed.Watchdog(cfg.distributed.step_timeout, process_index=jax.process_index())
-        stop = StopSignal()
         step_tokens = cfg.train.batch_size * self.model.seq_len
         flops = flops_per_token(self.model)
         first_step, every = engine.step_count, cfg.checkpoint.every
+        evaluated = False
         profile = Profile(cfg.output.profile if self.main_process else None, first_step + 2, cfg.output.profile_steps)
         try:
             with distributed.peer_failures_end_the_process():
@@ -247,15 +259,20 @@ class Run:
                     profile.before(step)
                     result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
                     profile.after(step)
-                    watchdog.progress(step + 1)
-                    record = step_record(step, result, step_tokens, flops)
+                    timed = step > first_step  # the first two steps compile: not timed (see Watchdog)
+                    if timed:
+                        watchdog.progress(step + 1)
+                    record = step_record(step, result, step_tokens, flops, learning_rate(self._make_tx, step))
                     last = step + 1 == cfg.train.steps or bool(
                         cfg.checkpoint.stop_after and step + 1 - first_step >= cfg.checkpoint.stop_after)
                     if cfg.train.eval_every and (last or (step + 1) % cfg.train.eval_every == 0):
                         start = time.perf_counter()
-                        record["eval_loss"] = self.evaluate()
+                        with watchdog.untimed() if not evaluated else contextlib.nullcontext():
+                            record["eval_loss"] = self.evaluate()  # the first one compiles
+                        evaluated = True
                         record["eval_s"] = time.perf_counter() - start
-                        watchdog.progress(step + 1)
+                        if timed:  # an evaluation is timed on its own, not as part of the next step
+                            watchdog.progress(step + 1)
                     for writer in writers:
                         writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
                     progress.update(record)

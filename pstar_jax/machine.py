@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import time
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pstar_jax.config import ConfigError
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
 MACHINES_DIR_ENV = "PSTAR_MACHINES_DIR"
 
@@ -164,6 +167,7 @@ def saved_machine(placement, optimizer, remeasure: bool = False) -> Machine:
     path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
     if path.exists() and not remeasure:
         return load_machine(path)
+    log.info("measuring this machine's rates (once, kept in %s)", path)
     machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
     save_machine(machine, path)
     return machine

@@ -1,5 +1,12 @@
 """Per-step metrics: writers (JSON lines, TensorBoard, any object with ``write_scalars``) and a
-live progress bar."""
+live progress bar.
+
+A step's record (``step_record``): ``step`` (0-based), ``loss``, ``lr`` (the learning rate of the
+step's update; left out for an optimizer factory whose schedule is not known), ``grad_norm``,
+``clip_scale`` (the factor global-norm clipping applied, 1.0 when not clipped), ``step_s``,
+``tokens_per_s``, ``model_tflops``, the copies and memory of the step (``h2d_bytes``,
+``d2h_bytes``, ``device_chunk_peak_bytes``, ``predicted_h2d_bytes``, ``predicted_d2h_bytes``),
+``skipped``, and after an evaluation ``eval_loss`` and ``eval_s``."""
 
 from __future__ import annotations
 
@@ -21,10 +28,11 @@ class MetricsWriter(Protocol):
     def close(self) -> None: ...
 
 
-def step_record(step: int, result: StepResult, tokens: int, flops_per_token: float) -> dict:
+def step_record(step: int, result: StepResult, tokens: int, flops_per_token: float,
+                lr: float | None = None) -> dict:
     """The metrics of one step (``step`` counts from 0): the StepResult's fields plus throughput."""
-    return {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-            "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
+    return {"step": step, "loss": result.loss, **({"lr": lr} if lr is not None else {}),
+            "grad_norm": result.grad_norm, "clip_scale": result.clip_scale, "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
             "model_tflops": flops_per_token * tokens / result.step_s / 1e12,
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "device_chunk_peak_bytes": result.device_chunk_peak_bytes,
@@ -68,10 +76,24 @@ def _truncate_steps(path: str, first_step: int) -> None:
     os.replace(tmp, path)
 
 
-class TensorBoardWriter:
-    """TensorBoard event files through tensorboardX (an optional dependency)."""
+# TensorBoard groups tags by their prefix: training, held-out, and copies and memory.
+_TB_TAGS = {"eval_loss": "eval/loss", "eval_s": "eval/seconds", "h2d_bytes": "memory/h2d_bytes",
+            "d2h_bytes": "memory/d2h_bytes", "device_chunk_peak_bytes": "memory/device_chunk_peak_bytes",
+            "predicted_h2d_bytes": "memory/predicted_h2d_bytes",
+            "predicted_d2h_bytes": "memory/predicted_d2h_bytes"}
 
-    def __init__(self, logdir: str):
+
+def tensorboard_tag(name: str) -> str:
+    """A record field's TensorBoard tag: ``train/loss``, ``eval/loss``, ``memory/h2d_bytes``; a
+    name that has a group already keeps it."""
+    return name if "/" in name else _TB_TAGS.get(name, f"train/{name}")
+
+
+class TensorBoardWriter:
+    """TensorBoard event files through tensorboardX (an optional dependency): the scalars under
+    grouped tags (``tensorboard_tag``), and ``config`` (the run's, as a dict) once as text."""
+
+    def __init__(self, logdir: str, config: dict | None = None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -79,11 +101,14 @@ class TensorBoardWriter:
                               ) from None
         check_output_file(os.path.join(logdir, "events"), "OutputConfig.tensorboard")
         self._writer = SummaryWriter(logdir)
+        if config is not None:  # indented four spaces: TensorBoard's markdown shows it verbatim
+            text = json.dumps(config, indent=2, sort_keys=True)
+            self._writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def write_scalars(self, step: int, scalars: dict[str, Any]) -> None:
         for name, value in scalars.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self._writer.add_scalar(name, value, step)
+                self._writer.add_scalar(tensorboard_tag(name), value, step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -97,8 +122,10 @@ class Progress:
 
     def update(self, record: dict) -> None:
         extra = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        lr = f" | lr {record['lr']:.2e}" if "lr" in record else ""
+        clip = f" | clip {record['clip_scale']:.2f}" if record.get("clip_scale", 1.0) < 1.0 else ""
         self._bar.set_postfix_str(
-            f"loss {record['loss']:.4f}{extra} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"loss {record['loss']:.4f}{extra}{lr}{clip} | {record['tokens_per_s']:,.0f} tok/s | "
             f"h2d {format_bytes(record['h2d_bytes'])} d2h {format_bytes(record['d2h_bytes'])}",
             refresh=False)
         self._bar.update(1)

@@ -60,6 +60,23 @@ def clip_scale(sumsq: jax.Array, clip_norm: float | None) -> jax.Array:
     return jnp.where(norm < clip_norm, 1.0, clip_norm / norm).astype(jnp.float32)
 
 
+def clip_factor(grad_norm: float, clip_norm: float | None) -> float:
+    """``clip_scale`` on the host, from the norm a step read back: what a step reports."""
+    if clip_norm is None:
+        return 1.0
+    return 1.0 if grad_norm < clip_norm else clip_norm / grad_norm
+
+
+def learning_rate(make_tx: Any, step: int) -> float | None:
+    """The learning rate of step ``step``'s update (0-based) under a ``make_tx`` with a
+    ``learning_rate`` (a number or an optax schedule: ``default_tx`` and host_adam.AdamW have
+    one); None for another factory, whose schedule is not known from outside."""
+    lr = getattr(make_tx, "learning_rate", None)
+    if lr is None:
+        return None
+    return float(lr(step)) if callable(lr) else float(lr)
+
+
 @jax.jit
 def sum_of_squares(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x.astype(jnp.float32)))

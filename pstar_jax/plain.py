@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pstar_jax import compat
 from pstar_jax.config import ConfigError
 from pstar_jax.engine import NonFiniteLoss, StepResult
-from pstar_jax.optim import TxFactory, clip_scale
+from pstar_jax.optim import TxFactory, clip_factor, clip_scale
 from pstar_jax.model import Stage, StagedModel, decays
 from pstar_jax.zero import replicated_value, to_numpy
 
@@ -112,6 +112,7 @@ class PlainEngine:
         compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
         shapes = model.param_shapes()
         self._shapes = dict(shapes)
+        self.clip_norm = clip_norm
         decays_of = functools.partial(decays, model)
         self._segments = segments(list(model.stages(compute_dtype)), shapes, decays_of, scan_layers)
         stacked = {n for seg in self._segments if seg.scanned for stage in seg.stages for n in stage.param_names}
@@ -221,6 +222,7 @@ class PlainEngine:
         self.step_count += 1
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self._params, self._opt_state)))
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
+                          clip_scale=clip_factor(grad_norm, self.clip_norm),
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip)
 
     def evaluate(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Sequence
 
 import jax
@@ -26,6 +27,8 @@ from pstar_jax.plan import Plan, make_plan, plan_step
 from pstar_jax.schedule import Access, StepShape, step_accesses
 from pstar_jax.stages import BoundStage, StageFunctions, bind
 from pstar_jax.trace import trace_step
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     bound = [bind(s, layout) for s in stages]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
+    log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
     shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
                        cfg.micro_batches, cache=trace_cache)
     budget = cfg.device_budget_bytes
@@ -72,6 +76,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
         working = shape.busiest_non_model_bytes
         budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
+    log.info("planning where each chunk lives at each moment of the step")
     if adam is None:
         plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
     else:

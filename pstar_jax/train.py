@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Sequence
 
 from pstar_jax import cli
@@ -27,9 +28,20 @@ def parse_config(argv: Sequence[str] | None = None) -> RunConfig:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    from pstar_jax.loop import Run, signal_name
+    start = time.perf_counter()  # the done line's throughput covers everything from here
     config = parse_config(argv)
+    from pstar_jax.distributed import resolve  # imports JAX: after the signal handlers (cli.run_main)
+    d = config.distributed
+    resolved = resolve(d.coordinator, d.num_processes, d.process_id)  # only process 0 speaks
+    with cli.start_up_notes(not config.output.quiet and (resolved is None or resolved[2] == 0)):
+        return _train(config, start)
+
+
+def _train(config: RunConfig, start: float) -> int:
+    from pstar_jax.loop import Run, log, signal_name
+    log.info("building the model and reading the data")  # after JAX's import, the first seconds
     with Run(config) as r:
+        first_step = r.engine.step_count
         if r.main_process:
             print(r.engine.summary(), flush=True)
             if r.engine.step_count:
@@ -37,6 +49,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         record, eval_loss = None, None
         for record in r.fit():
             eval_loss = record.get("eval_loss", eval_loss)
+        wall_s = time.perf_counter() - start
         if r.stopped_by or r.stopped_by_peer:
             if r.main_process:
                 where = (f"; checkpoint saved in {r.checkpoint_directory}" if r.checkpoint_directory
@@ -52,21 +65,26 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}", flush=True)
         if r.main_process and record is not None:
             held_out = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
+            tokens = (r.engine.step_count - first_step) * config.train.batch_size * r.model.seq_len
             print(f"done: {r.engine.step_count} of {config.train.steps} steps, loss {record['loss']:.4f}{held_out}, "
-                  f"{record['tokens_per_s']:,.0f} tokens/s, moved {format_bytes(record['h2d_bytes'])} h2d / "
-                  f"{format_bytes(record['d2h_bytes'])} d2h per device in the last step")
+                  f"{tokens / wall_s:,.0f} tokens/s over the whole run ({wall_s:.1f} s, start-up and compilation "
+                  f"included), moved {format_bytes(record['h2d_bytes'])} h2d / {format_bytes(record['d2h_bytes'])} "
+                  "d2h per device in the last step")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pstar_jax.checkpoint import CheckpointSaveError
     try:
         return cli.run_main("pstar-train", run, argv, (DataError,))
     except FloatingPointError as err:  # NonFiniteLoss: the state before the bad step is intact
         print(f"pstar-train: error: {err}", file=sys.stderr)
         return 1
-    except CheckpointSaveError as err:  # orbax threads may wait forever on the failed save: leave now
-        from pstar_jax.distributed import hard_exit
+    except Exception as err:
+        # Not imported up front: importing JAX before run_main's signal handlers loses a Ctrl-C.
+        checkpoint = sys.modules.get("pstar_jax.checkpoint")
+        if checkpoint is None or not isinstance(err, checkpoint.CheckpointSaveError):
+            raise
+        from pstar_jax.exits import hard_exit  # orbax threads may wait forever on the failed save: leave now
         hard_exit(1, f"pstar-train: error: {err}")
         return 1
 

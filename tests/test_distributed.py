@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pstar_jax import distributed
 from pstar_jax.config import ConfigError
 from pstar_jax.distributed import EXIT_PEER_FAILED, Watchdog, agree_to_stop, resolve
 
@@ -61,6 +62,26 @@ def test_watchdog_stays_quiet_while_steps_progress():
         time.sleep(0.1)
         dog.progress(step)
     dog.stop()
+
+
+def test_watchdog_times_nothing_before_the_first_step_nor_inside_untimed(monkeypatch):
+    """Compiling the first step (or the first evaluation) on a loaded machine is not a hang."""
+    ended = []
+    monkeypatch.setattr(distributed, "hard_exit", lambda code, line=None: ended.append((code, line)))
+    dog = Watchdog(0.2)
+    try:
+        time.sleep(0.8)  # the first steps compile
+        with dog.untimed():
+            time.sleep(0.8)  # an evaluation before the clock runs: still not timed after it
+        assert not ended
+        dog.progress(1)
+        with dog.untimed():
+            time.sleep(0.8)  # the first evaluation compiles
+        assert not ended
+        time.sleep(0.8)  # the second step hangs
+        assert ended and ended[0][0] == EXIT_PEER_FAILED and "step 1 made no progress" in ended[0][1]
+    finally:
+        dog.stop()
 
 
 def test_agree_to_stop_in_one_process_is_the_local_flag():

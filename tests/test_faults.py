@@ -41,18 +41,30 @@ def env_without_fake_devices():
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-def run_cli(args, **kw):
+def run_cli(args, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *BASE, *args], cwd=ROOT,
-                            env=env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env or env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
 
 
-def wait_for(predicate, timeout_s, proc=None):
+def wait_for(predicate, timeout_s, proc=None, output=None):
+    """Wait until ``predicate()``; if ``proc`` exits first or time runs out, fail showing what the
+    processes wrote: ``output()`` (processes writing to log files), else ``proc``'s stderr pipe."""
+    def shown():
+        if output is not None:
+            return output()
+        if proc is None or proc.stderr is None:
+            return ""
+        if proc.poll() is None:
+            proc.kill()  # reading a live process's pipe would wait for its end
+        return proc.stderr.read()[-2000:]
+
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited early with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"exited early with {proc.returncode}: {shown()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s: {shown()}")
         time.sleep(0.05)
 
 
@@ -267,6 +279,77 @@ def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
         check_failed_save(proc, d, "the file system is read-only", read_only=True)
 
 
+def test_step_timeout_does_not_count_compilation(tmp_path):
+    """A limit below the compilation of the first two steps (0.6 and 2 s here without the compilation cache) and of the first
+    evaluation (after the third step): they are not timed, and the run ends normally."""
+    env = {k: v for k, v in env_without_fake_devices().items() if not k.startswith(("JAX_COMP", "JAX_PERS"))}
+    proc = run_cli(["--steps", "4", "--eval-every", "3", "--step-timeout", "0.5"], env=env)  # compiles afresh
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "made no progress" not in err and out.splitlines()[-1].startswith("done:"), out[-2000:]
+
+
+# -- signals during start-up ---------------------------------------------------------------------
+
+
+def signal_at(args, phase, sig, timeout_s=240):
+    """Start pstar-train (start-up lines on), send ``sig`` when its stderr shows the line that
+    starts with ``phase``; (exit status, stderr)."""
+    import queue
+    import threading
+    env = dict(env_without_fake_devices(), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *[a for a in BASE if a != "--quiet"], *args],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines_read: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines_read.put(line) for line in proc.stderr] + [lines_read.put(None)],
+                     daemon=True).start()
+    err, deadline = [], time.monotonic() + timeout_s
+    try:
+        while True:
+            line = lines_read.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if line is None:
+                raise AssertionError(f"ended before {phase!r}: {''.join(err)[-3000:]}")
+            err.append(line)
+            if line.startswith(phase):
+                proc.send_signal(sig)
+                break
+        code = proc.wait(timeout=120)
+        while (line := lines_read.get(timeout=10)) is not None:
+            err.append(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    return code, "".join(err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, sig", [("building the model", signal.SIGINT), ("tracing", signal.SIGINT),
+                                        ("planning", signal.SIGINT), ("tracing", signal.SIGTERM)])
+def test_a_signal_during_start_up_is_one_line_and_exit_128_plus_it(phase, sig):
+    """Once 3 of 4 such runs printed 'interrupted' and died of a segmentation fault (the
+    interpreter's teardown while XLA compiled), or jaxlib swallowed the Ctrl-C and training ran on."""
+    code, err = signal_at(["--steps", "50"], phase, sig)
+    line = "pstar-train: interrupted" if sig == signal.SIGINT else "pstar-train: terminated (SIGTERM)"
+    assert code == 128 + sig and err.strip().splitlines()[-1] == line, (code, err[-3000:])
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_resuming_keeps_the_checkpoint_and_in_the_first_step_saves_one(tmp_path):
+    d = tmp_path / "ck"
+    assert main([*BASE, "--steps", "6", "--stop-after", "2", "--checkpoint-dir", str(d)]) == 0
+    code, err = signal_at(["--steps", "6", "--resume", "--checkpoint-dir", str(d)], "restoring", signal.SIGINT)
+    assert code == 130 and err.strip().splitlines()[-1] == "pstar-train: interrupted", err[-3000:]
+    assert Checkpointer(str(d)).committed_steps() == [2]
+    # Once training has begun (the first step compiles), Ctrl-C stops after that step with a checkpoint.
+    code, err = signal_at(["--steps", "6", "--resume", "--checkpoint-dir", str(d)], "compiling the first step",
+                          signal.SIGINT)
+    assert code == 0 and f"stopped by SIGINT after step 3; checkpoint saved in {d}" in err, err[-3000:]
+    assert Checkpointer(str(d)).committed_steps() == [2, 3]
+
+
 # -- signals to multi-process runs and to the launcher --------------------------------------------
 
 
@@ -284,6 +367,19 @@ def spawn(i, port, extra, log):
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
+def logs_of(tmp_path, n=2):
+    """The tail of each spawned process's log, its Python lines (native stack frames, '@', left out)."""
+    def output():
+        texts = []
+        for i in range(n):
+            path = tmp_path / f"p{i}.log"
+            text = path.read_text() if path.exists() else ""
+            text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("@"))
+            texts.append(f"--- process {i}:\n{text[-2000:]}")
+        return "\n".join(texts)
+    return output
+
+
 def lines(path):
     return path.read_text().count("\n") if path.exists() else 0
 
@@ -298,7 +394,7 @@ def test_signal_to_some_processes_stops_all_at_one_step_with_a_checkpoint(tmp_pa
     procs = [spawn(i, port, ["--steps", "100000", "--checkpoint-dir", str(d), "--metrics-out", str(metrics)], logs[i])
              for i in range(2)]
     try:
-        wait_for(lambda: lines(metrics) >= 3, 180, procs[0])
+        wait_for(lambda: lines(metrics) >= 3, 180, procs[0], logs_of(tmp_path))
         sig = signal.SIGTERM if targets == (1,) else signal.SIGINT
         for i in targets:
             procs[i].send_signal(sig)
@@ -308,6 +404,9 @@ def test_signal_to_some_processes_stops_all_at_one_step_with_a_checkpoint(tmp_pa
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
     text = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
     step = Checkpointer(str(d)).latest_step()
@@ -410,7 +509,7 @@ def test_dead_peer_is_one_line_without_a_native_stack(tmp_path):
     procs = [spawn(i, port, ["--steps", "100000", "--metrics-out", str(metrics), "--step-timeout", "6",
                              "--heartbeat-timeout", "30"], logs[i]) for i in range(2)]
     try:
-        wait_for(lambda: lines(metrics) >= 2, 180, procs[0])
+        wait_for(lambda: lines(metrics) >= 2, 180, procs[0], logs_of(tmp_path))
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         code = procs[0].wait(timeout=60)
@@ -419,6 +518,9 @@ def test_dead_peer_is_one_line_without_a_native_stack(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
     log = (tmp_path / "p0.log").read_text()
     python_lines = "\n".join(line for line in log.splitlines() if not line.lstrip().startswith("@"))
     assert code == 3 and waited < 12, (code, waited, python_lines[-4000:])  # native stack frames left out

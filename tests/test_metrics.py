@@ -7,7 +7,7 @@ import os
 import pytest
 
 from pstar_jax.config import ConfigError
-from pstar_jax.metrics import JsonlWriter, TensorBoardWriter
+from pstar_jax.metrics import JsonlWriter, Progress, TensorBoardWriter
 from pstar_jax.paths import check_output_file
 
 
@@ -58,20 +58,66 @@ def test_output_paths_are_checked_before_work(tmp_path):
     check_output_file(str(tmp_path / "new" / "deeper" / "m.jsonl"), "OutputConfig.metrics_out")
 
 
-def test_tensorboard_writes_event_files_with_every_finite_scalar(tmp_path):
+def events(logdir):
+    """Every Event of the one event file in ``logdir`` (TFRecord framing: length, its CRC, data, CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+    (name,) = os.listdir(logdir)
+    assert name.startswith("events.out.tfevents")
+    data, out, at = (logdir / name).read_bytes(), [], 0
+    while at < len(data):
+        (n,) = struct.unpack("<Q", data[at:at + 8])
+        out.append(Event.FromString(data[at + 12:at + 12 + n]))
+        at += 12 + n + 4
+    return out
+
+
+def scalars(logdir):
+    return {(v.tag, e.step): v.simple_value for e in events(logdir) for v in e.summary.value
+            if v.HasField("simple_value")}
+
+
+def test_tensorboard_writes_every_finite_scalar_under_grouped_tags(tmp_path):
     w = TensorBoardWriter(str(tmp_path / "tb"))
-    w.write_scalars(0, {"loss": 2.5, "grad_norm": float("nan"), "skipped": False, "tokens_per_s": 10})
+    w.write_scalars(0, {"loss": 2.5, "lr": 1e-3, "grad_norm": float("nan"), "skipped": False, "tokens_per_s": 10,
+                        "eval_loss": 2.75, "h2d_bytes": 4096, "device_chunk_peak_bytes": 8192, "mine/x": 1.0})
     w.close()
-    (event,) = os.listdir(tmp_path / "tb")
-    data = (tmp_path / "tb" / event).read_bytes()
-    assert event.startswith("events.out.tfevents") and b"loss" in data and b"tokens_per_s" in data
-    assert b"grad_norm" not in data and b"skipped" not in data
+    assert scalars(tmp_path / "tb") == {
+        ("train/loss", 0): 2.5, ("train/lr", 0): pytest.approx(1e-3), ("train/tokens_per_s", 0): 10,
+        ("eval/loss", 0): 2.75, ("memory/h2d_bytes", 0): 4096, ("memory/device_chunk_peak_bytes", 0): 8192,
+        ("mine/x", 0): 1.0}
+
+
+def test_tensorboard_holds_the_config_once_as_text(tmp_path):
+    config = {"train": {"steps": 3, "batch_size": 8}, "optim": {"lr": 0.001}}
+    w = TensorBoardWriter(str(tmp_path / "tb"), config)
+    w.write_scalars(0, {"loss": 2.5})
+    w.write_scalars(1, {"loss": 2.0})
+    w.close()
+    texts = [v for e in events(tmp_path / "tb") for v in e.summary.value if v.tag.startswith("config")]
+    assert len(texts) == 1
+    text = texts[0].tensor.string_val[0].decode()
+    assert json.loads("\n".join(line[4:] for line in text.splitlines())) == config
+
+
+def test_progress_shows_lr_and_clipping():
+    bar = Progress(3, enabled=False)
+    record = {"loss": 2.5, "lr": 3e-4, "clip_scale": 0.5, "tokens_per_s": 1000.0, "h2d_bytes": 0, "d2h_bytes": 0}
+    bar.update(record)
+    assert "lr 3.00e-04" in bar._bar.postfix and "clip 0.50" in bar._bar.postfix
+    bar.update({**record, "clip_scale": 1.0})
+    assert "clip" not in bar._bar.postfix
+    bar.close()
 
 
 def test_train_cli_writes_tensorboard_and_refuses_bad_metrics_paths(tmp_path, capsys):
     from pstar_jax.train import main
-    assert main(["--steps", "2", "--batch-size", "8", "--quiet", "--tensorboard", str(tmp_path / "tb")]) == 0
-    assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / "tb"))
+    assert main(["--steps", "2", "--batch-size", "8", "--quiet", "--eval-every", "2", "--eval-batches", "1",
+                 "--tensorboard", str(tmp_path / "tb")]) == 0
+    tags = {tag for tag, _ in scalars(tmp_path / "tb")}
+    assert {"train/loss", "train/lr", "train/clip_scale", "eval/loss", "memory/h2d_bytes"} <= tags, tags
+    assert all(tag.split("/")[0] in ("train", "eval", "memory") for tag in tags), tags
     assert main(["--steps", "2", "--quiet", "--metrics-out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pstar-train: error: --metrics-out") and err.count("\n") == 1, err

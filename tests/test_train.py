@@ -10,8 +10,9 @@ import pytest
 from pstar_jax.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METRIC_KEYS = {"step", "loss", "step_s", "tokens_per_s", "model_tflops", "h2d_bytes", "d2h_bytes",
-               "device_chunk_peak_bytes"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "clip_scale", "step_s", "tokens_per_s", "model_tflops",
+               "h2d_bytes", "d2h_bytes", "device_chunk_peak_bytes", "predicted_h2d_bytes", "predicted_d2h_bytes",
+               "skipped"}
 
 
 def test_default_corpus_run_writes_metrics_and_moves_chunks(tmp_path, capsys):
@@ -32,6 +33,36 @@ def test_plain_engine_runs(tmp_path):
     assert main(["--engine", "plain", "--remat", "full", "--steps", "2", "--quiet",
                  "--metrics-out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("clip", ["1e-3", "0"])
+def test_both_engines_report_each_steps_lr_and_clip_scale(tmp_path, capsys, clip):
+    """The same fields from both engines; lr is the schedule's (warmup from 0 over 2 steps, then
+    the peak, then the cosine); clip_scale is clip_norm / grad_norm when clipped (a clip norm far
+    below the grad norm), 1.0 without clipping. The done line's tokens/s covers the whole run:
+    between the tokens over the test's own clock and over the steps' time alone."""
+    import time
+    rows = {}
+    for kind in ("chunked", "plain"):
+        out = tmp_path / f"{kind}.jsonl"
+        start = time.perf_counter()
+        assert main(["--engine", kind, "--steps", "4", "--batch-size", "8", "--precision", "fp32", "--lr", "1e-2",
+                     "--warmup-steps", "2", "--final-lr-fraction", "0.5", "--clip-norm", clip, "--quiet",
+                     "--metrics-out", str(out)]) == 0
+        wall_s = time.perf_counter() - start
+        rows[kind] = [json.loads(line) for line in out.read_text().splitlines()]
+        done = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "tokens/s over the whole run" in done and "start-up and compilation included" in done, done
+        reported = float(done.split(" tokens/s")[0].rsplit(", ", 1)[1].replace(",", ""))
+        tokens = 4 * 8 * 64  # steps x batch x the tiny default model's seq_len
+        assert tokens / wall_s - 1 <= reported <= tokens / sum(r["step_s"] for r in rows[kind]) + 1
+    for records in rows.values():
+        assert METRIC_KEYS == records[0].keys()
+        assert [r["lr"] for r in records] == pytest.approx([0.0, 5e-3, 1e-2, 0.75e-2], rel=1e-6)
+        for r in records:
+            want = 1.0 if clip == "0" else 1e-3 / r["grad_norm"]
+            assert r["grad_norm"] > 1e-2 and r["clip_scale"] == pytest.approx(want, rel=1e-6)
+    assert rows["chunked"][0].keys() == rows["plain"][0].keys()
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -150,3 +181,16 @@ def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
                  "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "not finite at step" in err and err.count("\n") == 1, err
+
+
+def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PSTAR_MACHINES_DIR", str(tmp_path / "machines"))  # nothing measured yet
+    assert main(["--steps", "1", "--batch-size", "8"]) == 0
+    err = capsys.readouterr().err
+    phases = ["building the model", "measuring this machine's rates (once, kept in " + str(tmp_path / "machines"),
+              "tracing 4 stages", "planning", "compiling the first step"]
+    at = [err.find(phase) for phase in phases]
+    assert -1 not in at and at == sorted(at), err[-3000:]
+    assert all(sum(line.startswith(phase) for line in err.splitlines()) == 1 for phase in phases), err[-3000:]
+    assert main(["--steps", "1", "--batch-size", "8", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
