@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pstar_jax.tiling import split_tiles, to_tiles
+
 TILE_LOGITS_BYTES = 256 * 2**20  # one tile's float32 logits; the backward holds about 3 of them
 
 
@@ -40,17 +42,11 @@ def tile_positions(n: int, vocab_size: int, tile_bytes: int = TILE_LOGITS_BYTES)
     return min(n, rows)
 
 
-def _split(n: int, tile_n: int) -> tuple[int, int]:
-    """(number of tiles, positions per tile): tiles of equal size, padding below one per tile."""
-    n_tiles = -(-n // tile_n)
-    return n_tiles, -(-n // n_tiles)
-
-
-def _tiles(x: jax.Array, n_tiles: int, tile: int) -> jax.Array:
-    """x [N, ...] zero-padded to n_tiles * tile rows, as [n_tiles, tile, ...]."""
-    pad = n_tiles * tile - x.shape[0]
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((n_tiles, tile) + x.shape[1:])
+def _position_tiles(h_NxD: jax.Array, targets_N: jax.Array, weights_N: jax.Array, tile_n: int
+                    ) -> tuple[jax.Array, ...]:
+    """The three inputs as [n_tiles, tile, ...]; padded rows have weight 0, so they add nothing."""
+    n_tiles, tile = split_tiles(h_NxD.shape[0], tile_n)
+    return tuple(to_tiles(x, 0, n_tiles, tile) for x in (h_NxD, targets_N, weights_N))
 
 
 def _logits32(h_TxD: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
@@ -69,8 +65,7 @@ def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, t
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _tiled_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
                tied: bool, tile_n: int) -> jax.Array:
-    n_tiles, tile = _split(h_NxD.shape[0], tile_n)
-    xs = (_tiles(h_NxD, n_tiles, tile), _tiles(targets_N, n_tiles, tile), _tiles(weights_N, n_tiles, tile))
+    xs = _position_tiles(h_NxD, targets_N, weights_N, tile_n)
 
     def step(total: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         return total + _tile_sum(x[0], w, x[1], x[2], tied), None
@@ -87,8 +82,7 @@ def _tiled_sum_bwd(tied, tile_n, residuals, g):
     h_NxD, w, targets_N, weights_N = residuals
     N, D = h_NxD.shape
     V = w.shape[0] if tied else w.shape[1]
-    n_tiles, tile = _split(N, tile_n)
-    xs = (_tiles(h_NxD, n_tiles, tile), _tiles(targets_N, n_tiles, tile), _tiles(weights_N, n_tiles, tile))
+    xs = _position_tiles(h_NxD, targets_N, weights_N, tile_n)
     w_c = w.astype(h_NxD.dtype)
     scale = g.astype(jnp.float32)
 
@@ -105,7 +99,7 @@ def _tiled_sum_bwd(tied, tile_n, residuals, g):
             dw32 = dw32 + jnp.matmul(h_TxD.T, dlogits_TxV, preferred_element_type=jnp.float32)
         return dw32, dh_TxD
     dw32, dh = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), xs)
-    dh_NxD = dh.reshape(n_tiles * tile, D)[:N]
+    dh_NxD = dh.reshape(-1, D)[:N]
     return dh_NxD, dw32.astype(w.dtype), None, None  # targets and weights get none
 
 
