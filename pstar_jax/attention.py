@@ -15,7 +15,8 @@ Two implementations, chosen at trace time from the backend and dtype (``implemen
   * ``"tiled"`` (a CPU, fp32, the fallbacks): queries in tiles of ``tile_q`` under
     ``jax.checkpoint`` (pstar_jax.tiling), each tile's scores against all L keys, so a tile holds
     B x H x tile_q x L scores, forward and backward. Numerics are llama's: q.k in the compute
-    dtype, then scaled, softmax in float32, probabilities cast back before the product with v.
+    dtype, then scaled, softmax in float32, probabilities cast back before the product with v
+    (or, with ``float32_scores``, jax.nn.dot_product_attention's: q.k and the scale in float32).
 jax.nn.dot_product_attention has the same signature on jax 0.10.2 and 0.11.2 (bias, mask,
 scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, implementation),
 so nothing here goes through pstar_jax.compat.
@@ -49,10 +50,12 @@ def tile_queries(batch: int, n_head: int, length: int, tile_bytes: int = TILE_SC
     return min(length, rows - rows % 8 if rows >= 8 else rows)
 
 
-def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float) -> jax.Array:
+def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float, float32_scores: bool
+          ) -> jax.Array:
     k_BxLxNxK, v_BxLxNxK, segments_BxL = consts
     q_BxTxNxGxK, segments_q_BxT, positions_T = x
-    scores_BxNxGxTxL = jnp.einsum("btngk,blnk->bngtl", q_BxTxNxGxK, k_BxLxNxK) * scale
+    scores_BxNxGxTxL = jnp.einsum("btngk,blnk->bngtl", q_BxTxNxGxK, k_BxLxNxK,
+                                  preferred_element_type=jnp.float32 if float32_scores else None) * scale
     mask_BxTxL = visible(segments_q_BxT, positions_T, segments_BxL)
     scores32 = jnp.where(mask_BxTxL[:, None, None], scores_BxNxGxTxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxTxNxGxK.dtype)
@@ -60,7 +63,8 @@ def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float)
 
 
 def tiled_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
-                    segment_ids_BxL: jax.Array, *, scale: float, tile_q: int) -> jax.Array:
+                    segment_ids_BxL: jax.Array, *, scale: float, tile_q: int,
+                    float32_scores: bool = False) -> jax.Array:
     """The query-tiled path (see the module docstring)."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
@@ -72,7 +76,7 @@ def tiled_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.A
     segments_q = jnp.take(segment_ids_BxL, positions, axis=1)
     xs = (to_tiles(q_BxLxNxGxK, 1, n_tiles, tile), to_tiles(segments_q, 1, n_tiles, tile),
           positions.reshape(n_tiles, tile))
-    out = map_tiles(lambda c, x: _tile(c, x, scale), (k_BxLxNxK, v_BxLxNxK, segment_ids_BxL), xs)
+    out = map_tiles(lambda c, x: _tile(c, x, scale, float32_scores), (k_BxLxNxK, v_BxLxNxK, segment_ids_BxL), xs)
     out_BxLxNxGxK = jnp.moveaxis(out, 0, 1).reshape(B, n_tiles * tile, N, H // N, K)[:, :L]
     return out_BxLxNxGxK.reshape(B, L, H, K)
 
@@ -103,12 +107,15 @@ def choose_implementation(q_BxLxHxK: jax.Array, segment_ids_BxL: jax.Array | Non
 def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
                      segment_ids_BxL: jax.Array | None = None, *, scale: float | None = None,
                      tile_q: int | None = None, implementation: Implementation | None = None,
-                     tile_bytes: int = TILE_SCORES_BYTES) -> jax.Array:
+                     tile_bytes: int = TILE_SCORES_BYTES, float32_scores: bool = False) -> jax.Array:
     """o_BxLxHxK: causal attention within segments (None: one segment per row), grouped-query.
 
     ``scale`` defaults to K ** -0.5. ``tile_q`` queries per tile on the tiled path, else as
     many as keep one tile's float32 scores within ``tile_bytes``. ``implementation`` None picks
-    per ``choose_implementation``; ``"cudnn"`` given explicitly raises where cuDNN cannot run."""
+    per ``choose_implementation``; ``"cudnn"`` given explicitly raises where cuDNN cannot run.
+    ``float32_scores`` (tiled path): q.k accumulated into float32 and scaled there, the numerics
+    of jax.nn.dot_product_attention (models/gpt.py's today) instead of llama's (the product
+    rounded to the compute dtype, then scaled, then upcast); the same in fp32."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
     if k_BxLxNxK.shape != (B, L, N, K) or v_BxLxNxK.shape != k_BxLxNxK.shape or H % N:
@@ -131,4 +138,5 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     tile = tile_queries(B, H, L, tile_bytes) if tile_q is None else int(tile_q)
     if tile <= 0:
         raise ValueError(f"tile_q must be positive, got {tile_q}")
-    return tiled_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segments, scale=scale, tile_q=tile)
+    return tiled_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segments, scale=scale, tile_q=tile,
+                           float32_scores=float32_scores)

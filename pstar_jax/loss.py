@@ -8,14 +8,18 @@ tile's logits, turns them into that tile's gradient and adds ``h_tile^T @ dlogit
 float32 dW accumulator. Working memory is a few tile_n x V buffers, the N x D input and output
 gradients and the D x V accumulator (4 bytes per head parameter), whatever N is.
 
-Numerics per position equal ``pstar_jax.model.cross_entropy``: logits in the compute dtype (h's),
-upcast to float32, log-softmax in float32. The gradient matches autodiff of that reference:
-dlogits = weight * (softmax - onehot) in float32, cast to the compute dtype before the two
-matmuls (as the reference's astype transposes); dh per tile is exact, dW sums tiles in float32.
+Numerics per position equal ``pstar_jax.model.cross_entropy`` of ``h @ w`` as XLA compiles it:
+the compute-dtype (h's) matmul accumulated and returned in float32, log-softmax in float32. XLA
+allows excess precision, so cross_entropy's bf16 logits followed by astype(float32) become that
+float32-output matmul (measured on a CPU, jax 0.10.2 and 0.11.2: the tiled sum equals it
+exactly); asking for float32 here keeps every tile and version the same. The gradient is
+autodiff's of that reference: dlogits = weight * (softmax - onehot) in float32, cast to the
+compute dtype for the two matmuls (as the reference's astype transposes); dh per tile is the
+same, dW adds the tiles' float32 products and is rounded to w's dtype once.
 
 Why not a dependency: jax-cce (PyPI, 0.1.0, one release) tiles the vocabulary rather than the
-sequence (its tiles grow with N), upcasts h and w to float32 (other numerics than the model's
-bf16 logits), returns a mean and has no per-position weights.
+sequence (its tiles grow with N), upcasts h and w to float32 before its matmuls (a float32 copy
+of the head, float32-rate matmuls on a GPU), returns a mean and has no per-position weights.
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ def _position_tiles(h_NxD: jax.Array, targets_N: jax.Array, weights_N: jax.Array
 
 
 def _logits32(h_TxD: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
-    """Logits in the compute dtype (h's), then float32: what cross_entropy sees."""
+    """Float32 logits of compute-dtype operands (h's dtype), accumulated in float32."""
     w_DxV = w.T if tied else w
-    return (h_TxD @ w_DxV.astype(h_TxD.dtype)).astype(jnp.float32)
+    return jnp.matmul(h_TxD, w_DxV.astype(h_TxD.dtype), preferred_element_type=jnp.float32)
 
 
 def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool) -> jax.Array:

@@ -95,6 +95,15 @@ def test_dot_product_attention_mask_equals_tiled():
     assert_close(fused, causal_attention(q, k, v, segments, tile_q=8, implementation="tiled"), EPS32)
 
 
+def test_float32_scores_match_dot_product_attention_in_bf16():
+    """GPT's numerics today: jax.nn.dot_product_attention (XLA) with q.k and the scale in float32."""
+    q, k, v, _ = make(40, dtype=jnp.bfloat16, seed=2)
+    segments = packed_segments(40)
+    fused = _cudnn_attention(q, k, v, segments, scale=8 ** -0.5, implementation="xla")
+    tiled = causal_attention(q, k, v, segments, tile_q=16, implementation="tiled", float32_scores=True)
+    assert_close(tiled, fused, EPSBF16, factor=0.25)  # the same ops; llama's numerics are half an ulp off
+
+
 def test_choice_on_a_cpu_is_tiled():
     q = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
     assert jax.default_backend() == "cpu" and choose_implementation(q, None) == "tiled"

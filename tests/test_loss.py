@@ -57,7 +57,8 @@ def test_bf16_compute_equals_bf16_reference(tied):
     untiled = jax.jit(jax.value_and_grad(lambda h, w: reference_sum(h, w, t, wt, tied), argnums=(0, 1)))
     (loss, (dh, dw)), (ref, (ref_dh, ref_dw)) = tiled(h, w), untiled(h, w)
     assert loss.dtype == jnp.float32 and dh.dtype == dw.dtype == jnp.bfloat16
-    # The logits are the same bf16 products; the float32 softmax and sums differ in order only.
+    # The logits are the same float32-accumulated products of bf16 operands (XLA keeps the
+    # reference's bf16 logits + astype in float32); the sums differ in order only.
     assert_close(loss, ref, EPS32)
     assert_close(dh, ref_dh, EPSBF16, factor=1)  # the same bf16 ops per row, at most a rounding apart
     # dW: the reference rounds one bf16 matmul once, the tiles add float32 partials and round
