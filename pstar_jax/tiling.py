@@ -50,7 +50,11 @@ def _widen(x: Any) -> Any:
 
 def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any) -> Any:
     """``body(consts, x)`` for each tile x of ``xs`` (a pytree with the tiles as leading axis),
-    one tile's intermediates alive at a time in the forward and the backward."""
+    one tile's intermediates alive at a time in the forward and the backward. A single tile is
+    a plain call: the whole sequence fits, and nothing is recomputed."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:  # one tile: nothing to save, so no recomputation
+        out = body(consts, jax.tree.map(lambda x: x[0], xs))
+        return jax.tree.map(lambda y: y[None], out)
     dtypes = jax.tree.map(lambda c: c.dtype, consts)
     wide = jax.tree.map(_widen, consts)
 

@@ -88,3 +88,13 @@ def test_traced_memory_holds_one_tile_of_the_intermediate():
     bound = 8 * tile * F * 4 + 4 * 3 * D * F * 4 + 4 * 8192 * D * 4
     assert tiled[8192] <= bound, (tiled, bound)
     assert tiled[8192] - tiled[1024] <= 4 * (8192 - 1024) * D * 4, tiled
+
+
+def test_one_tile_is_the_plain_call():
+    params, x, g = make(20)
+    tiled = jax.make_jaxpr(lambda p, x: tiled_over_sequence(swiglu, x, tile=64, params=p))(params, x)
+    assert not any(word in str(tiled) for word in ("remat", "checkpoint", "scan"))  # with two tiles, there
+    (out, (dp, dx)) = grads(lambda p, x: tiled_over_sequence(swiglu, x, tile=64, params=p), params, x, g)
+    (ref, (ref_dp, ref_dx)) = grads(swiglu, params, x, g)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(dx, ref_dx)
