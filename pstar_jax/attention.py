@@ -29,7 +29,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pstar_jax.tiling import map_tiles, split_tiles, to_tiles
+from pstar_jax.tiling import map_tiles, rows_within, split_tiles, to_tiles
 
 TILE_SCORES_BYTES = 256 * 2**20  # one query tile's float32 scores, all heads and rows
 MASK_BYTES = 256 * 2**20  # the largest dense segment bias handed to cuDNN
@@ -46,8 +46,7 @@ def visible(segments_q_BxT: jax.Array, positions_q_T: jax.Array, segments_k_BxS:
 
 def tile_queries(batch: int, n_head: int, length: int, tile_bytes: int = TILE_SCORES_BYTES) -> int:
     """Queries per tile so that one tile's float32 scores (B x H x tile x L) fit ``tile_bytes``."""
-    rows = max(1, tile_bytes // (4 * batch * n_head * length))
-    return min(length, rows - rows % 8 if rows >= 8 else rows)
+    return rows_within(length, 4 * batch * n_head * length, tile_bytes)
 
 
 def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float, float32_scores: bool

@@ -29,21 +29,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pstar_jax.tiling import split_tiles, to_tiles
+from pstar_jax.tiling import rows_within, split_tiles, to_tiles
 
 TILE_LOGITS_BYTES = 256 * 2**20  # one tile's float32 logits; the backward holds about 3 of them
 
 
 def tile_positions(n: int, vocab_size: int, tile_bytes: int = TILE_LOGITS_BYTES) -> int:
-    """Positions per tile so that one tile's float32 logits fit ``tile_bytes`` (at least 1,
-    at most n); a multiple of 8 when it can be, for the matmul's sake."""
-    if n <= 0 or vocab_size <= 0 or tile_bytes <= 0:
-        raise ValueError(f"tile_positions needs positive n, vocab_size, tile_bytes; got {n}, {vocab_size}, "
-                         f"{tile_bytes}")
-    rows = max(1, tile_bytes // (4 * vocab_size))
-    if rows >= 8:
-        rows -= rows % 8
-    return min(n, rows)
+    """Positions per tile so that one tile's float32 logits fit ``tile_bytes``."""
+    return rows_within(n, 4 * vocab_size, tile_bytes)
 
 
 def _position_tiles(h_NxD: jax.Array, targets_N: jax.Array, weights_N: jax.Array, tile_n: int

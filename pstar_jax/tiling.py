@@ -25,6 +25,15 @@ def split_tiles(n: int, tile: int) -> tuple[int, int]:
     return n_tiles, -(-n // n_tiles)
 
 
+def rows_within(n: int, row_bytes: int, tile_bytes: int) -> int:
+    """Rows per tile so that a tile of ``row_bytes`` rows fits ``tile_bytes``: at least 1, at most
+    n, a multiple of 8 when it can be (for the matmuls)."""
+    if n <= 0 or row_bytes <= 0 or tile_bytes <= 0:
+        raise ValueError(f"rows_within needs positive n, row_bytes, tile_bytes; got {n}, {row_bytes}, {tile_bytes}")
+    rows = max(1, tile_bytes // row_bytes)
+    return min(n, rows - rows % 8 if rows >= 8 else rows)
+
+
 def to_tiles(x: jax.Array, axis: int, n_tiles: int, tile: int, pad_value: Any = 0) -> jax.Array:
     """x with ``axis`` padded to n_tiles * tile and split: the tiles become a new leading axis."""
     pad = [(0, 0)] * x.ndim

@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pstar_jax.attention import causal_attention, tile_queries  # noqa: E402
 from pstar_jax.loss import linear_cross_entropy_sum, tile_positions  # noqa: E402
-from pstar_jax.tiling import tiled_over_sequence  # noqa: E402
+from pstar_jax.tiling import rows_within, tiled_over_sequence  # noqa: E402
 
 
 def untiled_loss(h_NxD, w_DxV, targets_N, weights_N):
@@ -73,7 +73,7 @@ def main() -> None:
         attn_shapes = ((1, L, H, K), (1, L, N, K), (1, L, N, K), i32(1, L))
         mlp_args = [tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((D, F), (D, F), (F, D))),
                     jax.ShapeDtypeStruct((1, L, D), jnp.float32)]
-        tile_mlp = max(1, min(L, (64 * 2**20) // (4 * 3 * F)))  # gate, up, product: 64 MiB a tile
+        tile_mlp = rows_within(L, 4 * 3 * F, 64 * 2**20)  # gate, up, product: 64 MiB a tile
         row = [temp_bytes(untiled_loss, *loss_shapes, argnums=(0, 1)),
                temp_bytes(lambda h, w, t, wt: linear_cross_entropy_sum(h, w, t, wt), *loss_shapes, argnums=(0, 1)),
                temp_bytes(full_attention, *attn_shapes, argnums=(0, 1, 2)),

@@ -93,6 +93,8 @@ def test_dot_product_attention_mask_equals_tiled():
     segments = packed_segments(30)
     fused = _cudnn_attention(q, k, v, segments, scale=8 ** -0.5, implementation="xla")
     assert_close(fused, causal_attention(q, k, v, segments, tile_q=8, implementation="tiled"), EPS32)
+    causal = _cudnn_attention(q, k, v, None, scale=8 ** -0.5, implementation="xla")  # is_causal alone
+    assert_close(causal, causal_attention(q, k, v, tile_q=8, implementation="tiled"), EPS32)
 
 
 def test_float32_scores_match_dot_product_attention_in_bf16():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.tiling import from_tiles, split_tiles, tiled_over_sequence, to_tiles
+from pstar_jax.tiling import from_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -43,6 +43,7 @@ def test_split_and_round_trip():
     np.testing.assert_array_equal(from_tiles(tiles, 1, 10), x)
     with pytest.raises(ValueError):
         split_tiles(0, 4)
+    assert rows_within(1000, 10, 10 * 100) == 96 and rows_within(1000, 10, 50) == 5 and rows_within(3, 1, 99) == 3
 
 
 @pytest.mark.parametrize("L,tile", [(48, 16), (50, 16), (7, 64)])
