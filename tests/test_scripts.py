@@ -105,3 +105,11 @@ def test_bench_sft_data_prints_the_summary():
     r = script("bench_sft_data.py", "--conversations", "200", "--seq-len", "512")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "200 examples read" in r.stdout and "packing efficiency" in r.stdout and "load average" in r.stdout
+
+
+@pytest.mark.slow  # about 12 s of compilation on 2 cores
+def test_bench_long_seq_ops_prints_one_row_per_length():
+    r = script("bench_long_seq_ops.py", "--lengths", "256,512", "--vocab", "1024", "--d-model", "32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["256"], ["512"])]
+    assert len(rows) == 2 and all(len(row) == 9 for row in rows), r.stdout
