@@ -91,6 +91,11 @@ def row_counts(micro_batches: Sequence[Batch]) -> np.ndarray:
     return np.stack([np.asarray(b.loss_mask, np.float32).sum(axis=1) for b in micro_batches])
 
 
+def trained_count(count: float) -> int:
+    """The count as a whole number (0 for a non-finite one: a step the loss check stops)."""
+    return int(count) if np.isfinite(count) else 0
+
+
 def supports_packing(model: Any) -> bool:
     """Whether the model's attention and positions follow segment ids and positions."""
     return bool(getattr(model, "supports_packing", False))

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch, as_batch, check_batches, row_counts
+from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count
 from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.engine import NonFiniteLoss, StepResult
@@ -207,7 +207,7 @@ class ChunkedEngine:
                 self.store.drop(key)
         # sync: the step's time covers its work, and a bad step is caught before its update
         loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
-        trained = int(replicated_value(count))
+        trained = trained_count(replicated_value(count))
         end = time.perf_counter()
         skip = not (np.isfinite(loss) and np.isfinite(sumsq))
         if skip and not self.skip_nonfinite:  # the slots' grads are dropped: params stay as they were

@@ -32,7 +32,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch, as_batch, check_batches, stack
+from pstar_jax.batch import Batch, as_batch, check_batches, stack, trained_count
 from pstar_jax.config import ConfigError
 from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.optim import TxFactory, clip_scale
@@ -234,7 +234,7 @@ class PlainEngine:
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self._params, self._opt_state)))
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip,
-                          trained_tokens=int(replicated_value(count)))
+                          trained_tokens=trained_count(replicated_value(count)))
 
     def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
         """The mean loss over the trained tokens of all micro-batches (this process's rows of each),
