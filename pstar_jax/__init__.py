@@ -12,6 +12,7 @@ The public surface, in the order a run uses it::
 Everything not re-exported here is internal and may change.
 """
 
+from pstar_jax.batch import Batch
 from pstar_jax.checkpoint import CheckpointError
 from pstar_jax.flax_io import export_flax, import_flax
 from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
@@ -21,6 +22,7 @@ from pstar_jax.data import Batches, DataError, default_corpus, load_tokens
 from pstar_jax.engine import Engine, NonFiniteLoss, StepResult
 from pstar_jax.loop import Run, load_model
 from pstar_jax.metrics import JsonlWriter, MetricsWriter, TensorBoardWriter
+from pstar_jax.rows import PackedBatches
 from pstar_jax.model import NNXStaged, Stage, StagedModel
 from pstar_jax.optim import default_tx
 from pstar_jax.planner import PlanReport, plan_report
@@ -32,7 +34,7 @@ __all__ = [
     "StagedModel", "Stage", "NNXStaged", "load_model",
     "Engine", "StepResult", "NonFiniteLoss", "build_engine", "plan_model", "Planned", "resolve_engine_config",
     "default_tx", "Run", "plan_report", "PlanReport",
-    "load_tokens", "default_corpus", "Batches", "DataError",
+    "load_tokens", "default_corpus", "Batches", "DataError", "Batch", "PackedBatches",
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",
 ]
