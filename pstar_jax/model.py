@@ -231,8 +231,9 @@ class NNXStaged:
         h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
         self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
         self._head_names = tuple(_first_use(outer_logits, self._outer_names, self._outer_zeros, h))
-        self._block_names = tuple(_first_use(lambda v, x, b: block_call(_merge(self._block_graph, tuple(block), v), x, b),
-                                             tuple(block), tuple(block.values()), h, fake))
+        def one_block(v, x, batch):
+            return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
+        self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
         missing = [n for n in block if n not in self._block_names]
         self._block_names += tuple(missing)  # read by nothing: validate_stages names them
         shapes = {n: tuple(outer_flat[n].shape) for n in self._embed_names}

@@ -10,8 +10,8 @@ import pytest
 from pstar_jax.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METRIC_KEYS = {"step", "loss", "step_s", "tokens_per_s", "model_tflops", "h2d_bytes", "d2h_bytes",
-               "device_chunk_peak_bytes"}
+METRIC_KEYS = {"step", "loss", "step_s", "tokens_per_s", "trained_tokens", "trained_tokens_per_s", "model_tflops",
+               "h2d_bytes", "d2h_bytes", "device_chunk_peak_bytes"}
 
 
 def test_default_corpus_run_writes_metrics_and_moves_chunks(tmp_path, capsys):
