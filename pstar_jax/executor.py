@@ -1,7 +1,9 @@
 """The chunked engine: one training step run stage by stage over chunks, as the plan says.
 
 Per micro-batch: forward through the stages, keeping only each stage's input (activation
-checkpointing at stage boundaries); the last stage computes loss and its gradient in one call;
+checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
+every stage); the last stage computes its loss sum, scaled by 1 / the step's global count of
+trained tokens, and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
 are dropped and its grad takes their place (14 bytes per parameter in all).
