@@ -79,8 +79,22 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     return (y * scale.astype(jnp.float32).reshape(feature) + bias.astype(jnp.float32).reshape(feature)).astype(x.dtype)
 
 
-def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
-    return jnp.take(wte_VxD, tokens_BxL, axis=0) + wpe_LxD[None, : tokens_BxL.shape[1]]
+def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array,
+          positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Token plus learned position embeddings; positions default to 0..L-1 (unpacked rows)."""
+    if positions_BxL is None:
+        return jnp.take(wte_VxD, tokens_BxL, axis=0) + wpe_LxD[None, : tokens_BxL.shape[1]]
+    return jnp.take(wte_VxD, tokens_BxL, axis=0) + jnp.take(wpe_LxD, positions_BxL, axis=0)
+
+
+def segment_mask_BxLxL(segment_ids_BxL: jax.Array) -> jax.Array:
+    """Causal attention within each example of a packed row: a query sees the earlier positions
+    of its own segment; padding (segment 0) sees only itself, so no row of scores is empty."""
+    L = segment_ids_BxL.shape[1]
+    q_BxLx1, k_Bx1xL = segment_ids_BxL[:, :, None], segment_ids_BxL[:, None, :]
+    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+    padding_diagonal = (q_BxLx1 == 0) & jnp.eye(L, dtype=bool)[None]
+    return causal_LxL[None] & (q_BxLx1 == k_Bx1xL) & ((q_BxLx1 != 0) | padding_diagonal)
 
 
 def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
@@ -139,11 +153,15 @@ class Attention(nnx.Module):
         self.qkv = _linear(d, 3 * d, rngs)
         self.proj = _linear(d, d, rngs, proj_std)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         qkv = self.qkv(x_BxLxD).reshape(B, L, 3, self.n_head, D // self.n_head)
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        if segment_ids_BxL is None:
+            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        else:  # the same masked softmax as is_causal, with the segments' mask (one row: identical)
+            mask = segment_mask_BxLxL(segment_ids_BxL)[:, None]
+            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=mask)
         return self.proj(out_BxLxHxK.reshape(B, L, D))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -179,8 +197,11 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(config.d_model)
         self.mlp = MLP(config, proj_std, rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD))
+    def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` [B, L] keep attention within each packed example (None: one per row);
+        ``positions`` are read by the embedding, not here."""
+        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD), segment_ids)
         return x_BxLxD + self.mlp(self.ln2(x_BxLxD))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -191,7 +212,9 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
     """``n_blocks`` builds fewer blocks than ``config.n_layer`` (the staged adapter builds one, or
-    none, to read shapes and initialise tensors); init scales always follow ``config.n_layer``."""
+    none, to read shapes and initialise tensors); init scales always follow ``config.n_layer``.
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch)."""
+    supports_packing = True
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
         self.config = config
@@ -204,18 +227,19 @@ class GPT(nnx.Module):
         if not config.tie_embeddings:
             self.head = _linear(d, config.vocab_size, rngs, bias=False)
 
-    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
-        return embed(self.wte.embedding[...], self.wpe[...], tokens_BxL)
+    def embed(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        return embed(self.wte.embedding[...], self.wpe[...], tokens_BxL, positions)
 
     def logits(self, h_BxLxD: jax.Array) -> jax.Array:
         tied = self.config.tie_embeddings
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
         return logits(self.ln_f(h_BxLxD), head, tied)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        h_BxLxD = self.embed(tokens_BxL)
+    def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        h_BxLxD = self.embed(tokens_BxL, positions)
         for block in self.blocks:
-            h_BxLxD = block(h_BxLxD)
+            h_BxLxD = block(h_BxLxD, segment_ids)
         return self.logits(h_BxLxD)
 
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_models.gpt import KVCache, _linear, decode_blocks, logits, visible_TxS, write_cache
+from pstar_models.gpt import KVCache, _linear, decode_blocks, logits, segment_mask_BxLxL, visible_TxS, write_cache
 from pstar_jax.model import NNXStaged, cross_entropy
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
@@ -189,6 +189,14 @@ def rope_tables(config: LlamaConfig, length: int) -> tuple[jax.Array, jax.Array]
     return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
 
 
+def rope_tables_of(config: LlamaConfig, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos_BxLxK and sin_BxLxK at each row's own positions (packed rows restart at each example);
+    for positions 0..L-1 the same float32 values as ``rope_tables``."""
+    angles_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))[None, None]
+    angles_BxLxK = jnp.concatenate([angles_BxLxK2, angles_BxLxK2], axis=-1)
+    return jnp.cos(angles_BxLxK), jnp.sin(angles_BxLxK)
+
+
 def rope_tables_at(config: LlamaConfig, pos: jax.Array | int, length: int) -> tuple[jax.Array, jax.Array]:
     """``rope_tables`` for positions pos..pos+length-1 (the same float32 angles)."""
     positions = (pos + jnp.arange(length)).astype(jnp.float32)
@@ -198,21 +206,28 @@ def rope_tables_at(config: LlamaConfig, pos: jax.Array | int, length: int) -> tu
 
 
 def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
-    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does."""
+    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does.
+    The tables are [L, K] (every row at the same positions) or [B, L, K] (``rope_tables_of``)."""
     half = x_BxLxHxK.shape[-1] // 2
     rotated = jnp.concatenate([-x_BxLxHxK[..., half:], x_BxLxHxK[..., :half]], axis=-1)
-    cos, sin = (t[None, :, None, :].astype(x_BxLxHxK.dtype) for t in (cos_LxK, sin_LxK))
+    lead = (slice(None),) if cos_LxK.ndim == 3 else (None,)
+    cos, sin = (t[(*lead, slice(None), None, slice(None))].astype(x_BxLxHxK.dtype) for t in (cos_LxK, sin_LxK))
     return x_BxLxHxK * cos + rotated * sin
 
 
-def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array) -> jax.Array:
-    """Grouped-query causal attention: head h reads kv head h // G; scores softmaxed in float32."""
+def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
+                     segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+    """Grouped-query causal attention: head h reads kv head h // G; scores softmaxed in float32.
+    With ``segment_ids`` a query sees only earlier positions of its own packed example."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
     q_BxLxNxGxK = q_BxLxHxK.reshape(B, L, N, H // N, K)
     scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK) * (K ** -0.5)
-    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-    scores32 = jnp.where(causal_LxL[None, None, None], scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
+    if segment_ids_BxL is None:
+        visible = jnp.tril(jnp.ones((L, L), bool))[None, None, None]
+    else:
+        visible = segment_mask_BxLxL(segment_ids_BxL)[:, None, None]
+    scores32 = jnp.where(visible, scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxLxHxK.dtype)
     return jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK).reshape(B, L, H, K)
 
@@ -250,14 +265,15 @@ class Attention(nnx.Module):
         self.v = _linear(D, N * K, rngs, bias=config.qkv_bias)
         self.o = _linear(H * K, D, rngs, o_std, bias=False)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
         c = self.config
         B, L, _ = x_BxLxD.shape
-        cos_LxK, sin_LxK = rope_tables(c, L)
-        q = apply_rope(self.q(x_BxLxD).reshape(B, L, c.n_head, c.d_head), cos_LxK, sin_LxK)
-        k = apply_rope(self.k(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head), cos_LxK, sin_LxK)
+        cos, sin = rope_tables(c, L) if positions_BxL is None else rope_tables_of(c, positions_BxL)
+        q = apply_rope(self.q(x_BxLxD).reshape(B, L, c.n_head, c.d_head), cos, sin)
+        k = apply_rope(self.k(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
         v = self.v(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head)
-        return self.o(causal_attention(q, k, v).reshape(B, L, c.n_head * c.d_head))
+        return self.o(causal_attention(q, k, v, segment_ids_BxL).reshape(B, L, c.n_head * c.d_head))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
@@ -296,8 +312,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config, _residual_std(config), rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
+    def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1)."""
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids, positions)
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -311,7 +329,9 @@ class Llama(nnx.Module):
 
     The final norm + projection is the method ``unembed``, not ``head``: ``head`` is the untied
     projection's module, whose ``head.kernel`` name the checkpoint I/O relies on. ``n_blocks``
-    builds fewer blocks (0 or 1 for an adapter's shell); init scales still follow config.n_layer."""
+    builds fewer blocks (0 or 1 for an adapter's shell); init scales still follow config.n_layer.
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch)."""
+    supports_packing = True
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
         self.config = config
@@ -328,10 +348,15 @@ class Llama(nnx.Module):
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
         return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The first stage: token embeddings (positions enter through RoPE in the blocks)."""
+        return self.embed(tokens_BxL)
+
+    def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         h_BxLxD = self.embed(tokens_BxL)
         for block in self.blocks:
-            h_BxLxD = block(h_BxLxD)
+            h_BxLxD = block(h_BxLxD, segment_ids, positions)
         return self.unembed(h_BxLxD)
 
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
@@ -368,7 +393,8 @@ class StagedLlama(NNXStaged):
     def __init__(self, config: LlamaConfig):
         self.config = config
         super().__init__(lambda rngs, n_blocks: Llama(config, rngs=rngs, n_blocks=n_blocks), config.n_layer,
-                         seq_len=config.seq_len, vocab_size=config.vocab_size, logits="unembed")
+                         seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens",
+                         logits="unembed")
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)

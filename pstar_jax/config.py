@@ -288,10 +288,12 @@ class EngineConfig:
 
 @section
 class DataConfig:
-    path: str | None = option(None, "token file from pstar-tokens; default: the Python standard library's "
-                              "sources as bytes", flag="--data", metavar="FILE")
-    eval_path: str | None = option(None, "token file for the held-out loss of --eval-every (default: the last "
-                                   "1%% of the training tokens, held out)", flag="--eval-data", metavar="FILE")
+    path: str | None = option(None, "token file from pstar-tokens, or a packed SFT file (NAME.sft.u16.bin, "
+                              "pstar-tokens --chat); default: the Python standard library's sources as bytes",
+                              flag="--data", metavar="FILE")
+    eval_path: str | None = option(None, "token file or packed SFT file for the held-out loss of --eval-every "
+                                   "(default: the last 1%% of the training tokens or rows, held out)",
+                                   flag="--eval-data", metavar="FILE")
 
 
 @section

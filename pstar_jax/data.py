@@ -12,7 +12,13 @@ memory costs only the pages a batch touches.
 is a target once per epoch) and reads them in an order shuffled afresh each epoch. The stream is
 a pure function of (seed, batch index), so ``position`` alone is enough to resume exactly.
 ``held_out_split`` keeps the last 1% of the tokens out of training for a held-out loss, and
-``eval_batches`` cuts a fixed evaluation set from held-out tokens.
+``eval_batches`` cuts a fixed evaluation set from held-out tokens. Both yield ``Batch``es
+(pstar_jax.batch) of plain data.
+
+Packed SFT rows (``Rows``: tokens, segments, labels, each [rows, seq_len + 1], read from an SFT
+file by pstar_jax.packing) have their own ``PackedBatches``, held-out split (the last 1% of the
+rows) and evaluation set in pstar_jax.rows; ``open_training_data`` reads either kind of file, and
+``training_batches``, ``held_out`` and ``evaluation_set`` take either kind of data.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, BinaryIO, Iterator
 import numpy as np
 import numpy.typing as npt
 
+from pstar_jax.batch import Batch, plain
 from pstar_jax.config import ConfigError
 from pstar_jax.paths import create_temp_beside
 
@@ -322,7 +329,7 @@ def default_corpus_documents() -> Iterator[bytes]:
 
 
 class Batches:
-    """Endless iterator of int32 (inputs_BxL, targets_BxL); targets are inputs shifted by one.
+    """Endless iterator of plain ``Batch``es; targets are inputs shifted by one.
 
     ``position`` counts the global batches already consumed: ``Batches(..., position=k)`` yields
     what the k-th batch onward of a fresh iterator would. With ``process_count`` > 1 each
@@ -364,18 +371,25 @@ class Batches:
     def __iter__(self) -> Batches:
         return self
 
-    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+    def __next__(self) -> Batch:
         # Global rows form one endless stream of windows, epoch after epoch; a batch may span
         # an epoch boundary (or several, when the data holds fewer windows than a batch).
         first = self.position * self.batch_size + self.process_index * self._local_rows
-        epochs, slots = np.divmod(first + np.arange(self._local_rows), self.windows_per_epoch)
-        starts = np.empty(self._local_rows, dtype=np.int64)
-        for epoch in np.unique(epochs):
-            rows = epochs == epoch
-            starts[rows] = self._perm(int(epoch))[slots[rows]] * self.seq_len
+        starts = shuffled_rows(first, self._local_rows, self.windows_per_epoch, self._perm) * self.seq_len
         windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], np.int32)
         self.position += 1
-        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+        return plain(windows[:, :-1], windows[:, 1:])
+
+
+def shuffled_rows(first: int, count: int, per_epoch: int, perm: Any) -> np.ndarray:
+    """Rows ``first .. first + count - 1`` of the endless stream of epochs, each epoch the order
+    ``perm(epoch)`` of its ``per_epoch`` rows: which row of the data each one is."""
+    epochs, slots = np.divmod(first + np.arange(count), per_epoch)
+    out = np.empty(count, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        rows = epochs == epoch
+        out[rows] = perm(int(epoch))[slots[rows]]
+    return out
 
 
 HELD_OUT_FRACTION = 0.01  # of the training tokens, held out for the loss of --eval-every without --eval-data
@@ -393,7 +407,7 @@ def held_out_split(tokens: np.ndarray, fraction: float = HELD_OUT_FRACTION) -> t
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, micro_batches: int, *,
                  process_index: int = 0, process_count: int = 1, what: str = "the evaluation data"
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+                 ) -> list[Batch]:
     """The fixed held-out set: ``micro_batches`` micro-batches of ``batch_size`` windows, taken in
     order from the start of ``tokens`` at stride ``seq_len`` (over again when the tokens hold
     fewer windows), this process's rows of each. The same set every time, so losses compare
@@ -411,5 +425,56 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, micro_batche
         first = m * batch_size + process_index * rows
         starts = (first + np.arange(rows)) % windows * seq_len
         block = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], np.int32)
-        out.append((np.ascontiguousarray(block[:, :-1]), np.ascontiguousarray(block[:, 1:])))
+        out.append(plain(block[:, :-1], block[:, 1:]))
     return out
+
+
+# -- either kind of data: token windows (np.ndarray) or packed SFT rows (pstar_jax.rows) --------
+
+SFT_SUFFIXES = (".sft.u16.bin", ".sft.u32.bin")
+
+
+def open_training_data(path: str | os.PathLike | None, vocab_size: int) -> Any:
+    """The data a path names, checked against the vocabulary: a packed SFT file's rows (an object
+    with ``tokens``, ``segments``, ``labels`` [rows, seq_len + 1]), a token file's tokens, or
+    without a path the built-in corpus."""
+    if path is not None and Path(path).name.endswith(SFT_SUFFIXES):
+        from pstar_jax.packing import load_packed
+        rows = load_packed(path)
+        check_vocab(np.asarray(rows.tokens).reshape(-1), vocab_size)
+        return rows
+    tokens = load_tokens(path) if path else default_corpus()
+    check_vocab(tokens, vocab_size)
+    return tokens
+
+
+def is_packed(data: Any) -> bool:
+    """Whether the data is packed SFT rows (else a 1-D array of tokens)."""
+    from pstar_jax.rows import is_rows
+    return not isinstance(data, np.ndarray) and is_rows(data)
+
+
+def training_batches(data: Any, batch_size: int, seq_len: int, seed: int, **kwargs: int) -> Any:
+    """``Batches`` over tokens or ``PackedBatches`` over rows (kwargs: process_index,
+    process_count, position)."""
+    if is_packed(data):
+        from pstar_jax.rows import PackedBatches
+        return PackedBatches(data, batch_size, seed, seq_len=seq_len, **kwargs)
+    return Batches(data, batch_size, seq_len, seed, **kwargs)
+
+
+def held_out(data: Any) -> tuple[Any, Any]:
+    """(training data, held-out data): the last 1% of the tokens, or of the rows."""
+    if is_packed(data):
+        from pstar_jax.rows import held_out_rows
+        return held_out_rows(data)
+    return held_out_split(data)
+
+
+def evaluation_set(data: Any, batch_size: int, seq_len: int, micro_batches: int, **kwargs: Any) -> list[Batch]:
+    """``eval_batches`` over tokens or ``packed_eval_batches`` over rows (kwargs: process_index,
+    process_count, what)."""
+    if is_packed(data):
+        from pstar_jax.rows import packed_eval_batches
+        return packed_eval_batches(data, batch_size, micro_batches, seq_len=seq_len, **kwargs)
+    return eval_batches(data, batch_size, seq_len, micro_batches, **kwargs)

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-Batch = tuple[np.ndarray, np.ndarray]  # (tokens_BxL, targets_BxL): this process's rows
+from pstar_jax.batch import Batch  # this process's rows of a micro-batch; a (tokens, targets) pair is plain data
 
 
 @dataclasses.dataclass
@@ -27,6 +27,7 @@ class StepResult:
     predicted_d2h_bytes: int = 0
     skipped: bool = False  # a non-finite loss or gradient: no update was applied
     clip_scale: float = 1.0  # the factor global-norm clipping multiplied the grads by (1: not clipped)
+    trained_tokens: int = 0  # targets in the loss (the loss mask summed over the global batch)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -45,7 +46,7 @@ class Engine(Protocol):
         """One optimizer step over this process's rows of each micro-batch."""
 
     def evaluate(self, micro_batches: Sequence[Batch]) -> float:
-        """The mean loss over this process's rows of each micro-batch: forward only, no gradients,
+        """The mean loss over the trained tokens of every micro-batch: forward only, no gradients,
         no optimizer work, the current params; the state is unchanged."""
 
     def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Any:

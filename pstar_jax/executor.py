@@ -1,7 +1,9 @@
 """The chunked engine: one training step run stage by stage over chunks, as the plan says.
 
 Per micro-batch: forward through the stages, keeping only each stage's input (activation
-checkpointing at stage boundaries); the last stage computes loss and its gradient in one call;
+checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
+every stage); the last stage computes its loss sum, scaled by 1 / the step's global count of
+trained tokens, and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
 are dropped and its grad takes their place (14 bytes per parameter in all).
@@ -40,6 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
+from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count
 from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.engine import NonFiniteLoss, StepResult
@@ -162,14 +165,17 @@ class ChunkedEngine:
         self.store.traffic.reset()
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
-        """One optimizer step over (tokens, targets) micro-batches: this process's rows of each.
+    def step(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        """One optimizer step over micro-batches (``Batch``es, or (tokens, targets) pairs of plain
+        data): this process's rows of each. The loss is the mean over the step's trained tokens.
 
         Runs the previous step's update and this step's forward and backward; this step's update
-        is left pending (``flush`` applies it)."""
+        is left pending (``flush`` applies it). Raises DataError for ids outside the vocabulary."""
         if len(micro_batches) != self.cfg.micro_batches:
             raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
-        rows, seq_len = np.shape(micro_batches[0][0])  # this process's rows of the global micro-batch
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
+        rows, seq_len = micro_batches[0].shape  # this process's rows of the global micro-batch
         planned = self.plan_for((rows * jax.process_count(), seq_len))
         plan, accesses = planned.plan, planned.accesses
         start = time.perf_counter()
@@ -178,8 +184,8 @@ class ChunkedEngine:
         if plan is not self.plan:  # another batch shape: move to the new plan's starting state
             self._place_slots(plan)
             self.plan = plan
-        run = _StepState(scale=self.placement.put(np.float32(1.0 / (self.n_devices * len(micro_batches))),
-                                                  Space.DEVICE))
+        count, scale = self.fns.count(self._put_counts(micro_batches))
+        run = _StepState(scale=scale)
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
@@ -204,6 +210,7 @@ class ChunkedEngine:
                 self.store.drop(key)
         # sync: the step's time covers its work, and a bad step is caught before its update
         loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
+        trained = trained_count(replicated_value(count))
         end = time.perf_counter()
         skip = not (np.isfinite(loss) and np.isfinite(sumsq))
         if skip and not self.skip_nonfinite:  # the slots' grads are dropped: params stay as they were
@@ -216,7 +223,8 @@ class ChunkedEngine:
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=end - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
-                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip)
+                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
+                          trained_tokens=trained)
 
     # -- held-out loss ------------------------------------------------------------------------
     def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
@@ -236,17 +244,20 @@ class ChunkedEngine:
             self._eval_plans[key] = cached = (self.plan, plan)
         return cached[1]
 
-    def evaluate(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
-        """The mean loss over (tokens, targets) micro-batches (this process's rows of each): forward
-        only, no gradients, no optimizer work, the current params (a pending update is applied
-        first). Chunks move as the forward-only plan says, and afterwards sit where the training
-        plan starts a step; the store's traffic counts the evaluation's copies alone."""
+    def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over the trained tokens of all micro-batches (this process's rows of each):
+        forward only, no gradients, no optimizer work, the current params (a pending update is
+        applied first). Chunks move as the forward-only plan says, and afterwards sit where the
+        training plan starts a step; the store's traffic counts the evaluation's copies alone."""
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
         self.flush()
-        rows, seq_len = np.shape(micro_batches[0][0])
+        rows, seq_len = micro_batches[0].shape
         plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
-        moments, losses, x, targets = plan.moments, [], None, None
+        _, scale = self.fns.count(self._put_counts(micro_batches))
+        moments, losses, x, batch = plan.moments, [], None, None
         for t, moment in enumerate(moments):
             if not moment.prefetch:
                 self._act(_in_slots(moment), moment.capacity_bytes)
@@ -254,15 +265,16 @@ class ChunkedEngine:
             if moment.phase in ("fwd", "loss"):
                 params = tuple(self.store.get(("slot", c), Space.DEVICE) for c in self.bound[i].chunks)
                 if i == 0:
-                    x, targets = (self._put_batch(b) for b in micro_batches[moment.micro])
+                    batch = self._put_batch(micro_batches[moment.micro])
+                    x = batch.tokens
                 if moment.phase == "fwd":
-                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x)
+                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
                 else:
-                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, targets))
+                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(_in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
-        return replicated_value(sum(losses)) / len(losses)  # sync
+        return replicated_value(sum(losses) * scale)  # sync
 
     def flush(self) -> None:
         """Apply the pending update now; afterwards the slots hold the current params, placed where
@@ -323,20 +335,20 @@ class ChunkedEngine:
         i = a.index
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
         if a.phase == "fwd":
-            if i == 0:
-                tokens, run.targets = (self._put_batch(x) for x in micro_batches[a.micro])
-                run.x = tokens
+            if i == 0:  # the micro-batch's side inputs stay live until its first stage's backward
+                run.batch = self._put_batch(micro_batches[a.micro])
+                run.x = run.batch.tokens
             run.stash.append(run.x)
-            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], run.x)
+            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], run.x, run.batch)
             return
         grads = self._grads(i)
         if a.phase == "head":
             loss, run.g, grads = self.fns.head(self.bound[i])(
-                params, self._offsets[i], run.x, run.targets, grads, run.scale)
+                params, self._offsets[i], run.x, run.batch, grads, run.scale)
             run.losses.append(loss)
         else:
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets[i], run.stash.pop(), run.g, grads)
+                params, self._offsets[i], run.stash.pop(), run.batch, run.g, grads)
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].chunks, grads):
             self.store.put(("slot", c), grad)
@@ -348,10 +360,15 @@ class ChunkedEngine:
         in_use = self.device_memory_in_use() or 0
         self.measured_non_model.append(in_use - self.store.bytes[Space.DEVICE])
 
-    def _put_batch(self, rows: np.ndarray) -> jax.Array:
-        """This process's rows of the global batch, sharded over the data axis."""
-        return jax.make_array_from_process_local_data(self.placement.sharding(Space.DEVICE),
-                                                      np.asarray(rows, np.int32))
+    def _put_batch(self, batch: Batch) -> Batch:
+        """This process's rows of the global micro-batch, every field sharded over the data axis."""
+        sharding = self.placement.sharding(Space.DEVICE)
+        return Batch(*(jax.make_array_from_process_local_data(sharding, np.asarray(field)) for field in batch))
+
+    def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
+        """[M, B] trained targets per row, rows sharded: the device sums them to the global count."""
+        sharding = self.placement.sharding(Space.DEVICE, P(None, "data"))
+        return jax.make_array_from_process_local_data(sharding, row_counts(micro_batches))
 
     def _grads(self, i: int) -> tuple[jax.Array, ...]:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
@@ -506,7 +523,7 @@ class _StepState:
     scale: jax.Array
     x: Any = None
     g: Any = None
-    targets: Any = None
+    batch: Any = None
     stash: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     sumsq: list = dataclasses.field(default_factory=list)

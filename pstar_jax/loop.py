@@ -9,6 +9,8 @@ any model data is allocated when it does not fit. ``Run.fit()`` then yields one 
 SIGINT/SIGTERM arrives, and stops on a non-finite step unless told to skip such steps. With
 ``train.eval_every`` it reports a held-out loss (forward only) every so many steps and at the
 end, on ``data.eval_path`` or else on the last 1% of the training tokens, which are not trained on.
+Data is a token file or a packed SFT file (``NAME.sft.u16.bin``: rows of whole examples, the loss
+over their trained tokens only); either may be the training or the evaluation data.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class Run:
     """One training run. ``model`` and ``tokens`` replace what the config names; ``writers``
     receive every step's metrics beside those the config asks for; ``make_tx`` replaces AdamW by
     another elementwise optax transformation factory (see pstar_jax.optim); ``eval_tokens``
-    replaces ``data.eval_path`` (the held-out tokens of ``train.eval_every``)."""
+    replaces ``data.eval_path`` (the held-out tokens of ``train.eval_every``). ``tokens`` and
+    ``eval_tokens`` may also be packed SFT rows (pstar_jax.rows.Rows or packing.PackedRows)."""
 
     def __init__(self, config: RunConfig, model: StagedModel | None = None, tokens: np.ndarray | None = None,
                  writers: Sequence[MetricsWriter] = (), make_tx: Any = None, verbose: bool = True,
@@ -135,12 +138,15 @@ class Run:
         self.verbose = verbose and self.main_process
 
         self.model = model if model is not None else load_model(cfg)
-        self.tokens = tokens if tokens is not None else _load_tokens(cfg, self.model.vocab_size)
+        from pstar_jax.data import is_packed, open_training_data
+        self.tokens = tokens if tokens is not None else open_training_data(cfg.data.path, self.model.vocab_size)
+        _check_packing(self.model, self.tokens, "DataConfig.path")
         self.eval_tokens = None  # the held-out tokens (train.eval_every)
         if eval_tokens is not None and not cfg.train.eval_every:
             raise ConfigError("eval_tokens given but TrainConfig.eval_every is 0; set how often to evaluate")
         if cfg.train.eval_every:
             self.tokens, self.eval_tokens = _eval_split(cfg, self.tokens, eval_tokens, self.model.vocab_size)
+            _check_packing(self.model, self.eval_tokens, "DataConfig.eval_path")
         self.mesh = zero.data_mesh(d.data_parallel)
         from pstar_jax.planning import build_engine, micro_batch_shape
         shape = micro_batch_shape(cfg.train.batch_size, cfg.engine.micro_batches, self.model.seq_len, self.mesh)
@@ -167,13 +173,13 @@ class Run:
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
-                from pstar_jax.data import eval_batches
+                from pstar_jax.data import evaluation_set
                 what = ("DataConfig.eval_path" if cfg.data.eval_path or eval_tokens is not None else
                         "the held-out last 1% of the training tokens (TrainConfig.eval_every without "
                         "DataConfig.eval_path)")
-                self.eval_set = eval_batches(self.eval_tokens, shape[0], self.model.seq_len, cfg.train.eval_batches,
-                                             process_index=jax.process_index(), process_count=jax.process_count(),
-                                             what=what)
+                self.eval_set = evaluation_set(self.eval_tokens, shape[0], self.model.seq_len, cfg.train.eval_batches,
+                                               process_index=jax.process_index(), process_count=jax.process_count(),
+                                               what=what)
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.checkpoint import restore_engine
@@ -182,10 +188,11 @@ class Run:
         except BaseException:
             self.close()
             raise
-        from pstar_jax.data import Batches
-        self.batches = Batches(self.tokens, shape[0], self.model.seq_len, cfg.train.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count(),
-                               position=position)  # yields this process's rows
+        from pstar_jax.data import training_batches
+        self.packed = is_packed(self.tokens)
+        self.batches = training_batches(self.tokens, shape[0], self.model.seq_len, cfg.train.seed,
+                                        process_index=jax.process_index(), process_count=jax.process_count(),
+                                        position=position)  # yields this process's rows
 
     def _open_checkpoints(self):
         from pstar_jax.checkpoint import open_run_checkpoints
@@ -321,26 +328,30 @@ class Run:
         self.close()
 
 
-def _load_tokens(config: RunConfig, vocab_size: int) -> np.ndarray:
-    from pstar_jax.data import check_vocab, default_corpus, load_tokens
-    tokens = load_tokens(config.data.path) if config.data.path else default_corpus()
-    check_vocab(tokens, vocab_size)
-    return tokens
+def _check_packing(model: StagedModel, data: Any, what: str) -> None:
+    """Packed SFT rows need a model whose attention stays within each example of a row."""
+    from pstar_jax.batch import model_name, supports_packing
+    from pstar_jax.data import DataError, is_packed
+    if is_packed(data) and not supports_packing(model):
+        raise DataError(f"{what} is packed SFT data, but model {model_name(model)} does not follow segment ids "
+                        "(it has no supports_packing), so it would mix the examples of a row; use a model that "
+                        "supports packing (the gpt and llama families do) or plain token data")
 
 
-def _eval_split(config: RunConfig, tokens: np.ndarray, eval_tokens: np.ndarray | None,
-                vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens): ``eval_tokens`` or DataConfig.eval_path's file, else
-    the last 1% of ``tokens``, which training then never reads."""
-    from pstar_jax.data import DataError, check_vocab, held_out_split, load_tokens
-    if eval_tokens is None and not config.data.eval_path:
-        return held_out_split(tokens)
+def _eval_split(config: RunConfig, data: Any, eval_data: Any, vocab_size: int) -> tuple[Any, Any]:
+    """(training data, held-out data): ``eval_data`` or DataConfig.eval_path's file (tokens or
+    packed SFT rows), else the last 1% of the training tokens or rows, which training then never reads."""
+    from pstar_jax.data import DataError, check_vocab, held_out, is_packed, open_training_data
+    if eval_data is None and not config.data.eval_path:
+        return held_out(data)
     try:
-        held = eval_tokens if eval_tokens is not None else load_tokens(config.data.eval_path)
-        check_vocab(held, vocab_size)
+        if eval_data is None:
+            eval_data = open_training_data(config.data.eval_path, vocab_size)
+        elif not is_packed(eval_data):
+            check_vocab(eval_data, vocab_size)
     except DataError as err:
         raise DataError(f"DataConfig.eval_path: {err}") from None
-    return tokens, held
+    return data, eval_data
 
 
 class Profile:

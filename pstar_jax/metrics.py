@@ -30,9 +30,13 @@ class MetricsWriter(Protocol):
 
 def step_record(step: int, result: StepResult, tokens: int, flops_per_token: float,
                 lr: float | None = None) -> dict:
-    """The metrics of one step (``step`` counts from 0): the StepResult's fields plus throughput."""
+    """The metrics of one step (``step`` counts from 0): the StepResult's fields plus throughput:
+    ``tokens_per_s`` of every position, ``trained_tokens_per_s`` of those in the loss (fewer on
+    SFT data, where prompts and padding are not trained)."""
     return {"step": step, "loss": result.loss, **({"lr": lr} if lr is not None else {}),
-            "grad_norm": result.grad_norm, "clip_scale": result.clip_scale, "step_s": result.step_s, "tokens_per_s": tokens / result.step_s,
+            "grad_norm": result.grad_norm, "clip_scale": result.clip_scale, "step_s": result.step_s,
+            "tokens_per_s": tokens / result.step_s,
+            "trained_tokens": result.trained_tokens, "trained_tokens_per_s": result.trained_tokens / result.step_s,
             "model_tflops": flops_per_token * tokens / result.step_s / 1e12,
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "device_chunk_peak_bytes": result.device_chunk_peak_bytes,

@@ -5,17 +5,22 @@ pstar_jax never imports a model. A model hands over (``StagedModel``):
     chunk layout, so a stage's tensors land in consecutive chunks);
   * ``init_tensor(name, seed)``: one fp32 tensor, made alone (so a huge model is initialised a
     chunk at a time);
-  * ``stages(compute_dtype)``: the chain. The first stage maps int32 tokens_BxL to h_BxLxD,
-    middle stages map h to h, the last maps (h, targets_BxL) to the scalar mean loss;
+  * ``stages(compute_dtype)``: the chain. Every stage is ``apply(params, x, batch)``, ``batch``
+    the micro-batch's ``Batch`` (pstar_jax.batch: tokens, targets, loss_mask, segment_ids,
+    positions, all [B, L]). The first stage gets x = batch.tokens and returns h_BxLxD, middle
+    stages map h to h, the last maps h to the scalar SUM of its masked token losses (the engine
+    divides once by the step's global count of trained tokens);
   * ``seq_len`` and ``vocab_size``.
 Optional, with defaults here: ``decays(name)`` (whether weight decay applies; default: tensors
-of two or more dimensions) and ``flops_per_token()`` (forward+backward model FLOPs per token;
-default 6 per matmul parameter).
+of two or more dimensions), ``flops_per_token()`` (forward+backward model FLOPs per token;
+default 6 per matmul parameter) and ``supports_packing`` (True when attention and positions
+follow ``batch.segment_ids`` and ``batch.positions``; a model without it is refused packed rows,
+whose examples it would mix).
 
-A stage's ``apply(params, x[, targets])`` receives its tensors as a tuple in ``param_names``
-order, already in the compute dtype. Stages that share one ``apply`` object (the identical
-transformer blocks) share one compiled function, so ``apply`` must depend only on shapes.
-A tensor may be read by more than one stage (tied embeddings); its gradients add up.
+A stage's ``apply`` receives its tensors as a tuple in ``param_names`` order, already in the
+compute dtype. Stages that share one ``apply`` object (the identical transformer blocks) share
+one compiled function, so ``apply`` must depend only on shapes. A tensor may be read by more
+than one stage (tied embeddings); its gradients add up.
 
 ``NNXStaged`` turns a Flax NNX decoder (an embedding, a list of identical blocks, a head) into
 this protocol, so a model module only defines the network.
@@ -30,6 +35,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pstar_jax.batch import Batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +101,25 @@ def validate_stages(stages: Sequence[Stage], param_shapes: Mapping[str, tuple[in
 
 
 def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Callable] | None = None
-                 ) -> Callable[[Mapping[str, jax.Array], jax.Array, jax.Array], jax.Array]:
-    """The whole model as one function of a name->tensor mapping.
+                 ) -> Callable[..., jax.Array]:
+    """The whole model as one function ``loss_fn(params, batch)`` of a name->tensor mapping: the
+    mean loss over the batch's trained tokens. ``loss_fn(params, tokens, targets)`` is plain data.
 
     ``remat_block`` wraps every middle stage's apply (jax.checkpoint with a policy)."""
-    def loss_fn(params: Mapping[str, jax.Array], tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    def loss_fn(params: Mapping[str, jax.Array], batch: Any, targets: Any = None) -> jax.Array:
+        if targets is not None:  # plain data, made with jnp so that it traces under jit
+            B, L = jnp.shape(batch)
+            batch = Batch(jnp.asarray(batch, jnp.int32), jnp.asarray(targets, jnp.int32), jnp.ones((B, L)),
+                          jnp.ones((B, L), jnp.int32), jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+
         def take(stage: Stage) -> tuple[jax.Array, ...]:
             return tuple(params[n] for n in stage.param_names)
-        h = stages[0].apply(take(stages[0]), tokens)
+        h = stages[0].apply(take(stages[0]), batch.tokens, batch)
         for stage in stages[1:-1]:
             apply = remat_block(stage.apply) if remat_block else stage.apply
-            h = apply(take(stage), h)
-        return stages[-1].apply(take(stages[-1]), h, targets)
+            h = apply(take(stage), h, batch)
+        count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
+        return stages[-1].apply(take(stages[-1]), h, batch) / count
     return loss_fn
 
 
@@ -113,10 +127,20 @@ def cast_params(params: Mapping[str, jax.Array], dtype: Any) -> dict[str, jax.Ar
     return {n: p.astype(dtype) for n, p in params.items()}
 
 
+def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Cross entropy of every token, [B, L], in float32 whatever the logits' dtype."""
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
     """Mean token cross entropy, in float32 whatever the logits' dtype."""
-    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
+    return token_cross_entropy(logits_BxLxV, targets_BxL).mean()
+
+
+def masked_loss_sum(token_losses_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
+    """The sum of the trained tokens' losses (what the last stage returns)."""
+    return jnp.sum(token_losses_BxL * loss_mask_BxL.astype(token_losses_BxL.dtype))
 
 
 # -- Flax NNX decoders as staged models ----------------------------------------------------------
@@ -158,13 +182,18 @@ class NNXStaged:
     ``make(rngs, n_blocks)`` builds the module with ``n_blocks`` blocks (its init scales still
     follow the real depth ``n_layer``). The module provides a method ``embed(tokens_BxL) ->
     h_BxLxD``, a list attribute ``blocks`` of identical blocks (``block(h) -> h``) and a method
-    ``logits(h_BxLxD) -> logits_BxLxV`` (other method names: ``embed=``, ``logits=``). Tensor names are the module's state paths joined with '.'
+    ``logits(h_BxLxD) -> logits_BxLxV`` (other method names: ``embed=``, ``logits=``). A module
+    whose class sets ``supports_packing = True`` is called ``embed(tokens, positions=...)`` and
+    ``block(h, segment_ids=..., positions=...)`` with the batch's [B, L] arrays (attention then
+    stays within each example of a packed row); others are refused packed rows. ``loss(logits,
+    targets)`` gives each token's loss ([B, L]); the head returns their sum over the loss mask.
+    Tensor names are the module's state paths joined with '.'
     ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
     initialised alone by the module's own initialisers (a jit that builds the module and keeps
     one tensor; XLA drops the rest), from a key folded from the seed and the tensor's index."""
 
     def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
-                 vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
+                 vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
                  decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
                  embed: str = "embed", logits: str = "logits"):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
@@ -172,21 +201,39 @@ class NNXStaged:
         self._embed, self._logits = embed, logits
         one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
         outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
+        self.name = type(outer).__name__
+        self.supports_packing = packing = bool(getattr(outer, "supports_packing", False))
         self._block_graph, block_state = nnx.split(one.blocks[0], nnx.Param)
         self._outer_graph, outer_state = nnx.split(outer, nnx.Param)
         block = _flat(block_state)
         outer_flat = _flat(outer_state)
         self._outer_names = tuple(outer_flat)
         self._outer_zeros = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in outer_flat.values())
-        tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)  # only for tracing which tensors are read
+        # Only for tracing which tensors are read: a batch of one row of two positions.
+        fake = Batch(*(jax.ShapeDtypeStruct((1, 2), jnp.float32 if f == "loss_mask" else jnp.int32)
+                       for f in Batch._fields))
 
-        def outer_call(method: str) -> Callable:
-            return lambda v, x: getattr(_merge(self._outer_graph, self._outer_names, v), method)(x)
-        h = jax.eval_shape(outer_call(embed), self._outer_zeros, tokens)
-        self._embed_names = tuple(_first_use(outer_call(embed), self._outer_names, self._outer_zeros, tokens))
-        self._head_names = tuple(_first_use(outer_call(logits), self._outer_names, self._outer_zeros, h))
-        self._block_names = tuple(_first_use(lambda v, x: _merge(self._block_graph, tuple(block), v)(x),
-                                             tuple(block), tuple(block.values()), h))
+        def embed_call(module: nnx.Module, tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
+            method = getattr(module, embed)
+            return method(tokens_BxL, positions=batch.positions) if packing else method(tokens_BxL)
+
+        def block_call(block_module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            if packing:
+                return block_module(h_BxLxD, segment_ids=batch.segment_ids, positions=batch.positions)
+            return block_module(h_BxLxD)
+        self._embed_call = embed_call
+
+        def outer_embed(v, x, batch):
+            return embed_call(_merge(self._outer_graph, self._outer_names, v), x, batch)
+
+        def outer_logits(v, h):
+            return getattr(_merge(self._outer_graph, self._outer_names, v), logits)(h)
+        h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
+        self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
+        self._head_names = tuple(_first_use(outer_logits, self._outer_names, self._outer_zeros, h))
+        def one_block(v, x, batch):
+            return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
+        self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
         missing = [n for n in block if n not in self._block_names]
         self._block_names += tuple(missing)  # read by nothing: validate_stages names them
         shapes = {n: tuple(outer_flat[n].shape) for n in self._embed_names}
@@ -195,13 +242,13 @@ class NNXStaged:
         self._shapes = shapes
         self._index = {n: i for i, n in enumerate(shapes)}
 
-        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array) -> jax.Array:
-            return _merge(self._block_graph, self._block_names, params)(h_BxLxD)
+        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            return block_call(_merge(self._block_graph, self._block_names, params), h_BxLxD, batch)
         self._block_apply = block_apply  # one object: every block stage shares its compilation
 
-        def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+        def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             head = getattr(self._outer(self._head_names, params), self._logits)
-            return self._loss(head(h_BxLxD), targets_BxL)
+            return masked_loss_sum(self._loss(head(h_BxLxD), batch.targets), batch.loss_mask)
         self._head_apply = head_apply
         self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
         self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}
@@ -222,8 +269,8 @@ class NNXStaged:
     def stages(self, compute_dtype: Any) -> list[Stage]:
         dtype = jnp.dtype(compute_dtype)
         if dtype not in self._embed_applies:
-            def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array) -> jax.Array:
-                return getattr(self._outer(self._embed_names, params), self._embed)(tokens_BxL).astype(dtype)
+            def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
+                return self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch).astype(dtype)
             self._embed_applies[dtype] = embed_apply
         blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
                   for i in range(self.n_layer)]

@@ -32,6 +32,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
+from pstar_jax.batch import Batch, as_batch, check_batches, stack, trained_count
 from pstar_jax.config import ConfigError
 from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.optim import TxFactory, clip_factor, clip_scale
@@ -143,22 +144,26 @@ class PlainEngine:
         self._allocate = allocate
         self._params = self._opt_state = None  # made at the first step (or by params())
         self.micro_batches = micro_batches
+        self.model = model
         self.compute_dtype, self.precision = compute_dtype, precision
         self.skip_nonfinite = skip_nonfinite
 
-        def step(params, opt_state, tokens_MxBxL, targets_MxBxL):
+        def step(params, opt_state, batch_MxBxL):
             if opt_on_host:
                 opt_state = jax.device_put(opt_state, compat.DEVICE_SPACE)
             # One compute copy per step, shared by the micro-batches; grads w.r.t. it are
             # accumulated in fp32 (the chain rule through the cast is exactly that upcast).
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+            # The loss is the mean over the step's trained tokens: each micro-batch's loss sum is
+            # scaled by 1 / the global count before its gradient, as the chunked engine does.
+            count = jnp.sum(batch_MxBxL.loss_mask)
+            scale = 1.0 / jnp.maximum(count, 1.0)
 
             def micro(carry, batch):
-                loss, grads = jax.value_and_grad(loss_fn)(compute, *batch)
+                loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(compute)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
             zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
-            (loss_sum, grad_sum), _ = jax.lax.scan(micro, zeros, (tokens_MxBxL, targets_MxBxL))
-            grads = jax.tree.map(lambda g: g / micro_batches, grad_sum)
+            (loss_sum, grads), _ = jax.lax.scan(micro, zeros, batch_MxBxL)
             sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
             scale = clip_scale(sumsq, clip_norm)
             grads = jax.tree.map(lambda g: g * scale, grads)
@@ -168,18 +173,19 @@ class PlainEngine:
             finite = jnp.isfinite(loss_sum) & jnp.isfinite(sumsq)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
-                    loss_sum / micro_batches, jnp.sqrt(sumsq))
+                    loss_sum, jnp.sqrt(sumsq), count)
 
         forward_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, so no remat
 
-        def eval_loss(params, tokens_MxBxL, targets_MxBxL):
+        def eval_loss(params, batch_MxBxL):
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            losses = jax.lax.map(lambda batch: forward_loss(compute, *batch), (tokens_MxBxL, targets_MxBxL))
-            return jnp.mean(losses)
+            sums = jax.lax.map(lambda batch: forward_loss(compute, batch), batch_MxBxL)
+            return jnp.sum(sums) / jnp.maximum(jnp.sum(batch_MxBxL.loss_mask), 1.0)
         self._eval = jax.jit(eval_loss, out_shardings=replicated)
 
         # Donated: the new params and state are written over the old (XLA aliases them).
-        self._step = jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, opt_sharding, replicated, replicated))
+        self._step = jax.jit(step, donate_argnums=(0, 1),
+                             out_shardings=(replicated, opt_sharding, replicated, replicated, replicated))
         self.step_count = 0
 
     def _tree(self, leaf: Callable[[tuple[str, ...]], Any]) -> dict[str, Any]:
@@ -189,32 +195,38 @@ class PlainEngine:
                 "stacked": tuple(tuple(leaf(seg.names_at(i)) for i in range(len(seg.stages[0].param_names)))
                                  for seg in self._segments if seg.scanned)}
 
-    def _loss_fn(self, policy: Callable[..., bool] | None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-        """The whole model as one function of the engine's pytree (the stages' own applies)."""
+    def _loss_fn(self, policy: Callable[..., bool] | None) -> Callable[[Any, Batch], jax.Array]:
+        """The whole model as one function of the engine's pytree and a batch (the stages' own
+        applies): the sum of the trained token losses."""
         segs = self._segments
 
-        def loss_fn(params, tokens_BxL, targets_BxL):
+        def loss_fn(params, batch):
             named, stacks = params["named"], iter(params["stacked"])
 
             def take(stage: Stage) -> tuple[jax.Array, ...]:
                 return tuple(named[n] for n in stage.param_names)
-            h = segs[0].stages[0].apply(take(segs[0].stages[0]), tokens_BxL)
+            h = segs[0].stages[0].apply(take(segs[0].stages[0]), batch.tokens, batch)
             for seg in segs[1:-1]:
                 apply = _remat(seg.stages[0].apply, policy, seg.scanned)
                 if seg.scanned:
-                    h, _ = jax.lax.scan(lambda h, layer: (apply(layer, h), None), h, next(stacks))
+                    h, _ = jax.lax.scan(lambda h, layer: (apply(layer, h, batch), None), h, next(stacks))
                 else:
-                    h = apply(take(seg.stages[0]), h)
+                    h = apply(take(seg.stages[0]), h, batch)
             last = segs[-1].stages[0]
-            return last.apply(take(last), h, targets_BxL)
+            return last.apply(take(last), h, batch)
         return loss_fn
 
-    def step(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> StepResult:
+    def step(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        """One optimizer step over micro-batches (``Batch``es, or (tokens, targets) pairs of plain
+        data): the loss is the mean over the step's trained tokens. Raises DataError for ids
+        outside the vocabulary."""
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
         if self._params is None:
             self._allocate()
         start = time.perf_counter()
-        tokens, targets = (self._put_rows(np.stack([b[k] for b in micro_batches])) for k in (0, 1))
-        self._params, self._opt_state, loss, norm = self._step(self._params, self._opt_state, tokens, targets)
+        batch = self._put_rows(stack(micro_batches))
+        self._params, self._opt_state, loss, norm, count = self._step(self._params, self._opt_state, batch)
         loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
         skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
         if skip and not self.skip_nonfinite:  # the step kept params and state as they were
@@ -223,29 +235,33 @@ class PlainEngine:
         model_bytes = sum(x.nbytes for x in jax.tree.leaves((self._params, self._opt_state)))
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm),
-                          h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip)
+                          h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip,
+                          trained_tokens=trained_count(replicated_value(count)))
 
-    def evaluate(self, micro_batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
-        """The mean loss over (tokens, targets) micro-batches (this process's rows of each), forward
-        only with the current params: one jitted call, no gradients, nothing changed."""
+    def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over the trained tokens of all micro-batches (this process's rows of each),
+        forward only with the current params: one jitted call, no gradients, nothing changed."""
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
         if self._params is None:
             self._allocate()
-        tokens, targets = (self._put_rows(np.stack([b[k] for b in micro_batches])) for k in (0, 1))
-        return replicated_value(self._eval(self._params, tokens, targets))  # sync
+        return replicated_value(self._eval(self._params, self._put_rows(stack(micro_batches))))  # sync
 
     def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> None:
         """Nothing to plan: everything is on the device."""
 
-    def _put_rows(self, x_MxBxL: np.ndarray) -> jax.Array:
-        """This process's rows of each micro-batch, sharded over the data axis."""
+    def _put_rows(self, batch_MxBxL: Batch) -> Batch:
+        """This process's rows of each micro-batch, every field sharded over the data axis."""
         rows = NamedSharding(self.mesh, P(None, "data"))
-        return jax.make_array_from_process_local_data(rows, x_MxBxL.astype(np.int32))
+        return Batch(*(jax.make_array_from_process_local_data(rows, np.asarray(x)) for x in batch_MxBxL))
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
         rows = NamedSharding(self.mesh, P(None, "data"))
-        batch = jax.ShapeDtypeStruct((self.micro_batches, micro_batch, seq_len), jnp.int32, sharding=rows)
-        return self._step.lower(self._abstract_params, self._abstract_opt, batch, batch).compile()
+        shape = (self.micro_batches, micro_batch, seq_len)
+        batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.float32 if f == "loss_mask" else jnp.int32, sharding=rows)
+                        for f in Batch._fields))
+        return self._step.lower(self._abstract_params, self._abstract_opt, batch).compile()
 
     def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""

@@ -1,5 +1,8 @@
 """Compiled stage functions over chunks: forward, backward, the loss head (with its gradient, or
-forward only for a held-out loss), sharded ZeRO-style."""
+forward only for a held-out loss), sharded ZeRO-style.
+
+Every function takes the micro-batch's ``Batch`` (pstar_jax.batch) beside its activations,
+sharded over the data axis like the tokens: each device's stage reads its own rows' side inputs."""
 
 from __future__ import annotations
 
@@ -89,48 +92,61 @@ class StageFunctions:
         chunk_specs = tuple(P("data") for _ in range(n_chunks))
         return compat.shard_map(fn, self.mesh, in_specs=(chunk_specs, P(), *in_rest), out_specs=out_specs)
 
+    def count(self, row_counts_MxB: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(count, 1 / count) of trained targets over every micro-batch and device, replicated
+        (at least one, so a batch with nothing to train gives a zero loss and zero grads)."""
+        if "count" not in self._cache:
+            def count(rows_MxB):
+                total = jnp.sum(rows_MxB)
+                return total, 1.0 / jnp.maximum(total, 1.0)
+            replicated = jax.sharding.NamedSharding(self.mesh, P())
+            self._cache["count"] = jax.jit(count, out_shardings=(replicated, replicated))
+        return self._cache["count"](row_counts_MxB)
+
     def forward(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, x) -> y."""
+        """(chunks, offsets, x, batch) -> y."""
         apply, pattern = bound.stage.apply, bound.pattern
 
-        def local(chunks, offsets, x):
-            return apply(_views(_gather(chunks), offsets, pattern), x)
+        def local(chunks, offsets, x, batch):
+            return apply(_views(_gather(chunks), offsets, pattern), x, batch)
         return self._get("fwd", bound, lambda: jax.jit(
-            self._shard_map(local, len(bound.chunks), (P("data"),), P("data"))))
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P("data"))))
 
     def backward(self, bound: BoundStage, first: bool) -> Callable:
-        """(chunks, offsets, x, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated.
+        """(chunks, offsets, x, batch, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated.
 
         The forward is recomputed (only stage inputs were kept). The first stage's input is
         tokens, which have no gradient: it returns None for gx."""
         apply, pattern = bound.stage.apply, bound.pattern
 
-        def local(chunks, offsets, x, gy, grad_chunks):
+        def local(chunks, offsets, x, batch, gy, grad_chunks):
             params = _views(_gather(chunks), offsets, pattern)
             if first:
-                _, vjp = jax.vjp(lambda p: apply(p, x), params)
+                _, vjp = jax.vjp(lambda p: apply(p, x, batch), params)
                 (gp,), gx = vjp(gy), None
             else:
-                _, vjp = jax.vjp(apply, params, x)
+                _, vjp = jax.vjp(lambda p, x: apply(p, x, batch), params, x)
                 gp, gx = vjp(gy)
             return gx, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in range(n))
         return self._get("bwd_first" if first else "bwd", bound, lambda: jax.jit(
-            self._shard_map(local, n, (P("data"), P("data"), grad_specs),
+            self._shard_map(local, n, (P("data"), P("data"), P("data"), grad_specs),
                             (None if first else P("data"), grad_specs)),
-            donate_argnums=(4,)))
+            donate_argnums=(5,)))
 
     def head(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, h, targets, grad_chunks, scale) -> (loss, gh, grad_chunks).
+        """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, gh, grad_chunks).
 
-        The last stage's forward and backward in one call. ``scale`` is 1/(W * micro-batches):
-        the gradient of the mean loss, so grads from devices and micro-batches just add up."""
+        The last stage's forward and backward in one call. The stage returns the sum of its
+        rows' trained token losses; ``scale`` is 1 / the step's global count of trained tokens
+        (every micro-batch and device), so the loss and grads of devices and micro-batches just
+        add up to those of the mean over the whole step."""
         apply, pattern = bound.stage.apply, bound.pattern
 
-        def local(chunks, offsets, h, targets, grad_chunks, scale):
+        def local(chunks, offsets, h, batch, grad_chunks, scale):
             def scaled_loss(params, h):
-                return apply(params, h, targets) * scale
+                return apply(params, h, batch) * scale
             loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(
                 _views(_gather(chunks), offsets, pattern), h)
             return jax.lax.psum(loss, "data"), gh, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
@@ -141,12 +157,13 @@ class StageFunctions:
             donate_argnums=(4,)))
 
     def loss(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, h, targets) -> loss: the last stage's forward only (held-out loss).
+        """(chunks, offsets, h, batch) -> loss sum: the last stage's forward only (held-out loss).
 
-        No gradient and nothing donated; the loss is the mean over every device's rows."""
+        No gradient and nothing donated; the sum of the trained token losses of every device's
+        rows (the caller divides by the count)."""
         apply, pattern = bound.stage.apply, bound.pattern
 
-        def local(chunks, offsets, h, targets):
-            return jax.lax.pmean(apply(_views(_gather(chunks), offsets, pattern), h, targets), "data")
+        def local(chunks, offsets, h, batch):
+            return jax.lax.psum(apply(_views(_gather(chunks), offsets, pattern), h, batch), "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P())))

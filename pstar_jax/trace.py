@@ -5,9 +5,11 @@ stage's backward, then the optimizer per chunk; a forward-only pass (held-out lo
 forwards and a head that computes the loss (``trace_forward``). The trace is taken before any
 model data exists: every distinct stage function is lowered and compiled on abstract arguments,
 and ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
-non-model memory of a moment is what the stage call needs beside the chunks: the stage inputs
-stashed for the backward so far, the call's activation inputs and outputs, and its temporaries
-(which on a CPU include the copies XLA makes of static slices of chunks).
+non-model memory of a moment is what the stage call needs beside the chunks: the micro-batch
+(its ``Batch``: tokens and side inputs, live from the first forward to the first stage's
+backward), the stage inputs stashed for the backward so far, the call's activation inputs and
+outputs, and its temporaries (which on a CPU include the copies XLA makes of static slices of
+chunks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
+from pstar_jax.batch import Batch
 from pstar_jax.memory import Placement, Space
 from pstar_jax.schedule import StepShape
 from pstar_jax.stages import BoundStage, StageFunctions
@@ -50,16 +53,20 @@ class _Tracer:
         self.W = placement.n_devices
         self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
         self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
-        self.tokens = _abstract((batch, seq_len), jnp.int32, self.dev)
+        self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
+                             for f in Batch._fields))
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
-        self.xs = [self.tokens]
+        self.xs = [self.batch.tokens]
         for b in bound[:-1]:
             key = ("out", self.kind(b), self.xs[-1].shape, len(b.chunks))
             if key not in self.cache:
-                self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1])
+                self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1],
+                                                 self.batch)
             y = self.cache[key]
             self.xs.append(_abstract(y.shape, y.dtype, self.dev))
-        self.act = [x.size * x.dtype.itemsize // self.W for x in self.xs]  # per device
+        # Per device. The first stage's input is the batch itself (its tokens among it).
+        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in self.batch) // self.W
+        self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
         return _abstract((len(b.offsets),), jnp.int32, self.rep)
@@ -93,18 +100,18 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
     for i, b in enumerate(bound[:-1]):
-        temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i])
-        fwd_nm.append(sum(act[:i + 1]) + temp + out)  # stashed inputs so far, the call's temps and output
+        temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
+        fwd_nm.append(sum(act[:i + 1]) + temp + out)  # the batch, stashed inputs so far, the call's temps and output
         fwd_fl.append(flops)
     b = bound[head]
     scale = _abstract((), jnp.float32, tr.rep)
-    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.tokens, chunks(b),
+    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, chunks(b),
                                   scale)
     head_nm = sum(act) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
     for i in reversed(range(head)):
         b = bound[i]
         temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
-                                    xs[i + 1], chunks(b))
+                                    tr.batch, xs[i + 1], chunks(b))
         bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
@@ -118,20 +125,23 @@ def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: P
                   cache: dict | None = None) -> StepShape:
     """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
 
-    The shape of schedule.forward_accesses: a forward moment holds its input, its temporaries
-    and output, and the targets (nothing is stashed: there is no backward); the head computes
-    only the loss. The backward fields are zeros and there is no optimizer state."""
+    The shape of schedule.forward_accesses: a forward moment holds the micro-batch (live until
+    its loss), its input, its temporaries and output (nothing is stashed: there is no backward);
+    the head computes only the loss. The backward fields are zeros and there is no optimizer
+    state."""
     tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
     head = len(bound) - 1
-    targets = tr.act[0]  # the micro-batch's targets stay live until its loss
+
+    def live(i: int) -> int:  # the batch, and the stage's input when it is not the batch's tokens
+        return tr.batch_bytes + (tr.act[i] if i else 0)
     fwd_nm, fwd_fl = [], []
     for i, b in enumerate(bound[:-1]):
-        temp, out, flops = tr.analysed("fwd", b, fns.forward(b), tr.chunks(b), tr.offsets(b), tr.xs[i])
-        fwd_nm.append(targets + tr.act[i] + temp + out)
+        temp, out, flops = tr.analysed("fwd", b, fns.forward(b), tr.chunks(b), tr.offsets(b), tr.xs[i], tr.batch)
+        fwd_nm.append(live(i) + temp + out)
         fwd_fl.append(flops)
     b = bound[head]
-    temp, out, loss_fl = tr.analysed("loss", b, fns.loss(b), tr.chunks(b), tr.offsets(b), tr.xs[head], tr.tokens)
-    loss_nm = targets + tr.act[head] + temp + out
+    temp, out, loss_fl = tr.analysed("loss", b, fns.loss(b), tr.chunks(b), tr.offsets(b), tr.xs[head], tr.batch)
+    loss_nm = live(head) + temp + out
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
                      loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
                      shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from pstar_jax import data
+from pstar_jax.batch import Batch
 from pstar_jax.data import Batches, DataError
 
 
@@ -114,7 +115,16 @@ def test_check_vocab(monkeypatch):
 
 
 def _take(batches, n):
-    return [next(batches) for _ in range(n)]
+    """(tokens, targets) of the next n batches (plain data: every other field is fixed)."""
+    out = []
+    for _ in range(n):
+        b = next(batches)
+        assert isinstance(b, Batch)
+        np.testing.assert_array_equal(b.loss_mask, 1.0)
+        np.testing.assert_array_equal(b.segment_ids, 1)
+        np.testing.assert_array_equal(b.positions, np.broadcast_to(np.arange(b.tokens.shape[1]), b.tokens.shape))
+        out.append((b.tokens, b.targets))
+    return out
 
 
 def test_batches_deterministic_and_shifted():

@@ -158,10 +158,10 @@ def test_held_out_split_is_never_trained_on():
     marked[len(train):] = 255  # a token training must never see
     batches = Batches(marked[:len(train)], 16, 64, seed=0)
     for _ in range(3 * batches.windows_per_epoch // 16):  # three epochs
-        x, y = next(batches)
-        assert x.max() < 255 and y.max() < 255
-    for x, y in eval_batches(marked[len(train):], 4, 64, 3):
-        assert (x == 255).all() and (y == 255).all()
+        b = next(batches)
+        assert b.tokens.max() < 255 and b.targets.max() < 255
+    for b in eval_batches(marked[len(train):], 4, 64, 3):
+        assert (b.tokens == 255).all() and (b.targets == 255).all()
 
 
 def test_run_holds_out_only_when_evaluating():

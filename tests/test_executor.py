@@ -10,12 +10,16 @@ import pytest
 from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
+from pstar_jax.batch import plain as plain_batch
+from pstar_jax.data import DataError
+from pstar_jax.model import compose_loss
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
 from pstar_jax.machine import H200
 from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
+from sft_batches import merge, sft_steps
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
 CHUNK = 8192  # tiny GPT: 6 chunks, two per block
@@ -313,14 +317,15 @@ def test_update_is_deferred_into_the_next_step_and_flush_applies_it():
 
 
 def test_nonfinite_step_is_skipped_without_changing_anything():
-    """A batch whose loss is NaN (targets out of range): with skip_nonfinite the step reports it
-    and applies no update, so training goes on as if it had not happened; without, it raises."""
+    """A batch whose loss is NaN (a NaN loss mask; out-of-range targets are refused before the
+    step): with skip_nonfinite the step reports it and applies no update, so training goes on as
+    if it had not happened; without, it raises."""
     m = model()
     skipping, reference = chunked(m), chunked(m)
     skipping.skip_nonfinite = True
     good = batches(2)
     tokens, targets = good[0][0]
-    bad = [(tokens, np.full_like(targets, 10**6))]  # gathered out of bounds: NaN
+    bad = [plain_batch(tokens, targets)._replace(loss_mask=np.full(targets.shape, np.nan, np.float32))]
     skipping.step(good[0])
     reference.step(good[0])
     r = skipping.step(bad)
@@ -338,3 +343,44 @@ def test_nonfinite_step_is_skipped_without_changing_anything():
     once.step(good[0])
     for name, value in raising.params().items():
         np.testing.assert_array_equal(value, once.params()[name], err_msg=name)
+
+
+SFT_OPTIM = dataclasses.replace(OPTIM, clip_norm=0.05)  # clipping bites at every step
+
+
+def test_sft_loss_is_one_mean_over_the_step_whatever_the_micro_batches():
+    """Uneven trained tokens: 4 micro-batches of 2 rows equal 1 of 8 (the loss sums divided once
+    by the global count, not a mean of means), in both engines, clipping and AdamW included; the
+    first loss is the mean over the trained tokens of the merged batch."""
+    m = model()
+    steps4 = sft_steps(3, micro_batches=4, batch=2)
+    counts = [[b.loss_mask.sum() for b in s] for s in steps4]
+    assert len({c for s in counts for c in s}) > 4, "micro-batches must hold uneven counts"
+    steps1 = [merge(s) for s in steps4]
+    accumulated, big = chunked(m, micro_batches=4, optim=SFT_OPTIM, batch=2), plain(m, optim=SFT_OPTIM)
+    la, lb = run_both_separately(accumulated, steps4, big, steps1)
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    assert_params_close(accumulated, big, rtol=1e-5, atol=1e-6, steps=3)
+    plain4 = plain(m, micro_batches=4, optim=SFT_OPTIM)
+    results = [plain4.step(s) for s in steps4]
+    np.testing.assert_allclose([r.loss for r in results], la, rtol=1e-5)
+    assert [r.trained_tokens for r in results] == [int(sum(c)) for c in counts]
+    assert_params_close(plain4, big, rtol=1e-5, atol=1e-6, steps=3)
+    first = compose_loss(m.stages(np.float32))(m.init_params(0), jax.tree.map(np.asarray, steps1[0][0]))
+    np.testing.assert_allclose(la[0], float(first), rtol=1e-6)
+    np.testing.assert_allclose(accumulated.evaluate(steps4[0]), big.evaluate(steps1[0]), rtol=1e-5)
+
+
+def test_out_of_range_targets_are_refused_before_the_step():
+    """-100 (HF's ignore label) or an id >= vocab: one-line DataError from step and evaluate of
+    both engines, nothing run."""
+    m = model()
+    (tokens, targets), = batches(1)[0]
+    engines = [chunked(m, budget=10**8), plain(m)]
+    for engine in engines:
+        for bad, message in ((np.full_like(targets, -100), "-100 .*pstar-tokens --chat"),
+                             (targets + 256, "targets hold id [2-5][0-9][0-9], outside the model's vocabulary of 256 ids")):
+            for call in (engine.step, engine.evaluate):
+                with pytest.raises(DataError, match=message):
+                    call([(tokens, bad)])
+        assert engine.step_count == 0

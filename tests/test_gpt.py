@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from pstar_models.gpt import GPT, GPTConfig, PRESETS, StagedGPT, gpt_from_params, preset
+from pstar_jax.batch import plain
 from pstar_jax.model import cast_params, compose_loss, validate_stages
 
 TINY = preset("tiny")
@@ -122,9 +123,10 @@ def test_bf16_stages_close_to_fp32(config):
     np.testing.assert_allclose(bf16, fp32, rtol=5e-2)
 
     take = lambda s: tuple(bf16_params[n] for n in s.param_names)
-    h = stages[0].apply(take(stages[0]), tokens)
+    side = plain(np.asarray(tokens), np.asarray(targets))
+    h = stages[0].apply(take(stages[0]), side.tokens, side)
     assert h.dtype == jnp.bfloat16
-    assert stages[1].apply(take(stages[1]), h).dtype == jnp.bfloat16
+    assert stages[1].apply(take(stages[1]), h, side).dtype == jnp.bfloat16
 
 
 def test_future_tokens_do_not_change_earlier_logits():

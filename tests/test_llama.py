@@ -17,6 +17,7 @@ from pstar_jax.executor import ChunkedEngine
 from pstar_jax.machine import H200
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
+from pstar_jax.batch import plain
 from pstar_jax.model import compose_loss, validate_stages
 
 # Odd sizes: 6 query heads in 2 groups of 3, head width 6, a vocabulary of 101.
@@ -248,9 +249,10 @@ def test_bf16_stages_stay_close_to_fp32():
     params = staged.init_params(0)
     tokens, targets = batch(ODD)
     stages16 = staged.stages(jnp.bfloat16)
-    h = stages16[0].apply((params["embed.embedding"].astype(jnp.bfloat16),), tokens)
+    side = plain(np.asarray(tokens), np.asarray(targets))
+    h = stages16[0].apply((params["embed.embedding"].astype(jnp.bfloat16),), side.tokens, side)
     for stage in stages16[1:-1]:
-        h = stage.apply(tuple(params[n].astype(jnp.bfloat16) for n in stage.param_names), h)
+        h = stage.apply(tuple(params[n].astype(jnp.bfloat16) for n in stage.param_names), h, side)
     assert h.dtype == jnp.bfloat16
     loss16 = compose_loss(stages16)({n: p.astype(jnp.bfloat16) for n, p in params.items()}, tokens, targets)
     loss32 = compose_loss(staged.stages(jnp.float32))(params, tokens, targets)

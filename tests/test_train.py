@@ -10,9 +10,9 @@ import pytest
 from pstar_jax.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "clip_scale", "step_s", "tokens_per_s", "model_tflops",
-               "h2d_bytes", "d2h_bytes", "device_chunk_peak_bytes", "predicted_h2d_bytes", "predicted_d2h_bytes",
-               "skipped"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "clip_scale", "step_s", "tokens_per_s", "trained_tokens",
+               "trained_tokens_per_s", "model_tflops", "h2d_bytes", "d2h_bytes", "device_chunk_peak_bytes",
+               "predicted_h2d_bytes", "predicted_d2h_bytes", "skipped"}
 
 
 def test_default_corpus_run_writes_metrics_and_moves_chunks(tmp_path, capsys):

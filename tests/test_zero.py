@@ -131,3 +131,33 @@ def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
                          timeout=240)
     assert ref.returncode == 0, ref.stderr[-2000:]
     np.testing.assert_allclose(losses(metrics), losses(straight), rtol=1e-5)
+
+
+@needs_8
+def test_sft_zero_over_8_devices_equals_one_device_both_engines():
+    """Packed rows with uneven trained tokens per device (one row each) and per micro-batch: the
+    loss is divided once by the global count, so 8 devices equal 1 (losses, clipped AdamW params
+    after 3 steps), in the chunked and the plain engine."""
+    from pstar_jax.plain import PlainEngine
+    from sft_batches import sft_steps
+    steps = sft_steps(3, micro_batches=2, batch=8)
+    per_row = [b.loss_mask.sum(axis=1) for s in steps for b in s]
+    assert all(len(set(c)) > 4 for c in per_row), "devices must hold uneven counts"
+    cfg = EngineConfig(8192, None, "fp32", micro_batches=2, adam_placement="host")
+    tx = default_tx(OPTIM)
+
+    def chunked(W):
+        mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
+        return ChunkedEngine(StagedGPT(preset("tiny")), cfg, tx, mesh, (8, 64), H200, clip_norm=0.05)
+
+    def plain(W):
+        mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
+        return PlainEngine(StagedGPT(preset("tiny")), "fp32", tx, 2, clip_norm=0.05, mesh=mesh)
+    for make in (chunked, plain):
+        single, sharded = make(1), make(8)
+        a, b = [single.step(s) for s in steps], [sharded.step(s) for s in steps]
+        np.testing.assert_allclose([r.loss for r in a], [r.loss for r in b], rtol=1e-5)
+        assert [r.trained_tokens for r in a] == [r.trained_tokens for r in b]
+        pa, pb = single.params(), sharded.params()
+        for name in pa:
+            np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-6, err_msg=f"{make.__name__} {name}")
