@@ -239,7 +239,7 @@ class TokenWriter:
         except BaseException:
             self.abort()
             raise
-        _write_atomic(side, json.dumps(self.info(), indent=1).encode() + b"\n")
+        write_atomic(side, json.dumps(self.info(), indent=1).encode() + b"\n")
         return self.info()
 
     def abort(self) -> None:
@@ -255,7 +255,8 @@ class TokenWriter:
             self.abort()
 
 
-def _write_atomic(path: Path, content: bytes) -> None:
+def write_atomic(path: Path, content: bytes) -> None:
+    """``content`` into ``path`` through a file beside it renamed into place, with the umask's mode."""
     with io_errors(path, "write"):
         fd, tmp = create_temp_beside(path)
         try:

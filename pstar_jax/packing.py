@@ -22,13 +22,13 @@ import dataclasses
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
-from pstar_jax.data import DataError, io_errors, sidecar_path, token_dtype, token_suffix
+from pstar_jax.data import DataError, io_errors, sidecar_path, token_dtype, token_suffix, write_atomic
+from pstar_jax.paths import create_temp_beside
 
 MAGIC = b"PSTARSFT"
 VERSION = 1
@@ -222,12 +222,6 @@ def check_packed_destination(path: str | os.PathLike, vocab_size: int, overwrite
     return path
 
 
-def _umask_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 class PackedWriter:
     """A packed file being written under a hidden temporary name: ``rows`` are memory maps into it;
     ``commit`` renames it into place and writes the sidecar (a crash leaves the target as it was)."""
@@ -239,10 +233,10 @@ class PackedWriter:
         at_tokens, at_segments, at_labels, size = _layout(rows, row_len, tdt.itemsize, sdt.itemsize)
         with io_errors(self.path, "write"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            fd, tmp = create_temp_beside(self.path)
         self._tmp = Path(tmp)
         try:
-            with io_errors(self.path, "write"), os.fdopen(fd, "r+b") as f:
+            with io_errors(self.path, "write"), os.fdopen(fd, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, tdt.itemsize, sdt.itemsize, 0, rows, seq_len, vocab_size))
                 f.truncate(size)
             shape = (rows, row_len)
@@ -263,7 +257,6 @@ class PackedWriter:
                         array.flush()
                 with open(self._tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                os.chmod(self._tmp, _umask_mode())  # mkstemp's 0600 would hide it from the user's group
             with io_errors(side, "write"):
                 side.unlink(missing_ok=True)  # no sidecar beats a stale one
             with io_errors(self.path, "write"):
@@ -271,7 +264,7 @@ class PackedWriter:
         except BaseException:
             self.abort()
             raise
-        _write_json_atomic(side, info)
+        write_atomic(side, json.dumps(info, indent=1).encode() + b"\n")
         return info
 
     def abort(self) -> None:
@@ -283,18 +276,6 @@ class PackedWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def _write_json_atomic(path: Path, info: dict) -> None:
-    with io_errors(path, "write"):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(info, indent=1).encode() + b"\n")
-            os.chmod(tmp, _umask_mode())
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def sidecar_info(rows: PackedRows, **extra: Any) -> dict:
