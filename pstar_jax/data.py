@@ -329,31 +329,26 @@ def default_corpus_documents() -> Iterator[bytes]:
         yield _builtin_text()
 
 
-class Batches:
-    """Endless iterator of plain ``Batch``es; targets are inputs shifted by one.
+class ShuffledStream:
+    """An endless stream of items (windows of a token file, packed rows) in an order shuffled
+    afresh each epoch, read ``batch_size`` global rows at a time.
 
-    ``position`` counts the global batches already consumed: ``Batches(..., position=k)`` yields
-    what the k-th batch onward of a fresh iterator would. With ``process_count`` > 1 each
-    process gets the contiguous block of ``batch_size // process_count`` rows at its index.
+    ``position`` counts the global batches already consumed, and each epoch's order is a pure
+    function of (seed, epoch), so a stream made with ``position=k`` yields what the k-th batch
+    onward of a fresh one would. With ``process_count`` > 1 each process gets the contiguous block
+    of ``batch_size // process_count`` rows at its index.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, *,
-                 process_index: int = 0, process_count: int = 1, position: int = 0) -> None:
-        _check_tokens(tokens)
-        if min(batch_size, seq_len) < 1 or min(seed, position) < 0:
-            raise DataError(f"need batch_size, seq_len >= 1 and seed, position >= 0, got "
-                            f"{batch_size}, {seq_len}, {seed}, {position}")
+    def __init__(self, per_epoch: int, batch_size: int, seed: int, process_index: int, process_count: int,
+                 position: int) -> None:
+        if batch_size < 1 or min(seed, position) < 0:
+            raise DataError(f"need batch_size >= 1 and seed, position >= 0, got {batch_size}, {seed}, {position}")
         if not 0 <= process_index < process_count:
             raise DataError(f"process_index must be in [0, {process_count}), got {process_index}")
         if batch_size % process_count:
-            raise DataError(f"batch_size {batch_size} must be divisible by process_count "
-                            f"{process_count}")
-        if len(tokens) < seq_len + 1:
-            raise DataError(f"data has {len(tokens)} tokens, fewer than one window of "
-                            f"seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len")
-        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+            raise DataError(f"batch_size {batch_size} must be divisible by process_count {process_count}")
+        self.per_epoch, self.batch_size, self.seed = per_epoch, batch_size, seed
         self.process_index, self.position = process_index, position
-        self.windows_per_epoch = (len(tokens) - 1) // seq_len
         self._local_rows = batch_size // process_count
         self._perm_cache: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
@@ -362,23 +357,46 @@ class Batches:
         # so resuming at any position costs the same as starting.
         if self._perm_cache[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._perm_cache = (epoch, rng.permutation(self.windows_per_epoch))
+            self._perm_cache = (epoch, rng.permutation(self.per_epoch))
         return self._perm_cache[1]
 
     def state(self) -> dict[str, int]:
         """JSON-able resume state: pass ``position`` back to the constructor."""
         return {"position": self.position}
 
-    def __iter__(self) -> Batches:
+    def __iter__(self) -> ShuffledStream:
         return self
 
-    def __next__(self) -> Batch:
-        # Global rows form one endless stream of windows, epoch after epoch; a batch may span
-        # an epoch boundary (or several, when the data holds fewer windows than a batch).
+    def next_items(self) -> np.ndarray:
+        """Which items this process's rows of the next global batch are (and advance)."""
+        # The items form one endless stream, epoch after epoch; a batch may span an epoch
+        # boundary (or several, when the data holds fewer items than a batch).
         first = self.position * self.batch_size + self.process_index * self._local_rows
-        starts = shuffled_rows(first, self._local_rows, self.windows_per_epoch, self._perm) * self.seq_len
-        windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], np.int32)
         self.position += 1
+        return shuffled_rows(first, self._local_rows, self.per_epoch, self._perm)
+
+
+class Batches(ShuffledStream):
+    """Endless iterator of plain ``Batch``es of token windows; targets are inputs shifted by one."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, *,
+                 process_index: int = 0, process_count: int = 1, position: int = 0) -> None:
+        _check_tokens(tokens)
+        if seq_len < 1:
+            raise DataError(f"need seq_len >= 1, got {seq_len}")
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"data has {len(tokens)} tokens, fewer than one window of "
+                            f"seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len")
+        super().__init__((len(tokens) - 1) // seq_len, batch_size, seed, process_index, process_count, position)
+        self.tokens, self.seq_len = tokens, seq_len
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return self.per_epoch
+
+    def __next__(self) -> Batch:
+        starts = self.next_items() * self.seq_len
+        windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], np.int32)
         return plain(windows[:, :-1], windows[:, 1:])
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pstar_jax.batch import Batch, from_rows
-from pstar_jax.data import HELD_OUT_FRACTION, DataError, shuffled_rows
+from pstar_jax.data import HELD_OUT_FRACTION, DataError, ShuffledStream
 
 
 class Rows(NamedTuple):
@@ -49,45 +49,21 @@ def _take(rows: Any, index: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray,
     return tuple(np.asarray(getattr(rows, name)[index]) for name in Rows._fields)
 
 
-class PackedBatches:
+class PackedBatches(ShuffledStream):
     """Endless iterator of ``Batch``es of packed rows, ``batch_size`` rows each (this process's
-    block of ``batch_size // process_count`` rows at its index).
-
-    ``position`` counts the global batches already consumed, and the order of each epoch is a
-    pure function of (seed, epoch), so ``PackedBatches(..., position=k)`` resumes exactly."""
+    block of ``batch_size // process_count`` rows at its index), resumable from ``position``."""
 
     def __init__(self, rows: Any, batch_size: int, seed: int, *, seq_len: int | None = None,
                  process_index: int = 0, process_count: int = 1, position: int = 0) -> None:
-        self.rows_per_epoch = check_rows(rows, seq_len)
-        if batch_size < 1 or min(seed, position) < 0:
-            raise DataError(f"need batch_size >= 1 and seed, position >= 0, got {batch_size}, {seed}, {position}")
-        if not 0 <= process_index < process_count:
-            raise DataError(f"process_index must be in [0, {process_count}), got {process_index}")
-        if batch_size % process_count:
-            raise DataError(f"batch_size {batch_size} must be divisible by process_count {process_count}")
-        self.rows, self.batch_size, self.seed = rows, batch_size, seed
-        self.seq_len = np.shape(rows.tokens)[1] - 1
-        self.process_index, self.position = process_index, position
-        self._local_rows = batch_size // process_count
-        self._perm_cache: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+        super().__init__(check_rows(rows, seq_len), batch_size, seed, process_index, process_count, position)
+        self.rows, self.seq_len = rows, np.shape(rows.tokens)[1] - 1
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if self._perm_cache[0] != epoch:  # any epoch's order without replaying the ones before
-            self._perm_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.rows_per_epoch))
-        return self._perm_cache[1]
-
-    def state(self) -> dict[str, int]:
-        """JSON-able resume state: pass ``position`` back to the constructor."""
-        return {"position": self.position}
-
-    def __iter__(self) -> PackedBatches:
-        return self
+    @property
+    def rows_per_epoch(self) -> int:
+        return self.per_epoch
 
     def __next__(self) -> Batch:
-        first = self.position * self.batch_size + self.process_index * self._local_rows
-        index = shuffled_rows(first, self._local_rows, self.rows_per_epoch, self._perm)
-        self.position += 1
-        return from_rows(*_take(self.rows, index))
+        return from_rows(*_take(self.rows, self.next_items()))
 
 
 def held_out_rows(rows: Any, fraction: float = HELD_OUT_FRACTION) -> tuple[Rows, Rows]:
