@@ -150,3 +150,24 @@ def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
                  "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "not finite at step" in err and err.count("\n") == 1, err
+
+
+CONSOLE_SCRIPT = ("import sys, os; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
+                  "from pstar_jax.train import main; raise SystemExit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow  # two processes, each compiling a model: ~100 s on the loaded 2-core VM
+def test_model_module_from_the_current_directory_like_python_m(tmp_path):
+    """A console script's sys.path lacks the current directory: ``--model-module pkg.mod`` of the
+    README, run from the folder holding pkg/, still finds it (as ``python -m`` would)."""
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "my_model.py").write_text(open(os.path.join(ROOT, "examples", "my_model.py")).read())
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "--model-module", "mymodels.my_model", "--model",
+                           "mine", "--steps", "1", "--quiet"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "No module named" not in proc.stderr
+    missing = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "--model-module", "mymodels.absent"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert missing.returncode == 2 and "cannot be imported" in missing.stderr and "Traceback" not in missing.stderr
