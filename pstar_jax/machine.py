@@ -55,6 +55,12 @@ H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 397e12, 119e9, 0.88e9)
 MACHINES = {"h200": H200, "h200-duplex": dataclasses.replace(H200, name="h200-duplex", duplex=True)}
 
 
+def describe(machine: Machine) -> str:
+    """'h200 rates (preset)' or 'NAME rates (measured)': where a plan's rates came from."""
+    preset = MACHINES.get(machine.name) == machine
+    return f"{machine.name} rates ({'preset' if preset else 'measured'})"
+
+
 def copies_overlap(h2d_s: float, d2h_s: float, both_s: float) -> bool:
     """Whether one copy each way at once (``both_s``) ran well below the two one after the other:
     the two directions have their own copy engines (``Machine.duplex``)."""
