@@ -1,7 +1,7 @@
 """pstar-plan --plot: a plan's memory timeline, one bar of model and non-model data per moment.
 
-The x axis is the step's moments in order, labelled by phase (forward, head, backward,
-optimizer) and micro-batch; the y axis is bytes per device in the unit that suits the largest
+The x axis is the step's moments in order, labelled by the forward and backward of each
+micro-batch, the optimizer's updates marked; the y axis is bytes per device in the unit that suits the largest
 value shown. A plan that does not fit has no placement: only the working memory is drawn, with
 the capacity and the reason, never model data the plan did not place.
 """
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-PHASES = {"fwd": "forward", "head": "head", "bwd": "backward", "adam": "optimizer"}
-MAX_PHASE_LABELS = 12  # more runs than this (many micro-batches): label each phase once
+from pstar_jax.config import format_bytes
+
+# The optimizer update of a chunk runs just before the first forward stage that reads it, and the
+# head (the loss) starts the backward: the axis labels the two halves of each micro-batch.
+HALVES = {"adam": "forward", "fwd": "forward", "head": "backward", "bwd": "backward"}
 
 
 def byte_unit(largest_bytes: float) -> tuple[str, int]:
@@ -25,14 +28,15 @@ def byte_unit(largest_bytes: float) -> tuple[str, int]:
 
 
 def phase_runs(phases: Sequence[str], micros: Sequence[int]) -> list[tuple[int, int, str]]:
-    """(first moment, last moment, label) of each run of equal (phase, micro-batch)."""
+    """(first moment, last moment, label) of each forward or backward half of a micro-batch."""
     runs: list[tuple[int, int, str]] = []
-    for i, key in enumerate(zip(phases, micros)):
-        if runs and i > 0 and key == (phases[i - 1], micros[i - 1]):
+    keys = [(HALVES.get(p, p), m) for p, m in zip(phases, micros)]
+    several = len(set(micros)) > 1
+    for i, key in enumerate(keys):
+        if runs and key == keys[i - 1]:
             runs[-1] = (runs[-1][0], i, runs[-1][2])
         else:
-            label = PHASES.get(key[0], key[0]) + (f" {key[1]}" if len(set(micros)) > 1 and key[0] != "adam" else "")
-            runs.append((i, i, label))
+            runs.append((i, i, key[0] + (f" {key[1]}" if several else "")))
     return runs
 
 
@@ -49,7 +53,9 @@ def plot_timeline(planned, path: str) -> None:
     opt = sum(plan.opt_on_device) * plan.opt_state_bytes
     model = [m.chunk_bytes + opt for m in plan.moments] if fits else [0] * len(accesses)
     capacity = plan.device_capacity_bytes
-    unit, scale = byte_unit(max([capacity, *(m + n for m, n in zip(model, non_model))]))
+    peak = max([1, *(m + n for m, n in zip(model, non_model))])
+    capacity_shown = capacity <= 4 * peak  # else the data would be a sliver under a line far above it
+    unit, scale = byte_unit(max(capacity, peak) if capacity_shown else peak)
     x = range(len(accesses))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     if fits:
@@ -58,23 +64,25 @@ def plot_timeline(planned, path: str) -> None:
                      colors=["#4c72b0", "#dd8452"])
     else:
         ax.stackplot(x, [n / scale for n in non_model], step="mid", labels=["non-model data"], colors=["#dd8452"])
-    ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1.2, label="device capacity")
-    top = max([capacity, *(m + n for m, n in zip(model, non_model))]) / scale
-    ax.set_ylim(0, top * 1.12)  # headroom: the capacity line stays clear of the frame
+    if capacity_shown:
+        ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1.2, label="device capacity")
+    ax.set_ylim(0, (max(capacity, peak) if capacity_shown else peak) / scale * 1.12)  # the line clears the frame
     ax.set_xlim(-0.5, len(accesses) - 0.5)
     runs = phase_runs([a.phase for a in accesses], [a.micro for a in accesses])
-    if len(runs) > MAX_PHASE_LABELS:
-        seen: set[str] = set()
-        runs = [r for r in runs if not (r[2].split()[0] in seen or seen.add(r[2].split()[0]))]
     ax.set_xticks([(first + last) / 2 for first, last, _ in runs], [label for _, _, label in runs], fontsize=8)
     for first, _, _ in runs[1:]:
         ax.axvline(first - 0.5, color="grey", linewidth=0.5, alpha=0.5)
-    ax.set_xlabel(f"the step's {len(accesses)} moments in order (phase" +
-                  (", micro-batch)" if len({a.micro for a in accesses}) > 1 else ")"))
+    updates = [i for i, a in enumerate(accesses) if a.phase == "adam"]
+    ax.plot(updates, [0] * len(updates), linestyle="none", marker="^", color="black", markersize=5,
+            clip_on=False, label="a chunk's optimizer update")
+    ax.set_xlabel(f"the step's {len(accesses)} moments in order: each micro-batch's forward, then its loss and "
+                  "backward")
     ax.set_ylabel(f"{unit} per device")
     title = "pstar plan: fits" if fits else f"pstar plan: does not fit ({plan.problem})"
+    if not capacity_shown:
+        title += f"; device capacity {format_bytes(capacity)}, far above"
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)  # off the data
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -236,7 +236,7 @@ def test_plot_units_and_phase_labels():
     from pstar_jax.plan_plot import byte_unit, phase_runs
     assert byte_unit(30 * 2**20) == ("MiB", 2**20) and byte_unit(500) == ("B", 1)
     assert byte_unit(3 * 2**30) == ("GiB", 2**30) and byte_unit(2**20 - 1) == ("KiB", 1024)
-    assert phase_runs(["adam", "fwd", "fwd", "head", "bwd", "bwd"], [0] * 6) == [
-        (0, 0, "optimizer"), (1, 2, "forward"), (3, 3, "head"), (4, 5, "backward")]
-    assert [r[2] for r in phase_runs(["fwd", "bwd", "fwd", "bwd"], [0, 0, 1, 1])] == [
+    assert phase_runs(["adam", "fwd", "adam", "fwd", "head", "bwd", "bwd"], [0] * 7) == [
+        (0, 3, "forward"), (4, 6, "backward")]
+    assert [r[2] for r in phase_runs(["fwd", "head", "bwd", "fwd", "head", "bwd"], [0, 0, 0, 1, 1, 1])] == [
         "forward 0", "backward 0", "forward 1", "backward 1"]
