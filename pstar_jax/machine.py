@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -138,8 +139,12 @@ def save_machine(machine: Machine, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(machine), indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(dataclasses.asdict(machine), indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # no half-written file beside the target
+        raise
 
 
 def load_machine(source: str | os.PathLike) -> Machine:
@@ -164,12 +169,31 @@ def load_machine(source: str | os.PathLike) -> Machine:
     return machine
 
 
-def saved_machine(placement, optimizer, remeasure: bool = False) -> Machine:
+def _warn(message: str) -> None:
+    print(f"pstar_jax: warning: {message}", file=sys.stderr, flush=True)
+
+
+def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool = False,
+                  warn: Callable[[str], None] = _warn) -> Machine:
     """This machine's saved rates, measured (with ``measure``) and saved first when there are none
-    or ``remeasure`` says so: the same machine then always plans with the same rates."""
+    or ``remeasure`` says so: the same machine then always plans with the same rates.
+
+    The file is a cache: one that cannot be read (not JSON, a field missing, a directory) is
+    measured again and replaced, and rates that cannot be kept (a read-only or impossible
+    directory) serve this run only; both with a ``warn`` line. ``must_keep`` (pstar-machine,
+    whose job is to keep them) raises the OSError instead."""
     path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
     if path.exists() and not remeasure:
-        return load_machine(path)
+        try:
+            return load_machine(path)
+        except ConfigError as err:
+            warn(f"{err}; measuring this machine again")
     machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
-    save_machine(machine, path)
+    try:
+        save_machine(machine, path)
+    except OSError as err:
+        if must_keep:
+            raise
+        warn(f"cannot keep this machine's rates in {path} ({err.strerror}); measured them for this run only "
+             f"(set {MACHINES_DIR_ENV} to a writable directory)")
     return machine

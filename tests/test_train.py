@@ -171,3 +171,15 @@ def test_model_module_from_the_current_directory_like_python_m(tmp_path):
     missing = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "--model-module", "mymodels.absent"],
                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert missing.returncode == 2 and "cannot be imported" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_rates_that_cannot_be_kept_are_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A machines directory that cannot be made or written: pstar-train measures, warns in one
+    line and trains (the kept rates are a cache, not an input)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PSTAR_MACHINES_DIR", str(blocker / "machines"))
+    assert main(["--steps", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "warning" in line] == [
+        line for line in err.splitlines() if "cannot keep this machine's rates" in line] != []
