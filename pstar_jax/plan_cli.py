@@ -2,7 +2,10 @@
 
 Prints whether it fits, the chunk size, how many chunks stay on the device, where Adam runs,
 the bytes moved per step, a predicted step time, and the largest depth and batch that fit.
-Exit 0 when it fits, 1 when it does not (one sentence why), 2 on bad input. Only wiring:
+The model is a preset (``pstar-plan GPT3_12B`` or ``--model GPT3_12B``) or a Hugging Face
+checkpoint's config.json (``--init-from-hf DIR``); the machine is one H200 unless the flags say
+otherwise, and the first line says what was planned for. Exit 0 when it fits, 1 when it does not
+(one sentence why), 2 on bad input. Only wiring:
 flags -> configuration -> pstar_jax.planner.plan_report.
 """
 
@@ -84,6 +87,10 @@ def depth_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
             config, model=dataclasses.replace(config.model, n_layer=n_layer)))
     shape = getattr(model, "config", None)
     if not (dataclasses.is_dataclass(shape) and hasattr(shape, "n_layer")):
+        return None
+    try:  # a model module's own class may not be built from its config alone
+        type(model)(shape)
+    except (TypeError, ValueError):
         return None
     return lambda n_layer: type(model)(dataclasses.replace(shape, n_layer=n_layer))
 

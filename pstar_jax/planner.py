@@ -6,6 +6,8 @@ The searches stay quick for any model: the largest depth lies below what host an
 can hold at the model's bytes per layer, each probe asks only whether any placement fits
 (make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
 stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+A step too long to plan at all (``MAX_PLAN_CHUNKS`` chunks, ``MAX_PLAN_MOMENTS`` moments) is
+refused up front by ``check_plan_size``, with a chunk size or micro-batch count that answers.
 """
 
 from __future__ import annotations
