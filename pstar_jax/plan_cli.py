@@ -171,7 +171,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         from pstar_jax.plan_plot import plot_timeline
         plot_timeline(report.planned, args.plot)
     if not report.fits:
-        print(f"pstar-plan: does not fit: {report.plan.problem}", file=sys.stderr)
+        from pstar_jax.plan import shortfall
+        from pstar_jax.planner import smallest_device_bytes
+        least = smallest_device_bytes(report.planned, host_bytes, machine, engine)
+        fix = (f"; it fits with --device-memory {shortfall(least).replace(' ', '')}" if least else
+               "; it fits no device memory with this host memory (raise --host-memory)")
+        print(f"pstar-plan: does not fit: {report.plan.problem}{fix}", file=sys.stderr)
         return 1
     return 0
 

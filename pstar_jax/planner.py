@@ -215,6 +215,26 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh):
     return layout
 
 
+def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
+    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
+    None when not even everything on the device fits: the value a "does not fit" answer suggests,
+    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
+    from pstar_jax.plan import make_plan
+    shape = planned.shape
+
+    def fits(device_bytes: int) -> bool:
+        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
+    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_non_model_bytes)
+    low = planned.device_budget_bytes
+    if low >= high or not fits(high):
+        return None
+    while high - low > max(high // 256, 1):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
 def default_tx_for_shapes():
     """AdamW's state shapes (the schedule does not matter for a plan)."""
     from pstar_jax.optim import default_tx
@@ -272,5 +292,5 @@ def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: 
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 
-__all__ = ["PlanReport", "Largest", "plan_report", "largest", "check_plan_size", "MAX_SEARCH_CHUNKS",
+__all__ = ["PlanReport", "Largest", "plan_report", "largest", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
            "MAX_SEARCH_BATCH", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]

@@ -246,3 +246,16 @@ def test_plot_units_and_phase_labels():
         (0, 3, "forward"), (4, 6, "backward")]
     assert [r[2] for r in phase_runs(["fwd", "head", "bwd", "fwd", "head", "bwd"], [0, 0, 0, 1, 1, 1])] == [
         "forward 0", "backward 0", "forward 1", "backward 1"]
+
+
+@pytest.mark.parametrize("flags", [["--device-memory", "150KiB"], ["--device-memory", "400KiB", "--host-memory", "100KiB"]])
+def test_does_not_fit_suggests_a_device_memory_that_fits(capsys, flags):
+    """The 'by X' of a shortfall is one moment's; the suggestion is the least device memory that
+    fits (with this host memory), and following it fits."""
+    import re
+    assert main([*TINY, "--no-search", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    suggested = re.search(r"it fits with --device-memory (\S+)$", err)[1]
+    follow = [*flags]
+    follow[1] = suggested
+    assert main([*TINY, "--no-search", *follow]) == 0, capsys.readouterr().err
