@@ -101,7 +101,7 @@ def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_it
     import pstar_jax as ps
     from pstar_jax.machine import H200
     from pstar_jax.planning import default_mesh, resolve_machine
-    model, mesh = models.build_model("tiny"), default_mesh(1)
+    model, mesh = pstar_models.build_model("tiny"), default_mesh(1)
     assert resolve_machine(ps.EngineConfig(machine="h200"), mesh) == H200
     for option in ({"scan_layers": False}, {"opt_on_host": True}):
         with pytest.raises(ps.ConfigError, match="plain-engine settings"):
