@@ -58,16 +58,18 @@ def _number(kind: type) -> Callable[[str], Any]:
 
 
 def add_section(parser: argparse.ArgumentParser, section: str, skip: Sequence[str] = (),
-                defaults: dict[str, Any] | None = None) -> None:
+                defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None) -> None:
     """One argument group with a flag per field of a config section (``skip``: fields to leave out;
-    ``defaults``: other defaults for this command, shown in the help and passed on)."""
+    ``defaults``: other defaults for this command, shown in the help and passed on; ``helps``: help
+    texts for this command, where its defaults mean something else than the field's)."""
     group = parser.add_argument_group(_TITLES[section])
     for field in dataclasses.fields(SECTIONS[section]):
         if not field.metadata.get("cli", True) or field.name in skip:
             continue
         flag, meta = flag_of(field), field.metadata
         default = (defaults or {}).get(field.name, field.default)
-        kwargs: dict[str, Any] = dict(dest=f"{section}.{field.name}", help=meta["help"], default=argparse.SUPPRESS)
+        kwargs: dict[str, Any] = dict(dest=f"{section}.{field.name}", help=(helps or {}).get(field.name, meta["help"]),
+                                      default=argparse.SUPPRESS)
         if defaults and field.name in defaults:
             kwargs["default"] = default
         shown = "auto" if default is None and meta.get("parse") else default

@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any, Iterator, Sequence
 
@@ -34,10 +35,27 @@ from pstar_jax.model import StagedModel, flops_per_token
 log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
 
+def import_user_module(name: str) -> Any:
+    """``name`` imported as ``python -m`` would find it: a console script's sys.path lacks the current
+    directory, so ``--model-module examples.my_model`` run from a clone is retried with the current
+    directory appended (after the installed packages, which it never shadows), only when the module
+    itself (not something it imports) is missing."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        cwd = os.getcwd()
+        missing = err.name or ""
+        if not (name == missing or name.startswith(missing + ".")) or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(name)
+
+
 def _model_module(config: RunConfig) -> Any:
     name = config.model.module
     try:
-        return importlib.import_module(name)
+        return import_user_module(name)
     except ImportError as err:
         raise ConfigError(f"ModelConfig.module {name!r} cannot be imported ({err}); name an importable "
                           "module with a build_model function") from None

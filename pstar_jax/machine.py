@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -56,6 +57,12 @@ H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 397e12, 119e9, 0.88e9)
 
 # The same if the two copy directions overlap fully (scripts/bandwidth.py says whether they do).
 MACHINES = {"h200": H200, "h200-duplex": dataclasses.replace(H200, name="h200-duplex", duplex=True)}
+
+
+def describe(machine: Machine) -> str:
+    """'h200 rates (preset)' or 'NAME rates (measured)': where a plan's rates came from."""
+    preset = MACHINES.get(machine.name) == machine
+    return f"{machine.name} rates ({'preset' if preset else 'measured'})"
 
 
 def copies_overlap(h2d_s: float, d2h_s: float, both_s: float) -> bool:
@@ -135,8 +142,12 @@ def save_machine(machine: Machine, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(machine), indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(dataclasses.asdict(machine), indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # no half-written file beside the target
+        raise
 
 
 def load_machine(source: str | os.PathLike) -> Machine:
@@ -161,13 +172,32 @@ def load_machine(source: str | os.PathLike) -> Machine:
     return machine
 
 
-def saved_machine(placement, optimizer, remeasure: bool = False) -> Machine:
+def _warn(message: str) -> None:
+    print(f"pstar_jax: warning: {message}", file=sys.stderr, flush=True)
+
+
+def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool = False,
+                  warn: Callable[[str], None] = _warn) -> Machine:
     """This machine's saved rates, measured (with ``measure``) and saved first when there are none
-    or ``remeasure`` says so: the same machine then always plans with the same rates."""
+    or ``remeasure`` says so: the same machine then always plans with the same rates.
+
+    The file is a cache: one that cannot be read (not JSON, a field missing, a directory) is
+    measured again and replaced, and rates that cannot be kept (a read-only or impossible
+    directory) serve this run only; both with a ``warn`` line. ``must_keep`` (pstar-machine,
+    whose job is to keep them) raises the OSError instead."""
     path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
     if path.exists() and not remeasure:
-        return load_machine(path)
+        try:
+            return load_machine(path)
+        except ConfigError as err:
+            warn(f"{err}; measuring this machine again")
     log.info("measuring this machine's rates (once, kept in %s)", path)
     machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
-    save_machine(machine, path)
+    try:
+        save_machine(machine, path)
+    except OSError as err:
+        if must_keep:
+            raise
+        warn(f"cannot keep this machine's rates in {path} ({err.strerror}); measured them for this run only "
+             f"(set {MACHINES_DIR_ENV} to a writable directory)")
     return machine

@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = ChunkOptimizer(default_tx(OptimConfig()), placement,
                                jnp.bfloat16 if args.precision == "bf16" else jnp.float32)
     try:
-        machine = saved_machine(placement, optimizer, args.remeasure)
+        machine = saved_machine(placement, optimizer, args.remeasure, must_keep=True)
     except OSError as err:
         print(f"pstar-machine: cannot keep the rates in {machines_dir()} ({err.strerror}); set "
               f"PSTAR_MACHINES_DIR to a writable directory", file=sys.stderr)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Callable, Sequence
 
 from pstar_jax.config import format_bytes
@@ -30,6 +31,17 @@ from pstar_jax.eviction import EvictionPolicy, policy_for
 from pstar_jax.machine import Machine
 from pstar_jax.predict import predict_step_s, state_leads
 from pstar_jax.schedule import Access, Item, StepShape, forward_accesses, step_accesses
+
+
+def shortfall(n_bytes: int) -> str:
+    """``format_bytes`` rounded up, not to the nearest: a budget raised by the amount a message says
+    is short is then no longer short by it."""
+    text = format_bytes(n_bytes)
+    unit = text.split()[1]
+    if unit == "B":
+        return text
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    return f"{math.ceil(n_bytes * 100 / scale) / 100:.2f} {unit}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +203,14 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         #                            a host shortfall computed as if the device could hold that state
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, opt_device + busiest, 0, float("inf"), False,
-                    f"device memory runs out by {format_bytes(short)}: the optimizer state of "
+                    f"device memory runs out by {shortfall(short)}: the optimizer state of "
                     f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
                     f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
     host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
     if host_needed > host_bytes:  # known without building the step, let alone replaying it
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
-                    f"host memory runs out by at least {format_bytes(host_needed - host_bytes)}")
+                    f"host memory runs out by at least {shortfall(host_needed - host_bytes)}")
     leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
@@ -218,7 +230,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         else:
             raise Infeasible("the placement does not settle into a repeating step", 0)
     except Infeasible as err:
-        problem = (f"device memory runs out at {err} by {format_bytes(err.shortfall)}" if err.shortfall
+        problem = (f"device memory runs out at {err} by {shortfall(err.shortfall)}" if err.shortfall
                    else str(err))
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
@@ -226,7 +238,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     host_opt = (len(opt_on_device) - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
     if peak_host > host_bytes:
-        problem = f"host memory runs out by {format_bytes(peak_host - host_bytes)}"
+        problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
@@ -266,7 +278,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
         moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_bytes, state,
                                   policy_for(victim_rule, accesses))
     except Infeasible as err:
-        return plan(problem=f"device memory runs out during evaluation at {err} by {format_bytes(err.shortfall)}")
+        return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
     evict = tuple(sorted(it for it in state.device if it not in start))
     fetch = tuple(sorted(it for it in start if it not in state.device))
     written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
@@ -274,7 +286,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
                               len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
-    problem = (f"host memory runs out during evaluation by {format_bytes(peak_host - host_bytes)}"
+    problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
                if peak_host > host_bytes else None)
     return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))
 

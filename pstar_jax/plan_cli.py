@@ -2,7 +2,10 @@
 
 Prints whether it fits, the chunk size, how many chunks stay on the device, where Adam runs,
 the bytes moved per step, a predicted step time, and the largest depth and batch that fit.
-Exit 0 when it fits, 1 when it does not (one sentence why), 2 on bad input. Only wiring:
+The model is a preset (``pstar-plan GPT3_12B`` or ``--model GPT3_12B``) or a Hugging Face
+checkpoint's config.json (``--init-from-hf DIR``); the machine is one H200 unless the flags say
+otherwise, and the first line says what was planned for. Exit 0 when it fits, 1 when it does not
+(one sentence why), 2 on bad input. Only wiring:
 flags -> configuration -> pstar_jax.planner.plan_report.
 """
 
@@ -13,22 +16,37 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from pstar_jax import cli
 from pstar_jax.config import ConfigError, EngineConfig, ModelConfig, RunConfig, TrainConfig
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 GiB = 2**30
+# Each data-parallel device is a fake CPU device the stage functions are traced over: their
+# number costs memory and compile time (the README's GPT3_175B plan uses 32).
+MAX_DATA_PARALLEL = 1024
+# What pstar-plan plans for unless told otherwise: one H200 of the project's GPU machine (it plans
+# for a device it does not see, so "this machine" would be the CPU that traces).
+PLAN_HELPS = {
+    "device_memory": "device memory per device for chunks and activations, in bytes (2GiB, 1e9); by default "
+                     "an H200's",
+    "host_memory": "pinned host memory of one host for chunks, in bytes, shared by --devices-per-host devices; "
+                   "by default the H200 machine's",
+    "machine": "rates the plan predicts with: h200 (measured on the project's H200), h200-duplex, or a JSON "
+               "file of pstar-machine (pstar-machine prints it) for this machine's",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-plan", description=__doc__.splitlines()[0])
+    p.add_argument("preset", nargs="?", default=None, metavar="MODEL", help="the model preset, as --model")
     cli.add_section(p, "model", skip=("init_from_flax",), defaults={"name": "GPT2_1B"})
     cli.add_section(p, "train", skip=("steps", "seed", "skip_nonfinite", "eval_every", "eval_batches"),
                     defaults={"batch_size": 8})
     cli.add_section(p, "engine", skip=("kind", "remat"),
-                    defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"})
+                    defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"},
+                    helps=PLAN_HELPS)
     g = p.add_argument_group("pstar-plan")
     g.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO) (default: 1)")
     g.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's --host-memory "
@@ -37,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw the memory timeline (.png, .pdf, .svg)")
     return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, with a positional model name taken as --model (given once, one way or the other)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.preset is not None:
+        if any(a == "--model" or a.startswith("--model=") for a in argv):
+            raise ConfigError(f"the model is named twice ({args.preset} and --model); name it once")
+        setattr(args, "model.name", args.preset)
+    return args
 
 
 def model_label(config: ModelConfig, model) -> str:
@@ -48,9 +77,36 @@ def model_label(config: ModelConfig, model) -> str:
     return name + (f" with {', '.join(changed)}" if changed else "") + (f" ({', '.join(dims)})" if dims else "")
 
 
-def _check(args) -> None:
-    if args.data_parallel < 1:
-        raise ConfigError(f"--data-parallel must be at least 1, got {args.data_parallel}")
+def depth_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
+    """How the depth search rebuilds the model at another depth: the preset with --n-layer, or, for
+    an imported checkpoint (whose config.json fixes the depth), its own shape with another n_layer;
+    None (no depth search) for a model whose shape pstar-plan cannot vary."""
+    from pstar_jax.loop import load_model
+    if not config.model.init_from_hf:
+        return lambda n_layer: load_model(dataclasses.replace(
+            config, model=dataclasses.replace(config.model, n_layer=n_layer)))
+    shape = getattr(model, "config", None)
+    if not (dataclasses.is_dataclass(shape) and hasattr(shape, "n_layer")):
+        return None
+    try:  # a model module's own class may not be built from its config alone
+        type(model)(shape)
+    except (TypeError, ValueError):
+        return None
+    return lambda n_layer: type(model)(dataclasses.replace(shape, n_layer=n_layer))
+
+
+def _check(args, config: RunConfig) -> None:
+    """Everything the flags alone can refuse, before a backend (with W fake devices) starts."""
+    W, micro = args.data_parallel, config.train.batch_size // config.engine.micro_batches
+    if not 1 <= W <= MAX_DATA_PARALLEL:
+        raise ConfigError(f"--data-parallel must be in [1, {MAX_DATA_PARALLEL}], got {W}")
+    if config.train.batch_size % config.engine.micro_batches:
+        raise ConfigError(f"TrainConfig.batch_size {config.train.batch_size} must be a positive multiple of "
+                          f"EngineConfig.micro_batches {config.engine.micro_batches}")
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of --data-parallel {W}: use "
+                          f"--data-parallel {max(d for d in range(1, min(W, micro) + 1) if micro % d == 0)} "
+                          f"or TrainConfig.batch_size {-(-micro // W) * W * config.engine.micro_batches}")
     if args.devices_per_host is not None and args.devices_per_host < 1:
         raise ConfigError(f"--devices-per-host must be at least 1, got {args.devices_per_host}")
     if args.plot is not None:
@@ -84,14 +140,14 @@ def _backend(W: int) -> None:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _check(args)
+    args = parse_args(argv)
     engine = cli.build(EngineConfig, args, "engine")
     if not isinstance(engine.device_memory, int):  # a fraction would be of this machine, not the planned one
         raise ConfigError("EngineConfig.device_memory must be a size in bytes here (e.g. 80GiB): pstar-plan plans "
                           "for a device it does not see")
     config = RunConfig(model=cli.build(ModelConfig, args, "model"), engine=engine,
                        train=cli.build(TrainConfig, args, "train"))
+    _check(args, config)
     W = args.data_parallel
     host_bytes = engine.host_memory // (args.devices_per_host or min(W, 8))  # the plan is per device
     _backend(W)
@@ -106,11 +162,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     machine = load_machine(engine.machine)
     model = load_model(config)
 
-    def model_at(n_layer: int):
-        return load_model(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layer=n_layer)))
     mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
     report = plan_report(model, engine, config.train.batch_size, mesh, machine, host_bytes,
-                         label=model_label(config.model, model), model_at=model_at,
+                         label=model_label(config.model, model), model_at=depth_builder(config, model),
                          search=not args.no_search and not args.json)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model.config) if hasattr(model, "config") else {},
@@ -118,36 +172,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     else:
         print("\n".join(report.lines()))
     if args.plot:
+        from pstar_jax.plan_plot import plot_timeline
         plot_timeline(report.planned, args.plot)
     if not report.fits:
-        print(f"pstar-plan: does not fit: {report.plan.problem}", file=sys.stderr)
+        from pstar_jax.plan import shortfall
+        from pstar_jax.planner import smallest_device_bytes
+        least = smallest_device_bytes(report.planned, host_bytes, machine, engine)
+        fix = (f"; it fits with --device-memory {shortfall(least).replace(' ', '')}" if least else
+               "; it fits no device memory with this host memory (raise --host-memory)")
+        print(f"pstar-plan: does not fit: {report.plan.problem}{fix}", file=sys.stderr)
         return 1
     return 0
-
-
-def plot_timeline(planned, path: str) -> None:
-    """Model data and non-model data per moment, stacked, against the device capacity."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plan, accesses = planned.plan, planned.accesses
-    opt = sum(plan.opt_on_device) * plan.opt_state_bytes
-    gib = 2**30
-    non_model = [a.non_model_bytes / gib for a in accesses]
-    chunks = [(m.chunk_bytes + opt) / gib for m in plan.moments] or [0.0] * len(accesses)
-    x = range(len(accesses))
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.stackplot(x, chunks, non_model, labels=["model data (chunks + device Adam state)", "non-model data"],
-                 colors=["#4c72b0", "#dd8452"])
-    ax.axhline(plan.device_capacity_bytes / gib, color="black", linestyle="--", label="device capacity")
-    ax.set_xlabel("moment (forward, backward, optimizer per chunk)")
-    ax.set_ylabel("GiB per device")
-    ax.set_title(f"pstar plan: {'fits' if plan.fits else 'does not fit'}")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,8 @@ The searches stay quick for any model: the largest depth lies below what host an
 can hold at the model's bytes per layer, each probe asks only whether any placement fits
 (make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
 stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+A step too long to plan at all (``MAX_PLAN_CHUNKS`` chunks, ``MAX_PLAN_MOMENTS`` moments) is
+refused up front by ``check_plan_size``, with a chunk size or micro-batch count that answers.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from typing import Callable
 from jax.sharding import Mesh
 
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
-from pstar_jax.machine import Machine
+from pstar_jax.machine import Machine, describe
 from pstar_jax.model import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planning import Planned, plan_model, resolve_engine_config
 
 MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
 MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
+# A plan replays every moment of the step, evicting among the chunks: its cost grows with both
+# (tiny at 500 one-layer chunks: 8 s; 4096 micro-batches: 40 s on a 2-core VM). The largest
+# presets need far less (GPT3_175B: 98 stages; 8 micro-batches of llama-3.1-70b: 1,312 moments).
+MAX_PLAN_CHUNKS = 2048
+MAX_PLAN_MOMENTS = 1 << 14  # forward and backward moments: stages x micro-batches x 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +86,12 @@ class PlanReport:
     def lines(self) -> list[str]:
         """What pstar-plan prints."""
         plan, layout, W = self.plan, self.planned.layout, self.data_parallel
-        out = [f"model {self.label}: {self.n_params:,} params ({format_bytes(14 * self.n_params)} of model data at "
+        out = [f"planned for {describe(self.machine)}: device {format_bytes(self.planned.device_budget_bytes)} and "
+               f"host {format_bytes(self.host_bytes)} per device, {W} data-parallel device(s)",
+               f"model {self.label}: {self.n_params:,} params ({format_bytes(14 * self.n_params)} of model data at "
                f"14 B/param), batch {self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), "
                f"{self.precision}",
-               f"capacity per device: device {format_bytes(self.planned.device_budget_bytes)}, host "
-               f"{format_bytes(self.host_bytes)}; {W} data-parallel device(s); rates: {self.machine.name}",
-               f"chunks: {layout.n_chunks} of {layout.chunk_numel:,} elements "
+               f"chunks: {layout.n_chunks} chunks of {layout.chunk_numel:,} elements "
                f"({100 * layout.numel / layout.padded_numel:.1f}% used)"]
         if plan.fits:
             n, on_device, streamed = layout.n_chunks, sum(plan.opt_on_device), sum(plan.opt_streamed)
@@ -159,10 +166,11 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
         raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree {W} "
                           "(DistributedConfig.data_parallel)")
     resolved = resolve_engine_config(config, model, mesh)
+    layout = check_plan_size(model, resolved, mesh)
     make_tx = default_tx_for_shapes()
     cache: dict = {}
     planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
-                         trace_cache=cache)
+                         layout=layout, trace_cache=cache)
     cfg = getattr(model, "config", None)
     report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
                         config.micro_batches, model.seq_len, config.precision, flops_per_token(model),
@@ -173,6 +181,58 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                                           cache, cfg.n_layer)
         report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
     return report
+
+
+def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh):
+    """The layout of ``model`` (``config`` resolved), refusing a step too long to plan in reasonable
+    time (MAX_PLAN_CHUNKS, MAX_PLAN_MOMENTS) with a value that answers when followed."""
+    from pstar_jax.chunks import build_layout
+    W = mesh.devices.size
+    chunk_numel = -(-config.chunk_numel // W) * W
+    decay = functools.partial(decays, model)
+    layout = build_layout(model.param_shapes(), decay, chunk_numel)
+    n_stages = len(list(model.stages(config.compute_dtype)))
+    moments = 2 * n_stages * config.micro_batches
+    if 2 * n_stages > MAX_PLAN_MOMENTS:
+        n_layer = getattr(getattr(model, "config", None), "n_layer", None)
+        fewer = (f"plan a model of at most {MAX_PLAN_MOMENTS // 2 - (n_stages - n_layer)} layers (ModelConfig.n_layer)"
+                 if isinstance(n_layer, int) else "plan a model of fewer stages")
+        raise ConfigError(f"the model's {n_stages:,} stages are more than pstar-plan replays "
+                          f"({MAX_PLAN_MOMENTS // 2:,}); {fewer}")
+    if moments > MAX_PLAN_MOMENTS:
+        raise ConfigError(f"{n_stages} stages x {config.micro_batches} micro-batches is {moments:,} forward and "
+                          f"backward moments, more than pstar-plan replays ({MAX_PLAN_MOMENTS:,}); use "
+                          f"EngineConfig.micro_batches {max(1, MAX_PLAN_MOMENTS // (2 * n_stages))} or fewer")
+    if layout.n_chunks > MAX_PLAN_CHUNKS:
+        larger = -(-layout.numel // MAX_PLAN_CHUNKS)
+        while True:  # packing wastes some of each chunk: grow until the count is within the cap
+            larger = -(-larger // (64 * W)) * 64 * W
+            if build_layout(model.param_shapes(), decay, larger).n_chunks <= MAX_PLAN_CHUNKS:
+                break
+            larger = larger * 9 // 8
+        raise ConfigError(f"{layout.n_chunks:,} chunks of {layout.chunk_numel:,} elements are more than pstar-plan "
+                          f"plans ({MAX_PLAN_CHUNKS:,}); use EngineConfig.chunk_numel {larger} or more")
+    return layout
+
+
+def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
+    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
+    None when not even everything on the device fits: the value a "does not fit" answer suggests,
+    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
+    from pstar_jax.plan import make_plan
+    shape = planned.shape
+
+    def fits(device_bytes: int) -> bool:
+        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
+    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_non_model_bytes)
+    low = planned.device_budget_bytes
+    if low >= high or not fits(high):
+        return None
+    while high - low > max(high // 256, 1):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
 
 
 def default_tx_for_shapes():
@@ -232,4 +292,5 @@ def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: 
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 
-__all__ = ["PlanReport", "Largest", "plan_report", "largest", "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH"]
+__all__ = ["PlanReport", "Largest", "plan_report", "largest", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
+           "MAX_SEARCH_BATCH", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]

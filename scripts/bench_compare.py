@@ -173,35 +173,71 @@ def write_outputs(points: list[Point], out: str, header: str) -> None:
     largest = {m: max((p.params for p in points if p.method == m and p.fits), default=0) for m in METHODS}
     lines += ["", "Largest trainable model per method: " +
               ", ".join(f"{m} {v:,}" for m, v in largest.items())]
-    best = max((m for m in largest if m != "pstar"), key=largest.get, default=None)
-    if best and largest[best] and largest.get("pstar"):
-        lines.append(f"pstar against the best baseline ({best}): {largest['pstar'] / largest[best]:.2f}x the parameters")
+    ratio = ratio_line(points, largest)
+    if ratio:
+        lines.append(ratio)
+        print(ratio, flush=True)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(points, largest, out)
+    plot(points, largest, out, ratio)
 
 
-def plot(points: list[Point], largest: dict, out: str) -> None:
+def ratio_line(points: list[Point], largest: dict) -> str:
+    """pstar's largest model against the best baseline's; a lower bound when pstar trained even the
+    largest size tried (a larger one might fit too)."""
+    best = max((m for m in largest if m != "pstar"), key=largest.get, default=None)
+    if not (best and largest[best] and largest.get("pstar")):
+        return ""
+    tried = max(p.params for p in points)
+    text = f"pstar against the best baseline ({best}): {largest['pstar'] / largest[best]:.2f}x the parameters"
+    if largest["pstar"] == tried:
+        text = text.replace(": ", ": at least ", 1) + (f" (pstar trained the largest size tried, {tried:,}: that "
+                                                       "size bounds the ratio; try larger --sizes)")
+    return text
+
+
+def _params_unit(n: float) -> tuple[str, float]:
+    for unit, scale in (("billions", 1e9), ("millions", 1e6), ("thousands", 1e3)):
+        if n >= scale:
+            return unit, scale
+    return "", 1.0
+
+
+def plot(points: list[Point], largest: dict, out: str, ratio: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    unit, scale = _params_unit(max(p.params for p in points))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for method in METHODS:
         ok = sorted((p.params, p.tokens_per_s) for p in points if p.method == method and p.fits)
         if ok:
-            ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=method)
+            ax.plot([x / scale for x, _ in ok], [y for _, y in ok], marker="o", label=method)
     ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("tokens/s (best batch)")
-    ax.legend(fontsize=8)
+    sizes = sorted({p.params / scale for p in points})
+    ax.set_xticks(sizes, [f"{v:.3g}" for v in sizes])  # the sizes tried, in plain numbers
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel(f"model parameters ({unit})" if unit else "model parameters")
+    ax.set_ylabel("tokens per second (best batch)")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.set_title("Training throughput per method (a missing point: the model did not fit)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "throughput.png"), dpi=100)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh(list(largest), [v for v in largest.values()])
-    ax.set_xlabel("largest trainable model (parameters)")
-    fig.tight_layout()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = list(largest)
+    ax.barh(names, [largest[m] / scale for m in names], color=["#dd8452" if m == "pstar" else "#4c72b0" for m in names])
+    tried = max(p.params for p in points) / scale
+    ax.axvline(tried, color="black", linestyle="--", linewidth=1, label="largest size tried")
+    ax.set_xlim(0, tried * 1.15)
+    ax.set_xlabel(f"largest trainable model (parameters, {unit})" if unit else "largest trainable model (parameters)")
+    ax.set_title("Largest model each method trained", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    if ratio:
+        fig.text(0.01, 0.01, ratio, fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.08 if ratio else 0, 1, 1))
     fig.savefig(os.path.join(out, "largest.png"), dpi=100)
     plt.close(fig)
 

@@ -185,3 +185,17 @@ def test_auto_chunk_numel_is_least_padding_on_wide_range():
     assert (high - low) // step > 40  # a wide range: many sizes to beat
     assert best_padded <= min(build_layout(shapes, decays, n).padded_numel
                               for n in range(low, high + 1, step))
+
+
+def test_layout_work_is_linear_in_the_tensors():
+    """A chunk of many small tensors (a deep narrow model in one large chunk) is laid out in one
+    pass: the decay rule is asked a few times per tensor, not once per tensor per tensor added."""
+    n = 2000
+    shapes = {f"t{i}": (8,) if i % 3 else (4, 4) for i in range(n)}
+    asked = []
+
+    def decays(name):
+        asked.append(name)
+        return len(shapes[name]) == 2
+    layout = build_layout(shapes, decays, 1 << 20)
+    assert layout.n_chunks == 1 and len(asked) <= 4 * n

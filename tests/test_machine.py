@@ -65,3 +65,37 @@ def test_key_names_platform_versions_cores_and_dtype():
     key = machine_key(jnp.float32)
     assert key.startswith("cpu-") and f"jax{jax.__version__}" in key and f"{os.cpu_count()}cores" in key
     assert key.endswith("float32") and "/" not in key and " " not in key
+
+
+@pytest.mark.parametrize("kept", ["not json", '{"name": "x"}', "directory"])
+def test_an_unreadable_kept_file_is_measured_again_with_a_warning(tmp_path, monkeypatch, kept):
+    """The kept file is a cache: not JSON, a field missing or a directory in its place is
+    measured again (and replaced where it can be), with one warning line, never an error."""
+    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(mach, "measure", lambda placement, optimizer: ODD)
+    path = tmp_path / f"{machine_key(jnp.bfloat16)}.json"
+    if kept == "directory":
+        path.mkdir()
+    else:
+        path.write_text(kept)
+    warnings = []
+    machine = saved_machine(None, _Optimizer(), warn=warnings.append)
+    assert machine == dataclasses.replace(ODD, name=path.stem)
+    assert warnings and all("\n" not in w for w in warnings) and "measuring this machine again" in warnings[0]
+    if kept == "directory":
+        assert "cannot keep" in warnings[-1] and path.is_dir()
+    else:
+        assert len(warnings) == 1 and load_machine(path) == machine  # replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary left behind
+
+
+def test_rates_that_cannot_be_kept_serve_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(blocker / "machines"))  # under a file: cannot be made
+    monkeypatch.setattr(mach, "measure", lambda placement, optimizer: ODD)
+    warnings = []
+    assert saved_machine(None, _Optimizer(), warn=warnings.append).flops_per_s == ODD.flops_per_s
+    assert len(warnings) == 1 and "cannot keep" in warnings[0] and mach.MACHINES_DIR_ENV in warnings[0]
+    with pytest.raises(OSError):
+        saved_machine(None, _Optimizer(), must_keep=True)

@@ -81,7 +81,7 @@ def test_same_machine_file_same_plan(capsys, tmp_path):
 def test_the_model_is_named_by_its_shape(capsys):
     assert main(["--model", "GPT2_1B", "--d-model", "64", "--n-head", "2", "--n-layer", "2", "--seq-len", "32",
                  "--vocab-size", "128", "--no-search"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    first = capsys.readouterr().out.splitlines()[1]
     assert first.startswith("model GPT2_1B with n_layer 2, d_model 64, n_head 2, vocab_size 128, seq_len 32 (")
     assert "d_model 64, n_layer 2, n_head 2" in first.split("(", 1)[1]
 
@@ -120,3 +120,151 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, c
     assert main([*TINY, "--plot", str(tmp_path / "t.png")]) == 2
     assert capsys.readouterr().err == "pstar-plan: error: --plot needs matplotlib: pip install 'pstar_jax[plot]'\n"
     assert not (tmp_path / "t.png").exists()
+
+
+def test_first_line_names_the_rates_and_the_capacities(capsys):
+    assert main([*TINY, "--device-memory", "4MiB", "--host-memory", "1GiB", "--no-search"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "planned for h200 rates (preset): device 4.00 MiB and host 1.00 GiB per device, 1 data-parallel device(s)"
+    assert lines[2].startswith("chunks: ") and " chunks of " in lines[2]  # not "N of M elements"
+
+
+def test_help_says_what_the_defaults_are(capsys):
+    """pstar-plan plans for an H200 by default: its help says so, not 'this machine's' or '85%'."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    machine = text[text.rindex("--machine NAME_OR_FILE"):]
+    machine = machine[:machine.index(")", machine.index("(default:")) + 1]
+    host = text[text.rindex("--host-memory HOST_MEMORY"):]
+    host = host[:host.index(")", host.index("(default:")) + 1]
+    assert "(default: h200)" in machine and "this machine's, measured" not in machine
+    assert "(default: 110GiB)" in host and "85%" not in host
+
+
+def test_a_positional_model_name_is_the_model(capsys):
+    """What the README's results table writes: pstar-plan GPT3_12B --batch-size 32."""
+    assert main(["tiny", "--batch-size", "4", "--device-memory", "4MiB", "--no-search"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("model tiny ")
+    assert main(["tiny", "--model", "small", "--no-search"]) == 2
+    assert "named twice" in capsys.readouterr().err
+
+
+def _documented_commands():
+    import os
+    import re
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commands = []
+    for doc in ("README.md", "docs/BENCHMARKS.md"):
+        text = open(os.path.join(root, doc)).read().replace("\\\n", " ")
+        for found in re.findall(r"`(pstar-plan [^`]+)`", text) + re.findall(r"^(pstar-plan .+)$", text, re.M):
+            argv = shlex.split(found)[1:]
+            if not any(re.fullmatch(r"\[.*|[A-Z]+", a) for a in argv):  # not a usage line (PRESET, FILE, [MODEL])
+                commands.append((doc, argv))
+    return commands
+
+
+def test_every_documented_pstar_plan_command_parses():
+    from pstar_jax.plan_cli import parse_args
+    commands = _documented_commands()
+    assert len(commands) >= 8
+    for doc, argv in commands:
+        try:
+            parse_args(argv)
+        except Exception as err:  # noqa: BLE001 - the test names the command that fails
+            raise AssertionError(f"{doc}: pstar-plan {' '.join(argv)}: {err}") from None
+
+
+@pytest.mark.slow  # plans each documented model (up to 175B) from shapes: minutes on 2 cores
+def test_every_documented_pstar_plan_command_answers():
+    """As written (searches skipped), each in its own process: --data-parallel 32 needs 32 fake devices."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    for doc, argv in _documented_commands():
+        argv = [a for a in argv if a != "--no-search"] + ["--no-search"]
+        proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, \
+            f"{doc}: pstar-plan {' '.join(argv)}: {proc.stderr[-2000:]}"
+
+
+def test_imported_checkpoint_is_searched(tmp_path, capsys):
+    """--init-from-hf with the searches: the depth search varies the checkpoint's own shape (its
+    config.json fixes n_layer, which a --n-layer would contradict), the batch search runs as usual."""
+    from pstar_models.gpt import GPTConfig, StagedGPT
+    from pstar_models.hf import hf_config
+    model = StagedGPT(GPTConfig(vocab_size=256, d_model=32, n_layer=2, n_head=2, seq_len=64))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model)))
+    assert main(["--init-from-hf", str(tmp_path), "--batch-size", "4", "--device-memory", "4MiB",
+                 "--host-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "largest depth that fits with this batch" in out and "largest batch that fits at this depth" in out
+
+
+def test_data_parallel_beyond_the_batch_is_refused_at_once_with_a_working_suggestion(capsys):
+    """--data-parallel 100000 used to start 100,000 fake devices; now one line, and following the
+    suggestion of a too-large degree answers."""
+    import re
+    import time
+    start = time.perf_counter()
+    assert main(["--model", "tiny", "--batch-size", "8", "--data-parallel", "100000"]) == 2
+    assert time.perf_counter() - start < 5 and "--data-parallel must be in [1, 1024]" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--batch-size", "4", "--data-parallel", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    suggested = re.search(r"use --data-parallel (\d+) or --batch-size (\d+)", err)
+    for flags in (["--batch-size", "4", "--data-parallel", suggested[1]],
+                  ["--batch-size", suggested[2], "--data-parallel", "8"]):
+        assert main(["--model", "tiny", "--device-memory", "4MiB", "--no-search", *flags]) == 0
+
+
+@pytest.mark.parametrize("cap, value, flags, flag", [
+    ("MAX_PLAN_CHUNKS", 3, [], "--chunk-size"),
+    ("MAX_PLAN_MOMENTS", 16, ["--micro-batches", "4"], "--micro-batches"),
+])
+def test_a_step_too_long_to_plan_is_refused_and_the_suggestion_answers(monkeypatch, capsys, cap, value, flags, flag):
+    import re
+
+    from pstar_jax import planner
+    monkeypatch.setattr(planner, cap, value)  # tiny's 5 chunks and 4 stages stand in for a huge model
+    argv = [*TINY, "--device-memory", "4MiB", "--no-search", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "more than pstar-plan" in err and "\n" not in err
+    suggested = re.search(re.escape(flag) + r" (\d+)", err)[1]
+    assert main([*argv, flag, suggested]) == 0, capsys.readouterr().err
+    if cap == "MAX_PLAN_CHUNKS":
+        assert int(capsys.readouterr().out.split("chunks: ")[1].split()[0]) <= value
+
+
+def test_plot_of_a_plan_that_does_not_fit(tmp_path):
+    path = tmp_path / "nofit.png"
+    assert main([*TINY, "--device-memory", "64KiB", "--no-search", "--plot", str(path)]) == 1
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_units_and_phase_labels():
+    from pstar_jax.plan_plot import byte_unit, phase_runs
+    assert byte_unit(30 * 2**20) == ("MiB", 2**20) and byte_unit(500) == ("B", 1)
+    assert byte_unit(3 * 2**30) == ("GiB", 2**30) and byte_unit(2**20 - 1) == ("KiB", 1024)
+    assert phase_runs(["adam", "fwd", "adam", "fwd", "head", "bwd", "bwd"], [0] * 7) == [
+        (0, 3, "forward"), (4, 6, "backward")]
+    assert [r[2] for r in phase_runs(["fwd", "head", "bwd", "fwd", "head", "bwd"], [0, 0, 0, 1, 1, 1])] == [
+        "forward 0", "backward 0", "forward 1", "backward 1"]
+
+
+@pytest.mark.parametrize("flags", [["--device-memory", "150KiB"], ["--device-memory", "400KiB", "--host-memory", "100KiB"]])
+def test_does_not_fit_suggests_a_device_memory_that_fits(capsys, flags):
+    """The 'by X' of a shortfall is one moment's; the suggestion is the least device memory that
+    fits (with this host memory), and following it fits."""
+    import re
+    assert main([*TINY, "--no-search", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    suggested = re.search(r"it fits with --device-memory (\S+)$", err)[1]
+    follow = [*flags]
+    follow[1] = suggested
+    assert main([*TINY, "--no-search", *follow]) == 0, capsys.readouterr().err

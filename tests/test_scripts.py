@@ -113,3 +113,27 @@ def test_bench_long_seq_ops_prints_one_row_per_length():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["256"], ["512"])]
     assert len(rows) == 2 and all(len(row) == 9 for row in rows), r.stdout
+
+
+def test_bench_compare_says_the_largest_size_tried_bounds_the_ratio(tmp_path, capsys):
+    """When pstar trains even the largest size tried, its ratio to the best baseline is a lower
+    bound: the table, the printout and the plot say so; the plots are written from the points."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_compare", os.path.join(ROOT, "scripts", "bench_compare.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_compare"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    P = bench.Point
+    points = [P("a", 200_000, 8, "plain-full", True, step_s=0.1, tokens_per_s=5000.0),
+              P("b", 3_200_000, 8, "plain-full", False, why="predicted OOM"),
+              P("a", 200_000, 8, "pstar", True, step_s=0.1, tokens_per_s=4000.0),
+              P("b", 3_200_000, 8, "pstar", True, step_s=0.3, tokens_per_s=1500.0)]
+    bench.write_outputs(points, str(tmp_path), "header")
+    table = (tmp_path / "results.md").read_text()
+    printed = capsys.readouterr().out
+    for text in (table, printed):
+        assert "at least 16.00x the parameters" in text and "the largest size tried" in text
+    assert (tmp_path / "largest.png").stat().st_size > 0 and (tmp_path / "throughput.png").stat().st_size > 0
+    points[-1] = P("c", 6_400_000, 8, "pstar", False, why="does not fit")
+    points.insert(2, P("c", 6_400_000, 8, "plain-full", False, why="predicted OOM"))
+    assert "at least" not in bench.ratio_line(points, {"plain-full": 200_000, "pstar": 3_200_000})

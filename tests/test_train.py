@@ -194,3 +194,36 @@ def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp
     assert all(sum(line.startswith(phase) for line in err.splitlines()) == 1 for phase in phases), err[-3000:]
     assert main(["--steps", "1", "--batch-size", "8", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+CONSOLE_SCRIPT = ("import sys, os; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
+                  "from pstar_jax.train import main; raise SystemExit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow  # two processes, each compiling a model: ~100 s on the loaded 2-core VM
+def test_model_module_from_the_current_directory_like_python_m(tmp_path):
+    """A console script's sys.path lacks the current directory: ``--model-module pkg.mod`` of the
+    README, run from the folder holding pkg/, still finds it (as ``python -m`` would)."""
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "my_model.py").write_text(open(os.path.join(ROOT, "examples", "my_model.py")).read())
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "--model-module", "mymodels.my_model", "--model",
+                           "mine", "--steps", "1", "--quiet"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "No module named" not in proc.stderr
+    missing = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "--model-module", "mymodels.absent"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert missing.returncode == 2 and "cannot be imported" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_rates_that_cannot_be_kept_are_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """A machines directory that cannot be made or written: pstar-train measures, warns in one
+    line and trains (the kept rates are a cache, not an input)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PSTAR_MACHINES_DIR", str(blocker / "machines"))
+    assert main(["--steps", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "warning" in line] == [
+        line for line in err.splitlines() if "cannot keep this machine's rates" in line] != []
