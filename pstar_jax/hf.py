@@ -77,6 +77,11 @@ def read_hf_config(directory: str) -> dict:
     return config
 
 
+def has_weights(directory: str) -> bool:
+    """Whether ``directory`` holds safetensors weights (one file or an index), not only a config."""
+    return any(os.path.isfile(os.path.join(directory, name)) for name in (SINGLE, INDEX))
+
+
 def weight_files(directory: str) -> dict[str, str]:
     """HF tensor name -> the file (in ``directory``) that the index, or the single file, says holds it."""
     index_path = os.path.join(directory, INDEX)

@@ -77,10 +77,12 @@ def load_model(config: RunConfig) -> StagedModel:
     module = _model_module(config)
     try:
         if cfg.init_from_hf:
-            from pstar_jax.hf import header_shapes, read_hf_config
+            from pstar_jax.hf import has_weights, header_shapes, read_hf_config
             hf_json = read_hf_config(cfg.init_from_hf)
             check = getattr(module, "check_hf_shapes", None)  # optional: sizes against the headers, first
-            if callable(check):
+            # (a config alone, as pstar-plan may get for a checkpoint not yet downloaded, has no
+            # tensors to check; loading the weights refuses their absence)
+            if callable(check) and has_weights(cfg.init_from_hf):
                 check(hf_json, header_shapes(cfg.init_from_hf))
             return _module_function(module, "build_from_hf", config)(hf_json, **cfg.overrides())
         return _module_function(module, "build_model", config)(cfg.name, **cfg.overrides())

@@ -195,7 +195,7 @@ def test_pstar_train_probes_export_hf_before_training(tmp_path, capsys):
     from pstar_jax.train import main as train_main
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     (tmp_path / "file").write_text("")
-    base = ["--init-from-hf", str(tmp_path / "src"), "--steps", "1", "--batch-size", "8"]
+    base = ["--init-from-hf", str(tmp_path / "src"), "--steps", "1", "--batch-size", "8", "--quiet"]
     with tmpfs(tmp_path / "ro", "ro,size=64k") as ro:
         for target, words in [(f"{ro}/out", "the file system is read-only"),
                               (f"{tmp_path}/file/out", f"is under the file {tmp_path}/file")]:
