@@ -133,7 +133,6 @@ class WholeLogitsLlama(NNXStaged):
                          vocab_size=config.vocab_size, embed="embed_tokens", logits="unembed", loss_sum="absent")
 
 
-@pytest.mark.slow
 def test_head_backward_memory_stays_flat_in_length_where_whole_logits_grew_with_l_times_v():
     config = LlamaConfig(vocab_size=4096, d_model=64, n_layer=1, n_head=4, n_kv_head=2, d_ff=128, seq_len=8192)
     tile_bytes = 4 * config.vocab_size * 256  # 256 positions a tile: 4 MiB of float32 logits
