@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pstar_jax.attention import causal_attention
+from pstar_jax.loss import linear_cross_entropy_sum
 from pstar_jax.model import NNXStaged, cross_entropy
+from pstar_jax.tiling import TileBudget, mlp_tile, tiled_over_sequence
 
 LN_EPS = 1e-5
 
@@ -87,19 +90,35 @@ def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array,
     return jnp.take(wte_VxD, tokens_BxL, axis=0) + jnp.take(wpe_LxD, positions_BxL, axis=0)
 
 
-def segment_mask_BxLxL(segment_ids_BxL: jax.Array) -> jax.Array:
-    """Causal attention within each example of a packed row: a query sees the earlier positions
-    of its own segment; padding (segment 0) sees only itself, so no row of scores is empty."""
-    L = segment_ids_BxL.shape[1]
-    q_BxLx1, k_Bx1xL = segment_ids_BxL[:, :, None], segment_ids_BxL[:, None, :]
-    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-    padding_diagonal = (q_BxLx1 == 0) & jnp.eye(L, dtype=bool)[None]
-    return causal_LxL[None] & (q_BxLx1 == k_Bx1xL) & ((q_BxLx1 != 0) | padding_diagonal)
+def attention_segments(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
+    """Segment ids for pstar_jax.attention (causal within equal ids): each padding position
+    (segment 0) gets an id of its own, -1 - its index, so that padding sees only itself and no
+    row of scores is empty; examples keep theirs (k >= 1). None stays None (one segment)."""
+    if segment_ids_BxL is None:
+        return None
+    own_1xL = -1 - jnp.arange(segment_ids_BxL.shape[1], dtype=segment_ids_BxL.dtype)[None]
+    return jnp.where(segment_ids_BxL == 0, own_1xL, segment_ids_BxL)
+
+
+def tiled_mlp(mlp: nnx.Module, x_BxLxD: jax.Array, d_hidden: int, tile_bytes: int) -> jax.Array:
+    """``mlp.plain(x)`` over tiles of positions, so its B x L x d_hidden activations exist one
+    tile at a time (one tile: the plain call); the weights' gradients add up in float32."""
+    graph, state = nnx.split(mlp)
+    tile = mlp_tile(x_BxLxD.shape[0], x_BxLxD.shape[1], d_hidden, tile_bytes)
+    return tiled_over_sequence(lambda s, x: nnx.merge(graph, s).plain(x), x_BxLxD, tile=tile, params=state)
 
 
 def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     """Tied: head is wte_VxD; untied: head is the kernel_DxV."""
     return h_BxLxD @ (head.T if tied else head)
+
+
+def head_loss_sum(x_BxLxD: jax.Array, head: jax.Array, tied: bool, targets_BxL: jax.Array,
+                  weights_BxL: jax.Array, tile_bytes: int) -> jax.Array:
+    """``linear_cross_entropy_sum`` of the normed hidden states over all B x L positions."""
+    B, L, D = x_BxLxD.shape
+    return linear_cross_entropy_sum(x_BxLxD.reshape(B * L, D), head, targets_BxL.reshape(B * L),
+                                    weights_BxL.reshape(B * L), tied=tied, tile_bytes=tile_bytes)
 
 
 class KVCache(NamedTuple):
@@ -146,22 +165,19 @@ def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02, bias: bool
 
 
 class Attention(nnx.Module):
-    """Causal self-attention with one fused qkv projection."""
+    """Causal self-attention with one fused qkv projection; scores per pstar_jax.attention (a
+    query tile at a time, or cuDNN), with jax.nn.dot_product_attention's float32 q.k."""
 
-    def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs):
-        d, self.n_head = config.d_model, config.n_head
+    def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+        d, self.n_head, self.tiling = config.d_model, config.n_head, tiling
         self.qkv = _linear(d, 3 * d, rngs)
         self.proj = _linear(d, d, rngs, proj_std)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         qkv = self.qkv(x_BxLxD).reshape(B, L, 3, self.n_head, D // self.n_head)
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        if segment_ids_BxL is None:
-            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
-        else:  # the same masked softmax as is_causal, with the segments' mask (one row: identical)
-            mask = segment_mask_BxLxL(segment_ids_BxL)[:, None]
-            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=mask)
+        out_BxLxHxK = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], attention_segments(segment_ids_BxL),
+                                       tile_bytes=self.tiling.scores_bytes, float32_scores=True)
         return self.proj(out_BxLxHxK.reshape(B, L, D))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -177,25 +193,28 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs):
-        d_hidden = config.mlp_ratio * config.d_model
-        self.fc = _linear(config.d_model, d_hidden, rngs)
-        self.proj = _linear(d_hidden, config.d_model, rngs, proj_std)
+    def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+        self.d_hidden, self.tiling = config.mlp_ratio * config.d_model, tiling
+        self.fc = _linear(config.d_model, self.d_hidden, rngs)
+        self.proj = _linear(self.d_hidden, config.d_model, rngs, proj_std)
+
+    def plain(self, x_BxLxD: jax.Array) -> jax.Array:
+        return self.proj(jax.nn.gelu(self.fc(x_BxLxD), approximate=True))
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return self.proj(jax.nn.gelu(self.fc(x_BxLxD), approximate=True))
+        return tiled_mlp(self, x_BxLxD, self.d_hidden, self.tiling.mlp_bytes)
 
 
 class Block(nnx.Module):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, tiling: TileBudget):
         # GPT-2 shrinks the projections that write into the residual stream by the depth.
         proj_std = 0.02 / math.sqrt(2 * config.n_layer)
         self.ln1 = LayerNorm(config.d_model)
-        self.attn = Attention(config, proj_std, rngs=rngs)
+        self.attn = Attention(config, proj_std, rngs=rngs, tiling=tiling)
         self.ln2 = LayerNorm(config.d_model)
-        self.mlp = MLP(config, proj_std, rngs=rngs)
+        self.mlp = MLP(config, proj_std, rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -213,16 +232,19 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """``n_blocks`` builds fewer blocks than ``config.n_layer`` (the staged adapter builds one, or
     none, to read shapes and initialise tensors); init scales always follow ``config.n_layer``.
-    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch)."""
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch). ``tiling``
+    bounds the largest intermediate of the head's loss, attention and the MLP (one tile while
+    a sequence's whole intermediate fits)."""
     supports_packing = True
 
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
-        self.config = config
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
+                 tiling: TileBudget = TileBudget()):
+        self.config, self.tiling = config, tiling
         d, normal = config.d_model, nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(config.vocab_size, d, embedding_init=normal, rngs=rngs)
         self.wpe = nnx.Param(normal(rngs.params(), (config.seq_len, d), jnp.float32))
         n_blocks = config.n_layer if n_blocks is None else n_blocks
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(n_blocks)])
+        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling) for _ in range(n_blocks)])
         self.ln_f = LayerNorm(d)
         if not config.tie_embeddings:
             self.head = _linear(d, config.vocab_size, rngs, bias=False)
@@ -234,6 +256,13 @@ class GPT(nnx.Module):
         tied = self.config.tie_embeddings
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
         return logits(self.ln_f(h_BxLxD), head, tied)
+
+    def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
+        """sum of weights * token cross entropy of ``logits(h)``, the logits a tile at a time
+        (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
+        tied = self.config.tie_embeddings
+        head = self.wte.embedding[...] if tied else self.head.kernel[...]
+        return head_loss_sum(self.ln_f(h_BxLxD), head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
 
     def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -271,9 +300,9 @@ class GPT(nnx.Module):
 class StagedGPT(NNXStaged):
     """GPT as a chain of stages: embed, block_0..block_{n-1}, head (final LayerNorm and loss)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tiling: TileBudget = TileBudget()):
         self.config = config
-        super().__init__(lambda rngs, n_blocks: GPT(config, rngs=rngs, n_blocks=n_blocks), config.n_layer,
+        super().__init__(lambda rngs, n_blocks: GPT(config, rngs=rngs, n_blocks=n_blocks, tiling=tiling), config.n_layer,
                          seq_len=config.seq_len, vocab_size=config.vocab_size)
 
     def flops_per_token(self) -> float:

@@ -31,8 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_models.gpt import KVCache, _linear, decode_blocks, logits, segment_mask_BxLxL, visible_TxS, write_cache
+from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
+                               visible_TxS, write_cache)
+from pstar_jax.attention import causal_attention
 from pstar_jax.model import NNXStaged, cross_entropy
+from pstar_jax.tiling import TileBudget
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
 
@@ -215,26 +218,10 @@ def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> 
     return x_BxLxHxK * cos + rotated * sin
 
 
-def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
-                     segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-    """Grouped-query causal attention: head h reads kv head h // G; scores softmaxed in float32.
-    With ``segment_ids`` a query sees only earlier positions of its own packed example."""
-    B, L, H, K = q_BxLxHxK.shape
-    N = k_BxLxNxK.shape[2]
-    q_BxLxNxGxK = q_BxLxHxK.reshape(B, L, N, H // N, K)
-    scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK) * (K ** -0.5)
-    if segment_ids_BxL is None:
-        visible = jnp.tril(jnp.ones((L, L), bool))[None, None, None]
-    else:
-        visible = segment_mask_BxLxL(segment_ids_BxL)[:, None, None]
-    scores32 = jnp.where(visible, scores_BxNxGxLxL.astype(jnp.float32), -jnp.inf)
-    probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxLxHxK.dtype)
-    return jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK).reshape(B, L, H, K)
-
-
 def cached_attention(q_BxTxHxK: jax.Array, k_BxSxNxK: jax.Array, v_BxSxNxK: jax.Array,
                      pos: jax.Array | int) -> jax.Array:
-    """``causal_attention`` of T new queries at positions pos.. over S cached keys and values."""
+    """pstar_jax.attention.causal_attention's numerics (llama's) for T new queries at positions
+    pos.. over S cached keys and values."""
     B, T, H, K = q_BxTxHxK.shape
     S, N = k_BxSxNxK.shape[1], k_BxSxNxK.shape[2]
     q_BxTxNxGxK = q_BxTxHxK.reshape(B, T, N, H // N, K)
@@ -257,8 +244,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs):
-        self.config = config
+    """Grouped-query attention through pstar_jax.attention (query tiles, or cuDNN on a GPU)."""
+
+    def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+        self.config, self.tiling = config, tiling
         D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.d_head
         self.q = _linear(D, H * K, rngs, bias=config.qkv_bias)
         self.k = _linear(D, N * K, rngs, bias=config.qkv_bias)
@@ -273,7 +262,8 @@ class Attention(nnx.Module):
         q = apply_rope(self.q(x_BxLxD).reshape(B, L, c.n_head, c.d_head), cos, sin)
         k = apply_rope(self.k(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
         v = self.v(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head)
-        return self.o(causal_attention(q, k, v, segment_ids_BxL).reshape(B, L, c.n_head * c.d_head))
+        out = causal_attention(q, k, v, attention_segments(segment_ids_BxL), tile_bytes=self.tiling.scores_bytes)
+        return self.o(out.reshape(B, L, c.n_head * c.d_head))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
@@ -289,13 +279,17 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+        self.d_ff, self.tiling = config.d_ff, tiling
         self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False)
         self.up = _linear(config.d_model, config.d_ff, rngs, bias=False)
         self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def plain(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        return tiled_mlp(self, x_BxLxD, self.d_ff, self.tiling.mlp_bytes)
 
 
 def _residual_std(config: LlamaConfig) -> float:
@@ -306,11 +300,11 @@ def _residual_std(config: LlamaConfig) -> float:
 class Block(nnx.Module):
     """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, _residual_std(config), rngs=rngs)
+        self.attn = Attention(config, _residual_std(config), rngs=rngs, tiling=tiling)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MLP(config, _residual_std(config), rngs=rngs)
+        self.mlp = MLP(config, _residual_std(config), rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -330,14 +324,16 @@ class Llama(nnx.Module):
     The final norm + projection is the method ``unembed``, not ``head``: ``head`` is the untied
     projection's module, whose ``head.kernel`` name the checkpoint I/O relies on. ``n_blocks``
     builds fewer blocks (0 or 1 for an adapter's shell); init scales still follow config.n_layer.
-    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch)."""
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch). ``tiling``
+    bounds the largest intermediate of the loss, attention and the MLP (as models/gpt.py's)."""
     supports_packing = True
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None):
-        self.config = config
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
+                 tiling: TileBudget = TileBudget()):
+        self.config, self.tiling = config, tiling
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling)
                                 for _ in range(config.n_layer if n_blocks is None else n_blocks)])
         self.norm = RMSNorm(D, config.norm_eps)
         if not config.tie_embeddings:
@@ -347,6 +343,13 @@ class Llama(nnx.Module):
         tied = self.config.tie_embeddings
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
         return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+
+    def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
+        """sum of weights * token cross entropy of ``unembed(h)``, the logits a tile at a time
+        (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
+        tied = self.config.tie_embeddings
+        head = self.embed.embedding[...] if tied else self.head.kernel[...]
+        return head_loss_sum(self.norm(h_BxLxD), head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The first stage: token embeddings (positions enter through RoPE in the blocks)."""
@@ -388,13 +391,12 @@ class Llama(nnx.Module):
 
 
 class StagedLlama(NNXStaged):
-    """Llama as a chain of stages: embed, block_0..block_{n-1}, head (final norm, logits, loss)."""
+    """Llama as a chain of stages: embed, block_0..block_{n-1}, head (final norm and the tiled loss)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, tiling: TileBudget = TileBudget()):
         self.config = config
-        super().__init__(lambda rngs, n_blocks: Llama(config, rngs=rngs, n_blocks=n_blocks), config.n_layer,
-                         seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens",
-                         logits="unembed")
+        super().__init__(lambda rngs, n_blocks: Llama(config, rngs=rngs, n_blocks=n_blocks, tiling=tiling),
+                         config.n_layer, seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens")
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)

@@ -185,8 +185,12 @@ class NNXStaged:
     ``logits(h_BxLxD) -> logits_BxLxV`` (other method names: ``embed=``, ``logits=``). A module
     whose class sets ``supports_packing = True`` is called ``embed(tokens, positions=...)`` and
     ``block(h, segment_ids=..., positions=...)`` with the batch's [B, L] arrays (attention then
-    stays within each example of a packed row); others are refused packed rows. ``loss(logits,
-    targets)`` gives each token's loss ([B, L]); the head returns their sum over the loss mask.
+    stays within each example of a packed row); others are refused packed rows. The head stage
+    is the module's method ``loss_sum(h_BxLxD, targets_BxL, weights_BxL) -> scalar`` (name
+    ``loss_sum=``) where it has one: the sum of weighted token losses, computed however the
+    module likes (the models here tile it, pstar_jax.loss, so N x V logits never exist). A
+    module without it is read through ``logits``: ``loss(logits, targets)`` gives each token's
+    loss ([B, L]) and the head returns their sum over the loss mask.
     Tensor names are the module's state paths joined with '.'
     ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
     initialised alone by the module's own initialisers (a jit that builds the module and keeps
@@ -195,12 +199,12 @@ class NNXStaged:
     def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
                  vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
                  decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
-                 embed: str = "embed", logits: str = "logits"):
+                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum"):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
-        self._decays, self._flops, self._loss = decays, flops_per_token, loss
-        self._embed, self._logits = embed, logits
+        self._decays, self._flops = decays, flops_per_token
         one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
         outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
+        has_loss_sum = callable(getattr(outer, loss_sum, None))
         self.name = type(outer).__name__
         self.supports_packing = packing = bool(getattr(outer, "supports_packing", False))
         self._block_graph, block_state = nnx.split(one.blocks[0], nnx.Param)
@@ -223,14 +227,19 @@ class NNXStaged:
             return block_module(h_BxLxD)
         self._embed_call = embed_call
 
+        def head_call(module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            if has_loss_sum:
+                return getattr(module, loss_sum)(h_BxLxD, batch.targets, batch.loss_mask)
+            return masked_loss_sum(loss(getattr(module, logits)(h_BxLxD), batch.targets), batch.loss_mask)
+
         def outer_embed(v, x, batch):
             return embed_call(_merge(self._outer_graph, self._outer_names, v), x, batch)
 
-        def outer_logits(v, h):
-            return getattr(_merge(self._outer_graph, self._outer_names, v), logits)(h)
+        def outer_head(v, h, batch):
+            return head_call(_merge(self._outer_graph, self._outer_names, v), h, batch)
         h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
         self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
-        self._head_names = tuple(_first_use(outer_logits, self._outer_names, self._outer_zeros, h))
+        self._head_names = tuple(_first_use(outer_head, self._outer_names, self._outer_zeros, h, fake))
         def one_block(v, x, batch):
             return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
         self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
@@ -247,8 +256,7 @@ class NNXStaged:
         self._block_apply = block_apply  # one object: every block stage shares its compilation
 
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
-            head = getattr(self._outer(self._head_names, params), self._logits)
-            return masked_loss_sum(self._loss(head(h_BxLxD), batch.targets), batch.loss_mask)
+            return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
         self._head_apply = head_apply
         self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
         self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}

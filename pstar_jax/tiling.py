@@ -10,10 +10,31 @@ body (exact), so their gradients add up in float32 and are rounded once at the e
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+
+TILE_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBudget:
+    """The largest intermediate one tile may hold, per kind, in bytes: the head's float32 logits
+    (pstar_jax.loss), attention's float32 scores (pstar_jax.attention) and the MLP's hidden
+    activations. A sequence whose whole intermediate fits runs as one tile, the plain call; the
+    models take one of these so that tests can force many tiles at tiny shapes."""
+    logits_bytes: int = TILE_BYTES
+    scores_bytes: int = TILE_BYTES
+    mlp_bytes: int = TILE_BYTES
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TileBudget.{field.name} must be a positive number of bytes, got {value!r}")
 
 
 def split_tiles(n: int, tile: int) -> tuple[int, int]:
@@ -90,3 +111,9 @@ def tiled_over_sequence(fn: Callable[..., jax.Array], x_BxLxD: jax.Array, *, til
     else:
         ys = map_tiles(fn, params, xs)
     return from_tiles(ys, 1, L)
+
+
+def mlp_tile(batch: int, length: int, d_hidden: int, tile_bytes: int) -> int:
+    """Positions per MLP tile so that one tile's float32-wide hidden activations (B x tile x F)
+    fit ``tile_bytes``."""
+    return rows_within(length, 4 * batch * d_hidden, tile_bytes)

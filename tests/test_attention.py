@@ -12,7 +12,7 @@ EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
 
 
 def naive(q, k, v, segments):
-    """models/llama.py's causal_attention with the same-segment mask added: full L x L scores."""
+    """Full L x L grouped-query attention with the same-segment mask (the models' code before it moved here)."""
     B, L, H, K = q.shape
     N = k.shape[2]
     s = jnp.einsum("blngk,bmnk->bnglm", q.reshape(B, L, N, H // N, K), k) * (K ** -0.5)

@@ -14,6 +14,13 @@ TINY = preset("tiny")
 UNTIED = dataclasses.replace(TINY, tie_embeddings=False)
 
 
+def assert_fp32_close(actual, desired, err_msg=""):
+    """Equal up to fp32 rounding at the values' scale (sums of a few hundred terms)."""
+    desired = np.asarray(desired)
+    atol = 64 * np.finfo(np.float32).eps * float(np.max(np.abs(desired)))
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=atol, err_msg=err_msg)
+
+
 def batch(config: GPTConfig, B: int = 2, L: int = 16, seed: int = 1) -> tuple[jax.Array, jax.Array]:
     tokens_BxLp1 = jax.random.randint(jax.random.key(seed), (B, L + 1), 0, config.vocab_size)
     return tokens_BxLp1[:, :-1], tokens_BxLp1[:, 1:]
@@ -32,12 +39,14 @@ def test_stages_compose_to_gpt_loss(config):
     params = staged.init_params(0)
     tokens, targets = batch(config)
     staged_loss = compose_loss(stages)(params, tokens, targets)
-    np.testing.assert_array_equal(staged_loss, gpt_from_params(config, params).loss(tokens, targets))
+    # The head stage sums its loss a tile at a time (pstar_jax.loss), the module's loss is the
+    # whole-logits mean: equal to fp32 rounding, not bit for bit.
+    assert_fp32_close(staged_loss, gpt_from_params(config, params).loss(tokens, targets))
 
     grads = jax.grad(compose_loss(stages))(params, tokens, targets)
     module_grads = jax.grad(lambda p: gpt_from_params(config, p).loss(tokens, targets))(params)
     for name in params:
-        np.testing.assert_array_equal(grads[name], module_grads[name], err_msg=name)
+        assert_fp32_close(grads[name], module_grads[name], err_msg=name)
 
 
 @pytest.mark.parametrize("config", [TINY, UNTIED], ids=["tied", "untied"])

@@ -28,6 +28,13 @@ WIDE_HEADS = dataclasses.replace(ODD, head_dim=10, family="mistral", rope_scalin
 CONFIGS = {"llama": ODD, "qwen_tied": QWEN, "head_dim": WIDE_HEADS}
 
 
+def assert_fp32_close(actual, desired, err_msg=""):
+    """Equal up to fp32 rounding at the values' scale (sums of a few hundred terms)."""
+    desired = np.asarray(desired)
+    atol = 64 * np.finfo(np.float32).eps * float(np.max(np.abs(desired)))
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=atol, err_msg=err_msg)
+
+
 def batch(config, B=2, L=16, seed=1):
     tokens = jax.random.randint(jax.random.key(seed), (B, L + 1), 0, config.vocab_size)
     return tokens[:, :-1], tokens[:, 1:]
@@ -45,11 +52,13 @@ def test_stages_compose_to_module_loss_and_grads(config):
     params = staged.init_params(0)
     tokens, targets = batch(config)
     loss = compose_loss(stages)(params, tokens, targets)
-    np.testing.assert_array_equal(loss, llama_from_params(config, params).loss(tokens, targets))
+    # The head stage's loss is tiled (pstar_jax.loss), the module's the whole-logits mean: equal
+    # to fp32 rounding, not bit for bit.
+    assert_fp32_close(loss, llama_from_params(config, params).loss(tokens, targets))
     grads = jax.grad(compose_loss(stages))(params, tokens, targets)
     module_grads = jax.grad(lambda p: llama_from_params(config, p).loss(tokens, targets))(params)
     for name in params:
-        np.testing.assert_array_equal(grads[name], module_grads[name], err_msg=name)
+        assert_fp32_close(grads[name], module_grads[name], err_msg=name)
     assert len({id(s.apply) for s in stages[1:-1]}) == 1, "blocks must share one apply (one compile)"
 
 
