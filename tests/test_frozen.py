@@ -211,3 +211,41 @@ def test_freeze_patterns_in_the_config(capsys):
         build_engine(m, dataclasses.replace(cfg, freeze="blocks.*.nope"), OPTIM, (4, 64), mesh=mesh(), machine=H200)
     with pytest.raises(ConfigError, match="nothing is left to train"):
         build_engine(m, dataclasses.replace(cfg, freeze="*"), OPTIM, (4, 64), mesh=mesh(), machine=H200)
+
+
+def test_identical_blocks_share_one_compiled_backward():
+    """Frozen matrices and trainable norms in every block: the blocks' backwards (vjp over the
+    trainable tensors only) are still a few compiled functions, not one per block."""
+    m = StagedGPT(dataclasses.replace(preset("tiny"), n_layer=6))
+    engine = chunked(m, base_frozen(m), budget=None)
+    engine.step(batches(1)[0])
+    compiled = [key for key in engine.fns._cache if key[0] == "bwd"]
+    assert 0 < len(compiled) < 6
+
+
+TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "3e-3", "--chunk-size", "8192",
+         "--freeze", "wte.*,blocks.*.kernel"]
+
+
+@pytest.mark.slow
+def test_frozen_run_stops_and_resumes_exactly(tmp_path):
+    """pstar-train --freeze: six straight steps equal three, a checkpoint, and three resumed."""
+    import json
+
+    from pstar_jax.train import main
+    straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
+    assert main([*TRAIN, "--steps", "6", "--metrics-out", str(straight)]) == 0
+    assert main([*TRAIN, "--steps", "6", "--stop-after", "3", "--checkpoint-dir", str(d),
+                 "--metrics-out", str(split)]) == 0
+    assert main([*TRAIN, "--steps", "6", "--resume", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+
+    def losses(path):
+        return [json.loads(line)["loss"] for line in open(path)]
+    assert losses(split) == losses(straight) and len(losses(straight)) == 6
+
+
+def test_a_freeze_pattern_matching_nothing_is_one_line(capsys):
+    from pstar_jax.train import main
+    assert main([*TRAIN[:-1], "wte.*,blocks.*.nope", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'blocks.*.nope' matches no tensor" in err[0], err
