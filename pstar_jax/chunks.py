@@ -99,15 +99,6 @@ def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[st
     return [n for n in names if decays(n)] + [n for n in names if not decays(n)]
 
 
-def _extent(names: Sequence[str], shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-            align: int) -> int:
-    """Elements a chunk holding ``names`` spans, laid out decayed first with aligned offsets."""
-    end = 0
-    for name in _decay_first(names, decays):
-        end = _round_up(end, align) + math.prod(shapes[name])
-    return end
-
-
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                  chunk_numel: int, align: int = 64, trainable: Callable[[str], bool] | None = None) -> ChunkLayout:
     """Greedy placement in model order, trainable and frozen tensors (``trainable``, default: all
@@ -120,17 +111,26 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
     groups: list[list[str]] = []
     kinds: list[bool] = []  # per chunk: trainable
-    open_chunk: dict[bool, int] = {}  # kind -> the chunk it fills now
+    # kind -> (the chunk it fills now, the running ends of its decayed and non-decayed parts)
+    open_chunk: dict[bool, tuple[int, int, int]] = {}
+    # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
+    # reordering changes the alignment gaps. The non-decayed part starts aligned, so its span does
+    # not depend on the decayed part's: two running ends give the extent of the chunk plus one
+    # tensor in constant time (recomputing it over the chunk made a chunk of many small tensors
+    # quadratic: 12,000 tensors of a 1000-layer tiny took minutes).
     for name in shapes:
-        kind = bool(trainable(name))
-        c = open_chunk.get(kind)
-        # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
-        # reordering changes the alignment gaps.
-        if c is None or _extent(groups[c] + [name], shapes, decays, align) > chunk_numel:
-            c = open_chunk[kind] = len(groups)
+        kind, numel, decayed = bool(trainable(name)), math.prod(shapes[name]), decays(name)
+        c, decayed_end, plain_end = open_chunk.get(kind, (-1, 0, 0))
+        d_end = _round_up(decayed_end, align) + numel if decayed else decayed_end
+        p_end = plain_end if decayed else _round_up(plain_end, align) + numel
+        extent = _round_up(d_end, align) + p_end if p_end else d_end
+        if c < 0 or extent > chunk_numel:  # each kind fills chunks of its own
+            c = len(groups)
             groups.append([])
             kinds.append(kind)
+            d_end, p_end = (numel, 0) if decayed else (0, numel)
         groups[c].append(name)
+        open_chunk[kind] = (c, d_end, p_end)
     slots = []
     for chunk, names in enumerate(groups):
         offset = 0  # decayed tensors first (stable), so a chunk's decay mask is a prefix
