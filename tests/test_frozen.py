@@ -166,9 +166,9 @@ def test_a_frozen_chunk_is_two_bytes_per_parameter_in_bf16():
 
 def test_freezing_all_but_one_tensor_moves_far_fewer_bytes():
     """Same model, same device budget: training one tensor moves a small part of what full
-    training moves per step (the frozen base only comes down, never goes back up). Six blocks,
-    so the chunks outnumber the room for them."""
-    m = StagedGPT(dataclasses.replace(preset("tiny"), n_layer=6))
+    training moves per step (the frozen base only comes down, never goes back up). Twelve
+    blocks, so the frozen chunks too outnumber the room for them."""
+    m = StagedGPT(dataclasses.replace(preset("tiny"), n_layer=12))
     full = chunked(m, frozenset())
     names = list(m.param_shapes())
     frozen = frozenset(n for n in names if n != "ln_f.scale")
