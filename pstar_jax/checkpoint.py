@@ -337,6 +337,11 @@ def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
                               "metadata; remove that step to fall back to an earlier one")
     saved = check_compatible(meta, engine.layout, engine.cfg.precision, ckpt.directory)
     ours = engine.layout
+    if (any(saved.frozen) or any(ours.frozen)) and saved != ours:
+        # Frozen chunks keep no optimizer state, so a layout with them is not relaid out (to
+        # another chunk size, or with other tensors frozen) yet.
+        raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} was saved with another set of "
+                              "frozen tensors or another chunk size; resume with the same --freeze and --chunk-size")
     if saved.chunk_numel == ours.chunk_numel and saved.slots == ours.slots:
         state = ckpt.restore(meta["step"], engine.abstract_state(), meta["checksums"])
     else:  # another chunk size: unpack with the saved layout, pack with ours, on the host

@@ -8,7 +8,11 @@ tensors. Rules, as in PatrickStar:
   * tensors are placed greedily in model order, so a stage's tensors sit in consecutive chunks;
   * inside a chunk, tensors that take weight decay come first: elements ``[0, n_decay)`` decay
     and the rest do not, so the optimizer's decay mask is one comparison, not a stored array;
-  * offsets are aligned to ``align`` elements (vector loads on the accelerator).
+  * offsets are aligned to ``align`` elements (vector loads on the accelerator);
+  * a chunk holds trainable tensors or frozen ones, never both (``trainable(name)``): a frozen
+    chunk has only its compute-dtype params (2 bytes per parameter in bf16), no grad, master or
+    optimizer state. Each kind fills its own open chunk in model order, so a stage's tensors of
+    one kind still sit in consecutive chunks of that kind.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ class ChunkLayout:
     slots: tuple[TensorSlot, ...]  # model order
     n_chunks: int
     n_decay: tuple[int, ...]  # per chunk: elements [0, n_decay) take weight decay
+    frozen: tuple[bool, ...] = ()  # per chunk: holds frozen tensors (params only); () none is
+
+    def is_frozen(self, chunk: int) -> bool:
+        return bool(self.frozen) and self.frozen[chunk]
+
+    @property
+    def trainable_chunks(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.n_chunks) if not self.is_frozen(c))
 
     @property
     def numel(self) -> int:
@@ -67,13 +79,16 @@ class ChunkLayout:
         return tuple(sorted({self.slot(n).chunk for n in names}))
 
     def to_json(self) -> dict:
-        return {"chunk_numel": self.chunk_numel,
-                "tensors": [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]}
+        out = {"chunk_numel": self.chunk_numel,
+               "tensors": [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]}
+        if any(self.frozen):  # absent: every chunk trainable (layouts saved before frozen chunks)
+            out["frozen_chunks"] = [c for c in range(self.n_chunks) if self.frozen[c]]
+        return out
 
     @staticmethod
     def from_json(data: Mapping) -> "ChunkLayout":
         slots = tuple(TensorSlot(n, tuple(sh), c, o, d) for n, sh, c, o, d in data["tensors"])
-        return _finish(int(data["chunk_numel"]), slots)
+        return _finish(int(data["chunk_numel"]), slots, set(data.get("frozen_chunks", ())))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -85,30 +100,37 @@ def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[st
 
 
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-                 chunk_numel: int, align: int = 64) -> ChunkLayout:
-    """Greedy placement in model order; raises ConfigError if a tensor cannot fit a chunk."""
+                 chunk_numel: int, align: int = 64, trainable: Callable[[str], bool] | None = None) -> ChunkLayout:
+    """Greedy placement in model order, trainable and frozen tensors (``trainable``, default: all
+    trainable) in chunks of their own; raises ConfigError if a tensor cannot fit a chunk."""
+    trainable = trainable or (lambda name: True)
     largest = max(shapes, key=lambda n: math.prod(shapes[n]))
     if math.prod(shapes[largest]) > chunk_numel:
         raise ConfigError(
             f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
             f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
-    groups: list[list[str]] = [[]]
+    groups: list[list[str]] = []
+    kinds: list[bool] = []  # per chunk: trainable
+    # kind -> (the chunk it fills now, the running ends of its decayed and non-decayed parts)
+    open_chunk: dict[bool, tuple[int, int, int]] = {}
     # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
     # reordering changes the alignment gaps. The non-decayed part starts aligned, so its span does
     # not depend on the decayed part's: two running ends give the extent of the chunk plus one
     # tensor in constant time (recomputing it over the chunk made a chunk of many small tensors
     # quadratic: 12,000 tensors of a 1000-layer tiny took minutes).
-    decayed_end = plain_end = 0
     for name in shapes:
-        numel, decayed = math.prod(shapes[name]), decays(name)
+        kind, numel, decayed = bool(trainable(name)), math.prod(shapes[name]), decays(name)
+        c, decayed_end, plain_end = open_chunk.get(kind, (-1, 0, 0))
         d_end = _round_up(decayed_end, align) + numel if decayed else decayed_end
         p_end = plain_end if decayed else _round_up(plain_end, align) + numel
         extent = _round_up(d_end, align) + p_end if p_end else d_end
-        if groups[-1] and extent > chunk_numel:
+        if c < 0 or extent > chunk_numel:  # each kind fills chunks of its own
+            c = len(groups)
             groups.append([])
+            kinds.append(kind)
             d_end, p_end = (numel, 0) if decayed else (0, numel)
-        groups[-1].append(name)
-        decayed_end, plain_end = d_end, p_end
+        groups[c].append(name)
+        open_chunk[kind] = (c, d_end, p_end)
     slots = []
     for chunk, names in enumerate(groups):
         offset = 0  # decayed tensors first (stable), so a chunk's decay mask is a prefix
@@ -117,10 +139,10 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             offset = _round_up(offset + math.prod(shapes[name]), align)
     order = {name: i for i, name in enumerate(shapes)}
     slots.sort(key=lambda s: order[s.name])
-    return _finish(chunk_numel, tuple(slots))
+    return _finish(chunk_numel, tuple(slots), {c for c, kind in enumerate(kinds) if not kind})
 
 
-def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...]) -> ChunkLayout:
+def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...], frozen_chunks: set[int] = frozenset()) -> ChunkLayout:
     n_chunks = max(s.chunk for s in slots) + 1
     n_decay = [0] * n_chunks
     for s in slots:
@@ -129,7 +151,8 @@ def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...]) -> ChunkLayout:
     for s in slots:
         if not s.decays and s.offset < n_decay[s.chunk]:
             raise ValueError(f"layout puts non-decayed {s.name} inside the decayed prefix")
-    return ChunkLayout(chunk_numel, slots, n_chunks, tuple(n_decay))
+    frozen = tuple(c in frozen_chunks for c in range(n_chunks)) if frozen_chunks else ()
+    return ChunkLayout(chunk_numel, slots, n_chunks, tuple(n_decay), frozen)
 
 
 def pack(layout: ChunkLayout, params: Mapping[str, np.ndarray], dtype) -> list[np.ndarray]:
@@ -166,7 +189,8 @@ def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.nd
 
 
 def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-                     multiple: int = 1, align: int = 64, max_candidates: int = 512) -> int:
+                     multiple: int = 1, align: int = 64, max_candidates: int = 512,
+                     trainable: Callable[[str], bool] | None = None) -> int:
     """The chunk size (>= the largest tensor) whose layout wastes the fewest elements.
 
     Waste is padding at chunk ends plus alignment gaps. A least-waste size is always the
@@ -192,4 +216,4 @@ def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str]
     if len(ordered) > max_candidates:  # keep the search quick for huge, irregular models
         step = len(ordered) / max_candidates
         ordered = sorted({ordered[int(i * step)] for i in range(max_candidates)} | {low})
-    return min(ordered, key=lambda n: (build_layout(shapes, decays, n, align).padded_numel, n))
+    return min(ordered, key=lambda n: (build_layout(shapes, decays, n, align, trainable).padded_numel, n))

@@ -257,6 +257,9 @@ class EngineConfig:
     machine: str | None = option(None, "rates the plan predicts with: h200, h200-duplex or a JSON file; default: "
                                  "this machine's, measured once and kept (pstar-machine "
                                  "--remeasure measures again)", metavar="NAME_OR_FILE")
+    freeze: str | None = option(None, "tensors to freeze (not trained: no grad, no optimizer state; the chunked "
+                                "engine keeps them as compute-dtype params only): comma-separated glob patterns "
+                                "over tensor names, e.g. 'blocks.*'", metavar="PATTERNS", math_changing=True)
 
     def __post_init__(self) -> None:
         for name, choices in (("precision", PRECISIONS), ("adam_placement", ADAM_PLACEMENTS), ("kind", ENGINES),

@@ -25,6 +25,11 @@ prefetch; JAX dispatch is asynchronous, so those copies overlap the running stag
 performs exactly the plan's evictions and fetches, and the store refuses anything that would
 break the moment's device budget. The executor never decides placement itself.
 
+A frozen chunk (``trainable`` false for its tensors, see chunks.py) is its compute-dtype params
+alone, store key ("param", c): one host copy, and a device copy while the plan keeps one there.
+No grad, master or optimizer state exists for it; evicting it drops the device copy (nothing
+goes back up); stages differentiate only their trainable tensors.
+
 ``evaluate`` runs a forward-only pass (held-out loss) between steps by a plan of its own
 (plan.plan_forward): the pending update applied first, no gradients, no optimizer work, and the
 slots put back where the training plan starts a step.
@@ -65,9 +70,11 @@ class ChunkedEngine:
     def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                  batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
                  clip_norm: float | None = 1.0, host_bytes: int | None = None,
-                 layout: ChunkLayout | None = None, init_params: Any = None, skip_nonfinite: bool = False):
+                 layout: ChunkLayout | None = None, init_params: Any = None, skip_nonfinite: bool = False,
+                 trainable: Callable[[str], bool] | None = None):
         """``cfg.device_budget_bytes`` is all the device memory the engine may use per device,
         chunks and working memory together; ``batch_shape`` is the global (micro-batch, seq_len).
+        ``trainable(name)`` false freezes a tensor (default: all trainable).
         Raises ConfigError, before allocating model data, when the plan does not fit."""
         self.cfg = cfg
         self.clip_norm = clip_norm
@@ -78,7 +85,8 @@ class ChunkedEngine:
         self.make_tx = make_tx
         self.model = model
         self.host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
-        planned = plan_model(model, cfg, mesh, batch_shape, machine, self.host_bytes, make_tx, layout)
+        planned = plan_model(model, cfg, mesh, batch_shape, machine, self.host_bytes, make_tx, layout,
+                             trainable=trainable)
         require_fit(planned, self.host_bytes)
         self.layout, self.bound, self.fns = planned.layout, planned.bound, planned.fns
         self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
@@ -89,6 +97,7 @@ class ChunkedEngine:
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
         # Device-resident optimizer state sits beside each moment's chunk capacity (same in every plan).
         self.store.reserve(sum(self.plan.opt_on_device) * self.plan.opt_state_bytes)
+        self.trained_chunks = self.layout.trainable_chunks
         self.skip_nonfinite = skip_nonfinite
         # The clip scale of the update pending in the slots; None: the slots hold params (no update).
         self._pending_clip: jax.Array | None = None
@@ -115,8 +124,14 @@ class ChunkedEngine:
 
     @property
     def model_data_bytes(self) -> int:
-        """Per device: params (their grads take their place) + master and optimizer state."""
-        return self.layout.n_chunks * (self.item_bytes + self.plan.opt_state_bytes)
+        """Per device: params (their grads take their place) + master and optimizer state of the
+        trainable chunks; the params alone of the frozen ones."""
+        return self.layout.n_chunks * self.item_bytes + len(self.trained_chunks) * self.plan.opt_state_bytes
+
+    def _params_key(self, c: int) -> tuple[str, int]:
+        """The store key of chunk c's current params between steps: a trainable chunk's slot, a
+        frozen chunk's params."""
+        return ("param", c) if self.layout.is_frozen(c) else ("slot", c)
 
     def plan_for(self, batch_shape: tuple[int, int]) -> Planned:
         """The plan for a micro-batch shape (cached: a new shape makes a new plan)."""
@@ -129,11 +144,13 @@ class ChunkedEngine:
         return self._plans[batch_shape]
 
     def summary(self) -> str:
-        p, n = self.plan, self.layout.n_chunks
+        p, n = self.plan, len(self.trained_chunks)
         on_device, streamed = sum(p.opt_on_device), sum(p.opt_streamed)
+        frozen = self.layout.n_chunks - n
         return "\n".join([
-            f"chunked engine: {self.layout.numel:,} params in {n} chunks of {self.layout.chunk_numel:,} "
-            f"elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used), {self.n_devices} device(s)",
+            f"chunked engine: {self.layout.numel:,} params in {self.layout.n_chunks} chunks of "
+            f"{self.layout.chunk_numel:,} elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used"
+            f"{f', {frozen} frozen' if frozen else ''}), {self.n_devices} device(s)",
             f"plan: device memory {format_bytes(self.device_budget_bytes)} (peak {format_bytes(p.peak_device_bytes)}), "
             f"host {format_bytes(p.peak_host_bytes)} of {format_bytes(self.host_bytes)}; model data "
             f"{format_bytes(self.model_data_bytes)}",
@@ -153,11 +170,12 @@ class ChunkedEngine:
             chunk = pack_chunk(self.layout, c, tensor)
             if jax.process_count() > 1:  # each process cuts its own shards from the same values
                 chunk = to_numpy(chunk)
-            master = self.placement.put(chunk, self.opt_space[c])
-            self.store.put(("opt", c), self.optimizer.init(master))
-            self.store.put(("master", c), master)
-            key = ("slot", c)
+            key = self._params_key(c)
             dirty = initial.get(key)
+            if not self.layout.is_frozen(c):
+                master = self.placement.put(chunk, self.opt_space[c])
+                self.store.put(("opt", c), self.optimizer.init(master))
+                self.store.put(("master", c), master)
             self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
                                                    Space.DEVICE if dirty else Space.HOST))
             if dirty is False:  # on the device with a valid host copy
@@ -260,10 +278,10 @@ class ChunkedEngine:
         moments, losses, x, batch = plan.moments, [], None, None
         for t, moment in enumerate(moments):
             if not moment.prefetch:
-                self._act(_in_slots(moment), moment.capacity_bytes)
+                self._act(self._in_slots(moment), moment.capacity_bytes)
             i = moment.index
             if moment.phase in ("fwd", "loss"):
-                params = tuple(self.store.get(("slot", c), Space.DEVICE) for c in self.bound[i].chunks)
+                params = tuple(self.store.get(self._params_key(c), Space.DEVICE) for c in self.bound[i].chunks)
                 if i == 0:
                     batch = self._put_batch(micro_batches[moment.micro])
                     x = batch.tokens
@@ -272,7 +290,7 @@ class ChunkedEngine:
                 else:
                     losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
             if t + 1 < len(moments) and moments[t + 1].prefetch:
-                self._act(_in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+                self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
         return replicated_value(sum(losses) * scale)  # sync
 
@@ -284,7 +302,7 @@ class ChunkedEngine:
         if clip is None:
             return
         self.store.limit(None)
-        for c in range(self.layout.n_chunks):
+        for c in self.trained_chunks:
             space = self._update_space(c)
             if space is Space.DEVICE:  # the grad (and streamed state) come down
                 self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if self.plan.opt_streamed[c] else 0))
@@ -293,8 +311,8 @@ class ChunkedEngine:
         self._place_slots(self.plan)
 
     def _make_room(self, c: int, nbytes: int) -> None:
-        """Evict other slots until ``nbytes`` more fit on the device (flush only)."""
-        for key in self.store.device_resident(("slot",)):
+        """Evict other slots (and frozen params) until ``nbytes`` more fit on the device (flush only)."""
+        for key in self.store.device_resident(("slot", "param")):
             if self.store.bytes[Space.DEVICE] + nbytes <= self.store.budget_bytes:
                 return
             if key != ("slot", c):
@@ -304,7 +322,7 @@ class ChunkedEngine:
         """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
         self.store.limit(None)
         initial = dict(plan.initial_device)
-        for key in self.store.device_resident(("slot",)):
+        for key in self.store.device_resident(("slot", "param")):  # between steps "param" keys are frozen chunks
             if key not in initial:
                 self.store.evict(key)
         for key, dirty in initial.items():
@@ -333,6 +351,9 @@ class ChunkedEngine:
 
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
         i = a.index
+        if not a.needs:  # a backward below the lowest trainable stage: no gradient is wanted
+            run.stash.pop()
+            return
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
         if a.phase == "fwd":
             if i == 0:  # the micro-batch's side inputs stay live until its first stage's backward
@@ -350,7 +371,7 @@ class ChunkedEngine:
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
                 params, self._offsets[i], run.stash.pop(), run.batch, run.g, grads)
         last = a.micro == self.cfg.micro_batches - 1
-        for c, grad in zip(self.bound[i].chunks, grads):
+        for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)
             if last and ("param", c) in a.drops:
                 run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
@@ -373,7 +394,7 @@ class ChunkedEngine:
     def _grads(self, i: int) -> tuple[jax.Array, ...]:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
         out = []
-        for c in self.bound[i].chunks:
+        for c in self.bound[i].grad_chunks:
             key = ("slot", c)
             if key in self.store:
                 out.append(self.store.take(key, Space.DEVICE))
@@ -434,10 +455,20 @@ class ChunkedEngine:
     # -- state for checkpoints -----------------------------------------------------------------
     def state(self) -> dict:
         """Every chunk list as stored (one copy each), the pending update applied first:
-        {"param"|"master"|"opt": {"c": value}}."""
+        {"param"|"master"|"opt": {"c": value}}. A frozen chunk is saved as its params, and as a
+        master made from them on the host (so exports read every tensor's master alike); it has
+        no optimizer state."""
         self.flush()
-        return {kind: {str(c): self.store.peek((key, c)) for c in range(self.layout.n_chunks)}
-                for kind, key in _FLUSHED_KEYS.items()}
+        n = self.layout.n_chunks
+        return {"param": {str(c): self.store.peek(self._params_key(c)) for c in range(n)},
+                "master": {str(c): self._master(c) for c in range(n)},
+                "opt": {str(c): self.store.peek(("opt", c)) for c in self.trained_chunks}}
+
+    def _master(self, c: int) -> Any:
+        """Chunk c's fp32 master; a frozen chunk's params cast to fp32 in host memory."""
+        if not self.layout.is_frozen(c):
+            return self.store.peek(("master", c))
+        return self.placement.put(to_numpy(self.store.peek(("param", c))).astype(np.float32), Space.HOST)
 
     def abstract_state(self, layout: ChunkLayout | None = None) -> dict:
         """Shapes and shardings ``state()`` has (for ``layout``, default ours): params on the host,
@@ -452,12 +483,12 @@ class ChunkedEngine:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
 
         def space(c):
-            return self.opt_space[c] if c < len(self.opt_space) else Space.HOST
+            return self.opt_space[c] if c < len(self.opt_space) and not layout.is_frozen(c) else Space.HOST
         return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
                           for c in range(layout.n_chunks)},
                 "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c))
                            for c in range(layout.n_chunks)},
-                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt) for c in range(layout.n_chunks)}}
+                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt) for c in layout.trainable_chunks}}
 
     def load_state(self, state: dict, step: int) -> None:
         """Replace all chunk state (arrays or numpy in our layout) and set the step count; a pending
@@ -470,9 +501,10 @@ class ChunkedEngine:
                 if (kind, c) in self.store:
                     self.store.drop((kind, c))
         for c in range(self.layout.n_chunks):
-            self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
-            self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
-            self.store.put(("slot", c), self.placement.put(state["param"][str(c)], Space.HOST))
+            self.store.put(self._params_key(c), self.placement.put(state["param"][str(c)], Space.HOST))
+            if not self.layout.is_frozen(c):  # a frozen chunk's saved master is its params again
+                self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
+                self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
         self._place_slots(self.plan)
         self.store.traffic.reset()
         self.step_count = step
@@ -482,35 +514,38 @@ class ChunkedEngine:
         """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
         pending update is applied first."""
         self.flush()
-        key = _FLUSHED_KEYS[kind]
-        chunks = [to_numpy(self.store.peek((key, c))) for c in range(self.layout.n_chunks)]
-        return unpack(self.layout, chunks)
+        return unpack(self.layout, [self._chunk_values(kind, c) for c in range(self.layout.n_chunks)])
+
+    def _chunk_values(self, kind: str, c: int) -> np.ndarray:
+        """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy."""
+        if self.layout.is_frozen(c):
+            value = to_numpy(self.store.peek(("param", c)))
+            return value.astype(np.float32) if kind == "master" else value
+        return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
 
     def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
         """Tensors by name in model order, read one chunk at a time (an export streams the model
         through host memory chunk by chunk); the pending update is applied first."""
         self.flush()
-        key = _FLUSHED_KEYS[kind]
         by_chunk: dict[int, list] = {}
         for s in self.layout.slots:
             by_chunk.setdefault(s.chunk, []).append(s)
         for c in range(self.layout.n_chunks):
-            chunk = to_numpy(self.store.peek((key, c)))
+            chunk = self._chunk_values(kind, c)
             for s in by_chunk.get(c, ()):
                 yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
+
+    def _in_slots(self, moment: PlanMoment) -> PlanMoment:
+        """A forward-only moment with its items ("param", c) named as the store holds them between
+        steps (``_params_key``: the slot ("slot", c) of a trainable chunk)."""
+        def slot(item):
+            return self._params_key(item[1])
+        return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
 
     def device_memory_in_use(self) -> int | None:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""
         stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
         return stats.get("bytes_in_use") if stats else None
-
-
-def _in_slots(moment: PlanMoment) -> PlanMoment:
-    """A forward-only moment with its items ("param", c) named as the store holds them between
-    steps: the slot ("slot", c)."""
-    def slot(item):
-        return ("slot", item[1])
-    return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
 
 
 # State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).

@@ -14,6 +14,11 @@ Parameter layout: a run of consecutive middle stages that share one ``apply`` ob
 the same tensor shapes and decay flags and no tensor read elsewhere, is a scanned segment;
 its tensors are stacked per position (``[n_stages, *shape]``). Every other tensor is kept by
 name. ``params()`` returns names as ``model.param_shapes()`` whatever the layout.
+
+Frozen tensors (``frozen``) are differentiated through but not with respect to: the gradient is
+taken over the trainable arrays only, the global norm is theirs, and the optimizer gives the
+frozen ones zero updates and keeps no state for them (``optax.set_to_zero`` in the
+multi_transform). A scanned segment's rows are all frozen or all trainable.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +69,7 @@ class Segment:
 
 
 def segments(stages: Sequence[Stage], shapes: Mapping[str, tuple[int, ...]],
-             decays: Callable[[str], bool], scan: bool = True) -> list[Segment]:
+             decays: Callable[[str], bool], scan: bool = True, frozen: Collection[str] = ()) -> list[Segment]:
     """Group the chain into segments: runs of scannable identical middle stages, and singles.
 
     A middle stage joins the run before it when it shares the run's ``apply`` object and its
@@ -76,7 +81,7 @@ def segments(stages: Sequence[Stage], shapes: Mapping[str, tuple[int, ...]],
     def signature(stage: Stage) -> tuple | None:
         if any(readers[n] > 1 for n in stage.param_names) or len(set(stage.param_names)) < len(stage.param_names):
             return None
-        return stage.apply, tuple((tuple(shapes[n]), decays(n)) for n in stage.param_names)
+        return stage.apply, tuple((tuple(shapes[n]), decays(n), n in frozen) for n in stage.param_names)
 
     out: list[list[Stage]] = [[stages[0]]]
     previous = None
@@ -103,7 +108,7 @@ class PlainEngine:
     def __init__(self, model: StagedModel, precision: str, make_tx: TxFactory, micro_batches: int = 1,
                  seed: int = 0, clip_norm: float | None = 1.0, remat: str = "none",
                  mesh: jax.sharding.Mesh | None = None, init_params: Any = None, opt_on_host: bool = False,
-                 scan_layers: bool = True, skip_nonfinite: bool = False):
+                 scan_layers: bool = True, skip_nonfinite: bool = False, frozen: Collection[str] = ()):
         """With ``mesh`` the batch is sharded over its ``data`` axis and everything else replicated.
         ``opt_on_host`` keeps the optimizer state in pinned host memory and updates it on the
         device: it comes down at the start of each step and goes back up at the end.
@@ -115,15 +120,28 @@ class PlainEngine:
         self._shapes = dict(shapes)
         self.clip_norm = clip_norm
         decays_of = functools.partial(decays, model)
-        self._segments = segments(list(model.stages(compute_dtype)), shapes, decays_of, scan_layers)
+        frozen = frozenset(frozen)
+        self.frozen = frozen
+        self._segments = segments(list(model.stages(compute_dtype)), shapes, decays_of, scan_layers, frozen)
         stacked = {n for seg in self._segments if seg.scanned for stage in seg.stages for n in stage.param_names}
         self._named = [n for n in shapes if n not in stacked]
         loss_fn = self._loss_fn(REMAT_POLICIES[remat])
 
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(self.mesh, P())
-        labels = self._tree(lambda names: "decay" if decays_of(names[0]) else "no_decay")
-        tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0)}, labels)
+        labels = self._tree(lambda names: "frozen" if names[0] in frozen else "decay" if decays_of(names[0])
+                            else "no_decay")
+        tx = optax.multi_transform({"decay": make_tx(1.0), "no_decay": make_tx(0.0), "frozen": optax.set_to_zero()},
+                                   labels)
+        trains = [label != "frozen" for label in jax.tree.leaves(labels)]  # per leaf of the params tree
+
+        def split(tree):  # (trainable leaves, every leaf, treedef)
+            leaves, treedef = jax.tree.flatten(tree)
+            return [x for x, t in zip(leaves, trains) if t], leaves, treedef
+
+        def merge(trained, leaves, treedef):  # the tree with its trainable leaves replaced
+            it = iter(trained)
+            return jax.tree.unflatten(treedef, [next(it) if t else x for x, t in zip(leaves, trains)])
         opt_sharding = replicated.with_memory_kind("pinned_host" if opt_on_host else "device")
         # Abstract first: memory_analysis() answers before anything is allocated.
         self._abstract_params = self._tree(lambda names: jax.ShapeDtypeStruct(
@@ -159,14 +177,17 @@ class PlainEngine:
             count = jnp.sum(batch_MxBxL.loss_mask)
             scale = 1.0 / jnp.maximum(count, 1.0)
 
-            def micro(carry, batch):
-                loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch) * scale)(compute)
+            trained, leaves, treedef = split(compute)
+
+            def micro(carry, batch):  # grads of the trainable leaves only
+                loss, grads = jax.value_and_grad(lambda t: loss_fn(merge(t, leaves, treedef), batch) * scale)(trained)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
-            zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
+            zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), split(params)[0]))
             (loss_sum, grads), _ = jax.lax.scan(micro, zeros, batch_MxBxL)
-            sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+            sumsq = sum(jnp.sum(jnp.square(g)) for g in grads)
             scale = clip_scale(sumsq, clip_norm)
-            grads = jax.tree.map(lambda g: g * scale, grads)
+            # Frozen leaves get zero grads here only for the tree's shape: set_to_zero ignores them.
+            grads = merge([g * scale for g in grads], jax.tree.map(jnp.zeros_like, jax.tree.leaves(params)), treedef)
             updates, new_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             # A non-finite step changes nothing (the caller skips it or stops, naming the step).

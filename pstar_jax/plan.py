@@ -12,6 +12,11 @@ update is explained), the eviction rule from eviction.py, the step time from pre
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
+A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which always keep
+their host copy: fetching it costs its bytes up, evicting it costs nothing, it has no optimizer
+state, and it may stay on the device across the step boundary (its first use in the next step
+then fetches nothing).
+
 A moment's fetches and evictions may run during the previous moment (prefetch distance 1)
 when both moments' chunks fit beside the larger of their non-model data; otherwise they run
 right before it. The plan starts each step in the state the step ends in (iterated to a fixed
@@ -195,7 +200,10 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
     else one moment ahead (less device memory)."""
-    streamed = tuple(bool(s) and not d for s, d in zip(streamed or [False] * shape.n_chunks, opt_on_device))
+    # A frozen chunk has no optimizer state: nothing of it is on the device or streamed.
+    opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
+    streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
+                     for c, (s, d) in enumerate(zip(streamed or [False] * shape.n_chunks, opt_on_device)))
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     busiest = shape.busiest_non_model_bytes
     short = opt_device + busiest + shape.item_bytes - device_bytes
@@ -215,7 +223,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State({}, {("slot", c) for c in range(shape.n_chunks)})  # every slot on the host
+    state = _State({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
@@ -235,7 +243,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
-    host_opt = (len(opt_on_device) - sum(opt_on_device)) * shape.opt_state_bytes
+    host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_items * shape.item_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
@@ -243,6 +251,12 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem)
+
+
+def _host_items(shape: StepShape) -> list[Item]:
+    """What is on the host before anything is placed: each trainable chunk's slot, each frozen
+    chunk's params."""
+    return [("param" if shape.is_frozen(c) else "slot", c) for c in range(shape.n_chunks)]
 
 
 def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Machine,
@@ -260,7 +274,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     start = {("param", c): dirty for (_, c), dirty in training.initial_device}
     n_opt_device = sum(training.opt_on_device)
     opt_device = n_opt_device * training.opt_state_bytes
-    host_opt = (len(training.opt_on_device) - n_opt_device) * training.opt_state_bytes
+    host_opt = (shape.n_trainable - n_opt_device) * training.opt_state_bytes
     accesses = forward_accesses(shape, tuple(start))
     capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = _State(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
@@ -297,22 +311,26 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     chunk has a bf16 item (params or grad) at every moment, on the device or the host, and at the
     moment with the most non-model data the device holds the fewest; and params made by host Adam
     all sit on the host once the last update has run (a copy fetched to the device leaves the
-    host copy valid)."""
-    k = sum(opt_on_device)
+    host copy valid). A frozen chunk's params are on the host at every moment."""
+    k = sum(d for c, d in enumerate(opt_on_device) if not shape.is_frozen(c))
     busiest = shape.busiest_non_model_bytes
     room = device_bytes - k * shape.opt_state_bytes - busiest
-    on_device = max(0, min(shape.n_chunks, room // shape.item_bytes))
-    host_adam = sum(not d and not s for d, s in zip(opt_on_device, streamed))
-    items = max(shape.n_chunks - on_device, host_adam)
-    return items * shape.item_bytes + (shape.n_chunks - k) * shape.opt_state_bytes
+    trainable = shape.n_trainable
+    on_device = max(0, min(trainable, room // shape.item_bytes))
+    host_adam = sum(not d and not s for c, (d, s) in enumerate(zip(opt_on_device, streamed)) if not shape.is_frozen(c))
+    items = max(trainable - on_device, host_adam) + (shape.n_chunks - trainable)
+    return items * shape.item_bytes + (trainable - k) * shape.opt_state_bytes
 
 
 def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
     """Whether the two memories together could hold the model data: every chunk has its bf16
     item (params or grad) and its optimizer state somewhere at every moment, and at the moment
-    with the most non-model data the device holds the least. False: no placement fits."""
+    with the most non-model data the device holds the least; a frozen chunk has its params alone,
+    always on the host. False: no placement fits."""
     busiest = shape.busiest_non_model_bytes
-    return shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes) <= max(0, device_bytes - busiest) + host_bytes
+    frozen_bytes = (shape.n_chunks - shape.n_trainable) * shape.item_bytes
+    trainable_bytes = shape.n_trainable * (shape.item_bytes + shape.opt_state_bytes)
+    return frozen_bytes <= host_bytes and trainable_bytes + frozen_bytes <= max(0, device_bytes - busiest) + host_bytes
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -367,8 +385,14 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     ties are broken by ``choose``. ``first_fit``: return the first plan that fits, the mixes tried
     in one round of coarse grids (for searches that only ask whether anything fits, as
     pstar-plan's largest depth and batch: the same candidates in the same order until then, so
-    the same answer); ``mixes`` False: try only the rest all on the host or all streamed."""
-    n = shape.n_chunks
+    the same answer); ``mixes`` False: try only the rest all on the host or all streamed. k and b
+    count trainable chunks (frozen ones have no optimizer state to place)."""
+    order = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
+    rank = {c: r for r, c in enumerate(order)}
+    n = len(order)
+
+    def ranked(low: int, high: int) -> list[bool]:  # per chunk: a trainable one ranked in [low, high)
+        return [c in rank and low <= rank[c] < high for c in range(shape.n_chunks)]
 
     def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool]) -> Plan:
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed)
@@ -376,10 +400,12 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
             return plan  # the retry below saves device memory
         return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False)
 
+    everything = ranked(0, n)
     if adam_placement != "auto":
-        return planned([adam_placement == "device"] * n, [adam_placement == "stream"] * n)
+        return planned(everything if adam_placement == "device" else ranked(0, 0),
+                       everything if adam_placement == "stream" else ranked(0, 0))
     if first_fit and not could_fit(shape, device_bytes, host_bytes):
-        return planned([False] * n, [False] * n)  # one candidate, to say what runs out
+        return planned(ranked(0, 0), ranked(0, 0))  # one candidate, to say what runs out
     scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
 
     class _Fits(Exception):
@@ -387,7 +413,7 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     def consider(k: int, b: int) -> None:
         if (k, b) not in scores:
-            scores[k, b] = planned([c < k for c in range(n)], [k <= c < b for c in range(n)])
+            scores[k, b] = planned(ranked(0, k), ranked(k, b))
             if first_fit and scores[k, b].fits:
                 raise _Fits
 

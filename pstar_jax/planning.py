@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from pstar_jax.chunks import ChunkLayout, auto_chunk_numel, build_layout
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
 from pstar_jax.engine import Engine
+from pstar_jax.freeze import Frozen, frozen_names, parse_patterns, trainable as make_trainable
 from pstar_jax.machine import Machine
 from pstar_jax.memory import Placement, device_total_bytes, host_budget_bytes
 from pstar_jax.model import StagedModel, decays, validate_stages
@@ -47,13 +48,15 @@ class Planned:
 def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
                machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
                fns: StageFunctions | None = None, trace_cache: dict | None = None,
-               adam: tuple[Sequence[bool], Sequence[bool]] | None = None) -> Planned:
+               adam: tuple[Sequence[bool], Sequence[bool]] | None = None,
+               trainable: Callable[[str], bool] | None = None) -> Planned:
     """Lay out, trace and plan without allocating model data.
 
     ``cfg`` must be resolved (a chunk size, a device budget in bytes or None for the CPU demo
     default). ``adam`` fixes the optimizer placement (per chunk: state on the device, state
     streamed) instead of choosing it: an engine places its optimizer state once, for every
-    batch shape."""
+    batch shape. ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
+    given ``layout``, which records its frozen chunks."""
     if cfg.chunk_numel is None:
         raise ConfigError("EngineConfig.chunk_numel is auto; resolve the config first (resolve_engine_config)")
     placement = Placement(mesh)
@@ -64,7 +67,10 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     except ValueError as err:
         raise ConfigError(f"the model's stages are inconsistent: {err}") from None
     chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
-    layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel)
+    if trainable is None and cfg.freeze:
+        trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
+    layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel,
+                                    trainable=trainable)
     bound = [bind(s, layout) for s in stages]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
@@ -75,7 +81,8 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
         working = shape.busiest_non_model_bytes
-        budget = working + max(shape.n_chunks * (shape.item_bytes + opt_state_bytes) // 2, 2 * stage_bytes)
+        model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
+        budget = working + max(model_data // 2, 2 * stage_bytes)
     log.info("planning where each chunk lives at each moment of the step")
     if adam is None:
         plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
@@ -102,12 +109,13 @@ def default_mesh(data_parallel: int | None = None) -> Mesh:
     return data_mesh(data_parallel)
 
 
-def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh) -> EngineConfig:
+def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
+                          trainable: Callable[[str], bool] | None = None) -> EngineConfig:
     """The automatic choices made concrete: a chunk size (the one that wastes least, shardable over
     the mesh) and the device budget in bytes (a fraction of the device, 0.9 of an accelerator by
     default, or None on a CPU: the demo default of half the model data, so chunks move)."""
     chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), functools.partial(decays, model),
-                                                      multiple=mesh.devices.size)
+                                                      multiple=mesh.devices.size, trainable=trainable)
     device = mesh.devices.flat[0]
     memory = cfg.device_memory
     if memory is None:
@@ -134,7 +142,7 @@ def resolve_machine(config: EngineConfig, mesh: Mesh, make_tx: TxFactory | None 
 def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, batch_shape: tuple[int, int], *,
                  mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
                  machine: Machine | None = None, make_tx: TxFactory | None = None, scan_layers: bool = True,
-                 opt_on_host: bool = False) -> Engine:
+                 opt_on_host: bool = False, frozen: Frozen = None) -> Engine:
     """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
     data when the plan does not fit.
 
@@ -144,25 +152,28 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     ``make_tx`` replaces the AdamW of ``optim`` by any elementwise optax transformation factory
     (see pstar_jax.optim); ``optim.clip_norm`` still clips. ``machine`` replaces the rates of
     ``resolve_machine``. The plain engine only (baselines): ``scan_layers=False`` unrolls the
-    blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory."""
+    blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory. ``frozen`` (tensor
+    names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns."""
     from pstar_jax.executor import ChunkedEngine
     from pstar_jax.plain import PlainEngine
 
     mesh = mesh if mesh is not None else default_mesh()
     micro_batch_shape(batch_shape[0], 1, batch_shape[1], mesh)  # the rows must shard over the mesh
     make_tx = make_tx or default_tx(optim)
+    frozen = frozen_names(list(model.param_shapes()), parse_patterns(config.freeze), frozen)
     if config.kind == "plain":
         return PlainEngine(model, config.precision, make_tx, config.micro_batches, seed, optim.clip_norm,
                            config.remat, mesh=mesh, init_params=init_params, opt_on_host=opt_on_host,
-                           scan_layers=scan_layers, skip_nonfinite=skip_nonfinite)
+                           scan_layers=scan_layers, skip_nonfinite=skip_nonfinite, frozen=frozen)
     if opt_on_host or not scan_layers:
         raise ConfigError("scan_layers and opt_on_host are plain-engine settings (EngineConfig.kind plain); the "
                           "chunked engine places its optimizer state by its plan (EngineConfig.adam_placement)")
-    resolved = resolve_engine_config(config, model, mesh)
+    resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
     machine = machine or resolve_machine(resolved, mesh, make_tx)
     return ChunkedEngine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
-                         host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite)
+                         host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
+                         trainable=make_trainable(frozen))
 
 
 def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:

@@ -62,6 +62,15 @@ class StepShape:
     item_bytes: int  # one bf16 param (or grad) chunk, per device
     opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
     micro_batches: int = 1
+    frozen: tuple[bool, ...] = ()  # per chunk: frozen (params only: no grad, no update); () none is
+
+    def is_frozen(self, chunk: int) -> bool:
+        return bool(self.frozen) and self.frozen[chunk]
+
+    @property
+    def n_trainable(self) -> int:
+        """Chunks with a grad, a master and optimizer state."""
+        return self.n_chunks - sum(self.frozen)
 
     @property
     def busiest_non_model_bytes(self) -> int:
@@ -97,7 +106,12 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     backward use (``to_host`` of that moment) and its update moment consumes it on the host.
     Streamed state is sent down ``leads[c]`` moments ahead
     (default 1), so its copy hides under their compute, and goes back up during the next moment:
-    its device copy is non-model memory of all those moments."""
+    its device copy is non-model memory of all those moments.
+
+    A frozen chunk has one item, ("param", c): read by its stages' forwards and backwards, never
+    dropped, written or updated, so it always has a valid host copy (evicting it is free). A
+    stage's backward runs only while some stage at or below it has trainable chunks: below the
+    lowest one no gradient is wanted, and those moments need nothing (the executor skips them)."""
     streamed = streamed or [False] * shape.n_chunks
     leads = leads or [1] * shape.n_chunks
     head = len(shape.stage_chunks) - 1
@@ -107,13 +121,16 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
             first_use.setdefault(c, i)
     updated_at: dict[int, list[int]] = {}  # stage -> chunks whose update comes right before it
     for c in range(shape.n_chunks):
-        updated_at.setdefault(first_use[c], []).append(c)
+        if not shape.is_frozen(c):
+            updated_at.setdefault(first_use[c], []).append(c)
     last_bwd = first_use  # the backward visits stages in reverse
     out: list[Access] = []
 
+    trained = [tuple(c for c in cs if not shape.is_frozen(c)) for cs in shape.stage_chunks]
+    lowest = min((i for i, cs in enumerate(trained) if cs), default=head)  # the backward's last stage
     params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
-    both = [params[i] + tuple(("slot", c) for c in cs) for i, cs in enumerate(shape.stage_chunks)]
-    last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(shape.stage_chunks)]
+    both = [params[i] + tuple(("slot", c) for c in cs) if i >= lowest else () for i, cs in enumerate(trained)]
+    last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(trained)]
     on_host = [not opt_on_device[c] and not streamed[c] for c in range(shape.n_chunks)]
     last_up = [tuple(("slot", c) for _, c in items if on_host[c]) for items in last_drops]
 
@@ -146,7 +163,7 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
                           shape.head_flops, drops(head, last), up(head, last)))
         for i in reversed(range(head)):
             out.append(Access("bwd", i, m, both[i], shape.bwd_non_model[i],
-                              shape.bwd_flops[i], drops(i, last), up(i, last)))
+                              shape.bwd_flops[i] if i >= lowest else 0.0, drops(i, last), up(i, last)))
     if not any(streamed):
         return out
     extra = [0] * len(out)  # streamed state on the device beside other moments' own data

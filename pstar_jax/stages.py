@@ -34,13 +34,36 @@ class BoundStage:
     chunks: tuple[int, ...]  # chunk ids the stage reads, sorted
     pattern: tuple[tuple[int, tuple[int, ...]], ...]  # per tensor: (index into chunks, shape)
     offsets: tuple[int, ...]  # per tensor: element offset in its chunk
+    frozen: tuple[bool, ...] = ()  # per chunk of ``chunks``: frozen (no grad chunk); () none is
+
+    @property
+    def grad_chunks(self) -> tuple[int, ...]:
+        """The chunk ids the stage writes grads into: its trainable chunks, in ``chunks`` order."""
+        return tuple(c for j, c in enumerate(self.chunks) if not (self.frozen and self.frozen[j]))
 
 
 def bind(stage: Stage, layout) -> BoundStage:
     chunks = layout.chunks_of(stage.param_names)
     slots = [layout.slot(n) for n in stage.param_names]
     pattern = tuple((chunks.index(s.chunk), s.shape) for s in slots)
-    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots))
+    frozen = tuple(layout.is_frozen(c) for c in chunks) if any(layout.frozen) else ()
+    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots), frozen)
+
+
+def _trainable_pattern(bound: BoundStage) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
+    """(indices of the stage's trainable tensors, their pattern over the grad chunks alone)."""
+    frozen = bound.frozen or (False,) * len(bound.chunks)
+    grad_index = {j: k for k, j in enumerate(j for j in range(len(bound.chunks)) if not frozen[j])}
+    tensors = tuple(i for i, (j, _) in enumerate(bound.pattern) if not frozen[j])
+    return tensors, tuple((grad_index[bound.pattern[i][0]], bound.pattern[i][1]) for i in tensors)
+
+
+def _with(params: tuple, tensors: tuple[int, ...], trained: tuple) -> tuple:
+    """The stage's tensors with the trainable ones (at ``tensors``) replaced by ``trained``."""
+    out = list(params)
+    for i, value in zip(tensors, trained):
+        out[i] = value
+    return tuple(out)
 
 
 def _views(full_chunks, offsets, pattern):
@@ -83,7 +106,7 @@ class StageFunctions:
         self._cache: dict[tuple, Callable] = {}
 
     def _get(self, role: str, bound: BoundStage, build: Callable[[], Callable]) -> Callable:
-        key = (role, bound.stage.apply, bound.pattern)
+        key = (role, bound.stage.apply, bound.pattern, bound.frozen)
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -116,20 +139,24 @@ class StageFunctions:
         """(chunks, offsets, x, batch, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated.
 
         The forward is recomputed (only stage inputs were kept). The first stage's input is
-        tokens, which have no gradient: it returns None for gx."""
+        tokens, which have no gradient: it returns None for gx. ``grad_chunks`` are those of the
+        stage's trainable chunks (``bound.grad_chunks``): the vjp is taken over the trainable
+        tensors only, while the activations' gradient flows through frozen ones too."""
         apply, pattern = bound.stage.apply, bound.pattern
+        tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, x, batch, gy, grad_chunks):
             params = _views(_gather(chunks), offsets, pattern)
+            trained = tuple(params[i] for i in tensors)
             if first:
-                _, vjp = jax.vjp(lambda p: apply(p, x, batch), params)
+                _, vjp = jax.vjp(lambda p: apply(_with(params, tensors, p), x, batch), trained)
                 (gp,), gx = vjp(gy), None
             else:
-                _, vjp = jax.vjp(lambda p, x: apply(p, x, batch), params, x)
+                _, vjp = jax.vjp(lambda p, x: apply(_with(params, tensors, p), x, batch), trained, x)
                 gp, gx = vjp(gy)
-            return gx, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
+            return gx, _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices)
         n = len(bound.chunks)
-        grad_specs = tuple(P("data") for _ in range(n))
+        grad_specs = tuple(P("data") for _ in bound.grad_chunks)
         return self._get("bwd_first" if first else "bwd", bound, lambda: jax.jit(
             self._shard_map(local, n, (P("data"), P("data"), P("data"), grad_specs),
                             (None if first else P("data"), grad_specs)),
@@ -138,20 +165,25 @@ class StageFunctions:
     def head(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, gh, grad_chunks).
 
+        ``grad_chunks``: those of the stage's trainable chunks, as in ``backward``.
+
         The last stage's forward and backward in one call. The stage returns the sum of its
         rows' trained token losses; ``scale`` is 1 / the step's global count of trained tokens
         (every micro-batch and device), so the loss and grads of devices and micro-batches just
         add up to those of the mean over the whole step."""
         apply, pattern = bound.stage.apply, bound.pattern
+        tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
-            def scaled_loss(params, h):
-                return apply(params, h, batch) * scale
-            loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(
-                _views(_gather(chunks), offsets, pattern), h)
-            return jax.lax.psum(loss, "data"), gh, _accumulate(grad_chunks, gp, offsets, pattern, self.n_devices)
+            params = _views(_gather(chunks), offsets, pattern)
+
+            def scaled_loss(trained, h):
+                return apply(_with(params, tensors, trained), h, batch) * scale
+            loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(tuple(params[i] for i in tensors), h)
+            return (jax.lax.psum(loss, "data"), gh,
+                    _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices))
         n = len(bound.chunks)
-        grad_specs = tuple(P("data") for _ in range(n))
+        grad_specs = tuple(P("data") for _ in bound.grad_chunks)
         return self._get("head", bound, lambda: jax.jit(
             self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
             donate_argnums=(4,)))

@@ -74,14 +74,18 @@ class _Tracer:
     def chunks(self, b: BoundStage):
         return tuple(self.chunk for _ in b.chunks)
 
+    def grads(self, b: BoundStage):
+        return tuple(self.chunk for _ in b.grad_chunks)
+
     def kind(self, b: BoundStage) -> tuple:
         return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
-                jnp.dtype(self.param_dtype).name, self.W)
+                jnp.dtype(self.param_dtype).name, self.W, b.frozen)
 
     def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
         # Memory barely depends on where tensors sit in chunks, so one compile per
         # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
-        key = (role, self.kind(b), len(b.chunks), self.chunk_numel, tuple(getattr(a, "shape", ()) for a in args[2:]))
+        key = (role, self.kind(b), len(b.chunks), self.chunk_numel,
+               tuple(getattr(a, "shape", ()) for a in args[2:]))
         if key not in self.cache:
             self.cache[key] = _analyse(fn, *args)
         return self.cache[key]
@@ -105,19 +109,19 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
         fwd_fl.append(flops)
     b = bound[head]
     scale = _abstract((), jnp.float32, tr.rep)
-    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, chunks(b),
+    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, tr.grads(b),
                                   scale)
-    head_nm = sum(act) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
+    head_nm = sum(act) + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
     for i in reversed(range(head)):
         b = bound[i]
         temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
-                                    tr.batch, xs[i + 1], chunks(b))
-        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.chunks) * tr.chunk_bytes, 0)
+                                    tr.batch, xs[i + 1], tr.grads(b))
+        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
                      shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
-                     micro_batches=micro_batches)
+                     micro_batches=micro_batches, frozen=_frozen(bound))
 
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
@@ -145,4 +149,12 @@ def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: P
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
                      loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
                      shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
-                     micro_batches=micro_batches)
+                     micro_batches=micro_batches, frozen=_frozen(bound))
+
+
+def _frozen(bound: Sequence[BoundStage]) -> tuple[bool, ...]:
+    """Per chunk id: frozen, from the stages bound to the layout (() when none is)."""
+    frozen = {c: f for b in bound for c, f in zip(b.chunks, b.frozen)}
+    if not any(frozen.values()):
+        return ()
+    return tuple(frozen.get(c, False) for c in range(max(c for b in bound for c in b.chunks) + 1))

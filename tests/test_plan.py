@@ -180,3 +180,40 @@ def test_mixed_optimizer_placement_when_it_is_faster():
     pure = [plan_step(shape, device, 10**9, machine, [c < j for c in range(n)], streamed=[stream] * n)
             for j in range(n + 1) for stream in (False, True)]
     assert plan.predicted_step_s * 1.05 < min(p.predicted_step_s for p in pure if p.fits)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 2), st.integers(0, 3000), st.integers(0, 2**12 - 1))
+def test_frozen_chunks_are_read_only_and_free_to_evict(n_blocks, per_block, micro, extra, mask):
+    """A frozen chunk is one clean item ("param", c): never a slot, never updated, never dirty, so
+    no eviction of it writes anything back; the plan still keeps the device within capacity and
+    ends the step where it started, and host memory above its lower bound."""
+    base = gpt_like_shape(n_blocks, per_block, micro)
+    frozen = tuple(bool(mask >> c & 1) for c in range(base.n_chunks))
+    if all(frozen):
+        frozen = (False,) + frozen[1:]
+    shape = dc.replace(base, frozen=frozen)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    plan = plan_step(shape, device, 10**9, H200, [True] * shape.n_chunks)  # frozen chunks: no state to place
+    assert not any(d for c, d in enumerate(plan.opt_on_device) if frozen[c])
+    if not plan.fits:
+        return
+    accesses = step_accesses(shape, plan.opt_on_device)
+    frozen_items = {("param", c) for c in range(shape.n_chunks) if frozen[c]}
+    dirty = {item: d for item, d in plan.initial_device}
+    assert not any(dirty.get(item) for item in frozen_items)
+    for m, a in zip(plan.moments, accesses):
+        assert not any(frozen[c] for kind, c in a.needs if kind == "slot")
+        assert not (a.phase == "adam" and frozen[a.index])
+        assert not frozen_items & set(a.drops + a.consumes + a.creates_device + a.creates_host)
+        assert m.chunk_bytes + a.non_model_bytes + sum(plan.opt_on_device) * 600 <= device
+        for item in m.evict:
+            dirty.pop(item)
+        dirty.update((item, False) for item in m.fetch)
+        dirty.update((item, True) for item in a.needs if item[0] == "slot")
+        for item in a.to_host + a.consumes + a.drops:
+            dirty.pop(item, None)
+        dirty.update((item, True) for item in a.creates_device)
+    assert set(dirty) == {item for item, _ in plan.initial_device}
+    bound = host_needed_bytes(shape, device, plan.opt_on_device, plan.opt_streamed)
+    assert bound <= plan.peak_host_bytes

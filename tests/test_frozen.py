@@ -1,0 +1,251 @@
+"""Frozen tensors: chunks of params alone (2 bytes per parameter in bf16), no grad, master or
+optimizer state; the chunked engine equals the plain one with the same frozen set, moves the
+bytes its plan says and never writes a frozen chunk back."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from pstar_models.gpt import StagedGPT, preset
+from pstar_jax.chunks import ChunkLayout, build_layout
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
+from pstar_jax.executor import ChunkedEngine
+from pstar_jax.freeze import frozen_names, trainable
+from pstar_jax.machine import H200
+from pstar_jax.memory import ChunkStore, Space
+from pstar_jax.optim import default_tx
+from pstar_jax.plain import PlainEngine
+from pstar_jax.planning import build_engine
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
+CHUNK = 8192
+EPS32 = float(np.finfo(np.float32).eps)
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
+
+
+def model():
+    return StagedGPT(preset("tiny"))
+
+
+def base_frozen(m):
+    """A LoRA-like split: embeddings and every block's matrices frozen; norms and biases train."""
+    return frozen_names(list(m.param_shapes()), ["wte.*", "wpe", "blocks.*.kernel"])
+
+
+def mesh(W=1):
+    return Mesh(np.array(jax.devices()[:W]), ("data",))
+
+
+def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4):
+    """budget "tight": room beside the busiest moment's working memory for one chunk more than a
+    stage reads, so chunks move every step (the tiny model's working memory dwarfs its chunks)."""
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
+                       micro_batches=micro_batches)
+    engine = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+                           trainable=trainable(frozen))
+    if budget != "tight":
+        return engine
+    shape = engine.plan_for((batch, 64)).shape
+    reads = max(len(cs) for cs in shape.stage_chunks)
+    budget = shape.busiest_non_model_bytes + (2 * reads + 1) * shape.item_bytes
+    return chunked(m, frozen, budget, precision, micro_batches, W, batch)
+
+
+def plain(m, frozen, micro_batches=1, W=1):
+    return PlainEngine(m, "fp32", default_tx(OPTIM), micro_batches, clip_norm=OPTIM.clip_norm, mesh=mesh(W),
+                       frozen=frozen)
+
+
+def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_steps):
+        step = []
+        for _ in range(micro_batches):
+            tok = rng.integers(0, 256, (batch, seq + 1))
+            step.append((tok[:, :-1], tok[:, 1:]))
+        out.append(step)
+    return out
+
+
+class WriteBacks:
+    """Spy on the store: the keys copied device -> host."""
+
+    def __init__(self, monkeypatch):
+        self.keys = []
+        real = ChunkStore.get
+
+        def get(store, key, space):
+            if space is Space.HOST and space not in store.spaces(key):
+                self.keys.append(key)
+            return real(store, key, space)
+        monkeypatch.setattr(ChunkStore, "get", get)
+
+
+def test_layout_never_mixes_frozen_and_trainable_tensors():
+    m = model()
+    shapes = m.param_shapes()
+    frozen = base_frozen(m)
+    layout = build_layout(shapes, lambda n: True, CHUNK, trainable=trainable(frozen))
+    assert any(layout.frozen) and not all(layout.frozen)
+    for s in layout.slots:
+        assert layout.is_frozen(s.chunk) == (s.name in frozen), s.name
+    assert ChunkLayout.from_json(layout.to_json()) == layout
+    plain_layout = build_layout(shapes, lambda n: True, CHUNK)  # no frozen tensor: today's layout
+    assert plain_layout.frozen == () and "frozen_chunks" not in plain_layout.to_json()
+
+
+@pytest.mark.parametrize("patterns,micro_batches", [(("wte.*", "wpe", "blocks.*.kernel"), 1),
+                                                    (("wte.*", "blocks.0.*"), 2)])
+def test_fp32_equals_plain_under_eviction_and_frozen_stay_bit_identical(monkeypatch, patterns, micro_batches):
+    """Chunks move every step; losses and params equal plain's with the same frozen set; frozen
+    tensors never change (either engine); measured bytes equal the plan's; nothing frozen is
+    ever copied back to the host (the second set also writes trainable chunks back)."""
+    m = model()
+    frozen = frozen_names(list(m.param_shapes()), patterns)
+    engine, reference = chunked(m, frozen, micro_batches=micro_batches), plain(m, frozen, micro_batches)
+    before = {n: v.copy() for n, v in engine.params().items() if n in frozen}
+    spy = WriteBacks(monkeypatch)
+    la, lb = [], []
+    for step in batches(4, micro_batches):
+        r = engine.step(step)
+        la.append(r.loss)
+        lb.append(reference.step(step).loss)
+        assert r.h2d_bytes == r.predicted_h2d_bytes and r.d2h_bytes == r.predicted_d2h_bytes
+        assert r.h2d_bytes > 0, "the budget must make chunks move every step"
+        assert r.device_chunk_peak_bytes <= engine.plan.peak_device_bytes
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    frozen_chunks = {c for c in range(engine.layout.n_chunks) if engine.layout.is_frozen(c)}
+    assert bool(spy.keys) == (engine.plan.d2h_bytes > 0)
+    assert not [k for k in spy.keys if k[1] in frozen_chunks]
+    pa, pb = engine.params(), reference.params()
+    for name in pa:
+        if name in frozen:
+            np.testing.assert_array_equal(pa[name], before[name], err_msg=name)
+            np.testing.assert_array_equal(pb[name], before[name], err_msg=name)
+        else:
+            atol = 64 * EPS32 * max(1.0, float(np.abs(pb[name]).max()))
+            np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
+    assert any(not np.array_equal(pa[n], m.init_tensor(n, 0)) for n in pa if n not in frozen), "nothing trained"
+
+
+@needs_8
+def test_zero_over_8_devices_equals_plain_with_frozen_tensors():
+    m = model()
+    frozen = base_frozen(m)
+    engine, reference = chunked(m, frozen, W=8, batch=8), plain(m, frozen, W=8)
+    for step in batches(3, batch=8):
+        r = engine.step(step)
+        np.testing.assert_allclose(r.loss, reference.step(step).loss, rtol=1e-5)
+        assert r.h2d_bytes == r.predicted_h2d_bytes and r.d2h_bytes == r.predicted_d2h_bytes
+        assert r.h2d_bytes > 0
+    pa, pb = engine.params(), reference.params()
+    for name in pa:
+        atol = 64 * EPS32 * max(1.0, float(np.abs(pb[name]).max()))
+        np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
+
+
+def test_a_frozen_chunk_is_two_bytes_per_parameter_in_bf16():
+    m = model()
+    engine = chunked(m, base_frozen(m), budget=None, precision="bf16")
+    engine.step(batches(1)[0])
+    layout, store = engine.layout, engine.store
+    for c in range(layout.n_chunks):
+        if layout.is_frozen(c):
+            assert [k for k in (("slot", c), ("master", c), ("opt", c)) if k in store] == []
+            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.chunk_numel
+            assert Space.HOST in store.spaces(("param", c))  # its one host copy stays
+        else:
+            assert ("master", c) in store and ("opt", c) in store
+    trained = len(layout.trainable_chunks)
+    assert engine.model_data_bytes == layout.n_chunks * engine.item_bytes + trained * engine.plan.opt_state_bytes
+
+
+def test_freezing_all_but_one_tensor_moves_far_fewer_bytes():
+    """Same model, same device budget: training one tensor moves a small part of what full
+    training moves per step (the frozen base only comes down, never goes back up). Twelve
+    blocks, so the frozen chunks too outnumber the room for them."""
+    m = StagedGPT(dataclasses.replace(preset("tiny"), n_layer=12))
+    full = chunked(m, frozenset())
+    names = list(m.param_shapes())
+    frozen = frozenset(n for n in names if n != "ln_f.scale")
+    one = chunked(m, frozen, budget=full.device_budget_bytes)
+    rf, ro = full.step(batches(1)[0]), one.step(batches(1)[0])
+    assert ro.h2d_bytes == ro.predicted_h2d_bytes and ro.d2h_bytes == ro.predicted_d2h_bytes == 0
+    full_bytes, one_bytes = rf.h2d_bytes + rf.d2h_bytes, ro.h2d_bytes + ro.d2h_bytes
+    print(f"per step: full training {full_bytes} B ({rf.h2d_bytes} h2d, {rf.d2h_bytes} d2h), one tensor trained "
+          f"{one_bytes} B ({ro.h2d_bytes} h2d, {ro.d2h_bytes} d2h)")
+    assert 0 < one_bytes and one_bytes * 10 <= full_bytes
+
+
+def test_state_round_trip_keeps_every_tensor():
+    """state() holds every tensor (frozen ones as params and as a master made from them) and no
+    optimizer state for frozen chunks; loading it into a new engine gives the same tensors."""
+    m = model()
+    frozen = base_frozen(m)
+    engine = chunked(m, frozen)
+    for step in batches(2):
+        engine.step(step)
+    state = engine.state()
+    layout = engine.layout
+    assert set(state["opt"]) == {str(c) for c in layout.trainable_chunks}
+    assert len(state["param"]) == len(state["master"]) == layout.n_chunks
+    other = chunked(m, frozen)
+    other.load_state(jax.tree.map(np.asarray, state), 2)
+    for name, value in engine.params().items():
+        np.testing.assert_array_equal(other.params()[name], value, err_msg=name)
+    np.testing.assert_array_equal(other.step(batches(1, seed=5)[0]).loss, engine.step(batches(1, seed=5)[0]).loss)
+
+
+def test_freeze_patterns_in_the_config(capsys):
+    m = model()
+    cfg = EngineConfig(chunk_numel=CHUNK, precision="fp32", freeze="wte.*,wpe,blocks.*.kernel")
+    engine = build_engine(m, cfg, OPTIM, (4, 64), mesh=mesh(), machine=H200)
+    assert {s.name for s in engine.layout.slots if engine.layout.is_frozen(s.chunk)} == base_frozen(m)
+    reference = build_engine(m, dataclasses.replace(cfg, kind="plain"), OPTIM, (4, 64), mesh=mesh())
+    assert reference.frozen == base_frozen(m)
+    with pytest.raises(ConfigError, match="'blocks.*.nope' matches no tensor"):
+        build_engine(m, dataclasses.replace(cfg, freeze="blocks.*.nope"), OPTIM, (4, 64), mesh=mesh(), machine=H200)
+    with pytest.raises(ConfigError, match="nothing is left to train"):
+        build_engine(m, dataclasses.replace(cfg, freeze="*"), OPTIM, (4, 64), mesh=mesh(), machine=H200)
+
+
+def test_identical_blocks_share_one_compiled_backward():
+    """Frozen matrices and trainable norms in every block: the blocks' backwards (vjp over the
+    trainable tensors only) are still a few compiled functions, not one per block."""
+    m = StagedGPT(dataclasses.replace(preset("tiny"), n_layer=6))
+    engine = chunked(m, base_frozen(m), budget=None)
+    engine.step(batches(1)[0])
+    compiled = [key for key in engine.fns._cache if key[0] == "bwd"]
+    assert 0 < len(compiled) < 6
+
+
+TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "3e-3", "--chunk-size", "8192",
+         "--freeze", "wte.*,blocks.*.kernel"]
+
+
+@pytest.mark.slow
+def test_frozen_run_stops_and_resumes_exactly(tmp_path):
+    """pstar-train --freeze: six straight steps equal three, a checkpoint, and three resumed."""
+    import json
+
+    from pstar_jax.train import main
+    straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
+    assert main([*TRAIN, "--steps", "6", "--metrics-out", str(straight)]) == 0
+    assert main([*TRAIN, "--steps", "6", "--stop-after", "3", "--checkpoint-dir", str(d),
+                 "--metrics-out", str(split)]) == 0
+    assert main([*TRAIN, "--steps", "6", "--resume", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+
+    def losses(path):
+        return [json.loads(line)["loss"] for line in open(path)]
+    assert losses(split) == losses(straight) and len(losses(straight)) == 6
+
+
+def test_a_freeze_pattern_matching_nothing_is_one_line(capsys):
+    from pstar_jax.train import main
+    assert main([*TRAIN[:-1], "wte.*,blocks.*.nope", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'blocks.*.nope' matches no tensor" in err[0], err
