@@ -1,8 +1,22 @@
-"""Packed SFT micro-batches for the engines' tests (uneven trained tokens per row)."""
+"""Micro-batches for the engines' tests: random plain windows, and packed SFT rows with uneven
+trained tokens per row."""
 
 import numpy as np
 
 from pstar_jax.batch import Batch, from_rows
+
+
+def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):
+    """Steps of (tokens, targets) micro-batches of random byte-level windows."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_steps):
+        step = []
+        for _ in range(micro_batches):
+            tok = rng.integers(0, 256, (batch, seq + 1))
+            step.append((tok[:, :-1], tok[:, 1:]))
+        out.append(step)
+    return out
 
 
 def sft_steps(n_steps, micro_batches=1, batch=4, seq=64, seed=0):

@@ -19,7 +19,7 @@ from pstar_jax.machine import H200
 from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
-from sft_batches import merge, sft_steps
+from sft_batches import batches, merge, sft_steps
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
 CHUNK = 8192  # tiny GPT: 6 chunks, two per block
@@ -31,18 +31,6 @@ def mesh1():
 
 def model(**overrides):
     return StagedGPT(dataclasses.replace(preset("tiny"), **overrides))
-
-
-def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):  # noqa: D103
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_steps):
-        step = []
-        for _ in range(micro_batches):
-            tok = rng.integers(0, 256, (batch, seq + 1))
-            step.append((tok[:, :-1], tok[:, 1:]))
-        out.append(step)
-    return out
 
 
 def chunked(m, budget=None, precision="fp32", micro_batches=1, optim=OPTIM, adam="auto", batch=4):

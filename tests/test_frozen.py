@@ -19,6 +19,7 @@ from pstar_jax.memory import ChunkStore, Space
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
 from pstar_jax.planning import build_engine
+from sft_batches import batches
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
 CHUNK = 8192
@@ -57,18 +58,6 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
 def plain(m, frozen, micro_batches=1, W=1):
     return PlainEngine(m, "fp32", default_tx(OPTIM), micro_batches, clip_norm=OPTIM.clip_norm, mesh=mesh(W),
                        frozen=frozen)
-
-
-def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_steps):
-        step = []
-        for _ in range(micro_batches):
-            tok = rng.integers(0, 256, (batch, seq + 1))
-            step.append((tok[:, :-1], tok[:, 1:]))
-        out.append(step)
-    return out
 
 
 class WriteBacks:
