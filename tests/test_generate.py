@@ -35,6 +35,15 @@ def trained(tmp_path_factory):
     return root / "ckpt", root / "flax"
 
 
+def write_weights(path, model):
+    """model.safetensors and config.json of ``model`` (spread-out fp32 params) into ``path``; the params."""
+    params = {n: np.asarray(v) for n, v in spread_params(model).items()}
+    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
+    return params
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A Llama (GQA groups of 3) as an HF directory: safetensors, config.json and a BPE tokenizer."""
@@ -49,11 +58,7 @@ def hf_dir(tmp_path_factory):
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
     model = StagedLlama(LlamaConfig(vocab_size=320, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=64,
                                     seq_len=64))
-    params = {n: np.asarray(v) for n, v in spread_params(model).items()}
-    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()},
-              str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
-    return path, model, params, tok
+    return path, model, write_weights(path, model), tok
 
 
 def generate(capsys, *argv):
@@ -203,11 +208,7 @@ def chat_hf_dir(tmp_path_factory):
     vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     model = StagedLlama(LlamaConfig(vocab_size=vocab, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64,
                                     seq_len=128))
-    params = {n: np.asarray(v) for n, v in spread_params(model).items()}
-    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()},
-              str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
-    return path, model, params, tok
+    return path, model, write_weights(path, model), tok
 
 
 @pytest.mark.slow
