@@ -345,3 +345,21 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
             raise ValueError(f"config.json's {key}={heads} disagrees with the weights: {tensor} has {rows} rows, "
                              f"not {heads} heads of {head_dim}; {fix} or use the weights this "
                              "config.json belongs to")
+
+
+def hf_tensor(family: str, name: str) -> HFTensor:
+    """Where our parameter ``name`` lives in a ``family`` checkpoint (a model_type of SUPPORTED), from
+    the name alone: what the peft adapter files need, which name base tensors and projections
+    without a model at hand."""
+    if family not in SUPPORTED:
+        raise ValueError(f"no Hugging Face names for family {family!r}; supported: {', '.join(SUPPORTED)}")
+    gpt = family == "gpt2"
+    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
+                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
+    if name.startswith("blocks.") and name.count(".") >= 2:
+        _, i, rest = name.split(".", 2)
+        if i.isdigit() and rest in block:
+            return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
+    elif name in top:
+        return top[name]
+    raise ValueError(f"parameter {name!r} has no Hugging Face counterpart in a {family} checkpoint")
