@@ -23,7 +23,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -118,6 +118,25 @@ def merged_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], adapters: Ma
     if pending:
         raise ConfigError(f"the adapter of {sorted(pending)[0]} has no {sorted(pending)[0]}.kernel to merge into "
                           f"({len(pending)} such adapters); the adapters belong to another model")
+
+
+def merged_stream(iter_tensors: Callable[[], Iterable[tuple[str, np.ndarray]]],
+                  scale: float) -> Iterator[tuple[str, np.ndarray]]:
+    """``merged_tensors`` over a stream that holds its own adapters (an engine's or a checkpoint's
+    parameters): a first pass keeps the adapters (small), a second merges them as the base streams
+    by, so the model never sits in host memory whole."""
+    adapters = {name: np.array(value, np.float32) for name, value in iter_tensors() if is_adapter(name)}
+    return merged_tensors(iter_tensors(), adapters, scale)
+
+
+def model_family(model: object) -> str:
+    """The peft family of one of our models: its HF model_type (gpt2, llama, qwen2, mistral)."""
+    config = getattr(model, "config", None)
+    family = "gpt2" if type(config).__name__ == "GPTConfig" else getattr(config, "family", None)
+    if family not in SUPPORTED:
+        raise ConfigError(f"peft adapters are written for the gpt2 and llama families; this model is configured "
+                          f"by {type(config).__name__}")
+    return family
 
 
 def is_adapter(name: str) -> bool:

@@ -17,7 +17,8 @@ from hf_configs import V4
 from pstar_jax.config import ConfigError
 from pstar_jax.hf import HFCheckpoint, read_hf_config
 from pstar_jax.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, AdapterError, from_peft, lora_scale,
-                               merge_adapter, merged_tensors, read_adapter, to_peft, write_adapter)
+                               merge_adapter, merged_stream, merged_tensors, model_family, read_adapter, to_peft,
+                               write_adapter)
 from pstar_models import build_from_hf, hf_tensors
 from test_hf_models import CHECKPOINTS, SEQ_LEN, hf_logits, hf_reference, module_of, tokens_BxL
 
@@ -245,6 +246,17 @@ def test_merge_adapter_and_merged_tensors():
     with pytest.raises(ConfigError) as err:
         list(merged_tensors(stream[1:], adapters, 0.5))
     assert "has no blocks.0.attn.q.kernel to merge into" in one_line(err)
+    full = stream + [("blocks.0.attn.q.lora.lora_b", b)]
+    again = dict(merged_stream(lambda: iter(full), 0.5))
+    assert again.keys() == out.keys() and all(np.array_equal(again[n], out[n]) for n in out)
+
+
+def test_model_family():
+    for family in ("llama", "qwen2", "mistral", "gpt2"):
+        assert model_family(build_from_hf(V4[family], seq_len=SEQ_LEN)) == family
+    with pytest.raises(ConfigError) as err:
+        model_family(object())
+    assert "configured by NoneType" in one_line(err)
 
 
 def test_an_export_replaces_only_an_earlier_export(tmp_path):
