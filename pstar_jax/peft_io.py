@@ -9,8 +9,8 @@ too (``fan_in_fan_out: true`` only tells peft how to merge). Base tensors traine
 ``modules_to_save``) are stored under their HF names with the same prefix: peft drops its
 ``modules_to_save.default`` wrapper when it saves.
 
-Out: ``write_adapter`` writes ``adapter_model.safetensors`` and ``adapter_config.json`` into a
-hidden directory beside the target and renames it into place. In: ``read_adapter`` checks
+Out: ``write_adapter`` writes ``adapter_model.safetensors`` and ``adapter_config.json`` (see
+peft_config) into a hidden directory beside the target and renames it into place. In: ``read_adapter`` checks
 everything against the base model's shapes and returns our LoraSpec's fields and tensors.
 ``merge_adapter``/``merged_tensors``: W + scale * lora_a @ lora_b in fp32, a tensor at a time.
 """
@@ -18,10 +18,8 @@ everything against the base model's shapes and returns our LoraSpec's fields and
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -30,12 +28,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
-from pstar_jax.hf import EXPORT_DTYPES, HFCheckpointError, sort_metadata
+from pstar_jax.hf import EXPORT_DTYPES, sort_metadata
+from pstar_jax.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, adapter_config, lora_settings,
+                                   read_config, target_modules, targeted, write_config)
 from pstar_jax.paths import check_output_dir, new_dir, os_error_cause, replace_dir
 from pstar_models.hf import SUPPORTED, hf_tensor
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora.lora_a", ".lora.lora_b"
 _PEFT_A, _PEFT_B = ".lora_A.weight", ".lora_B.weight"
@@ -47,45 +45,6 @@ _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding
 _LLAMA = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
                "mistral": _LLAMA}
-# adapter_config.json as peft 0.21.0 writes it for a LoRA of a causal LM; write_adapter sets the
-# fields that say what was trained. Newer peft ignores keys it lacks; older peft fills its defaults.
-_PEFT_CONFIG = {
-    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None,
-    "base_model_name_or_path": None, "bias": "none", "corda_config": None, "ensure_weight_tying": False,
-    "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
-    "init_lora_weights": True, "kasa_config": None, "layer_replication": None, "layers_pattern": None,
-    "layers_to_transform": None, "loftq_config": {}, "lora_alpha": 8, "lora_bias": False, "lora_dropout": 0.0,
-    "lora_ga_config": None, "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
-    "monteclora_config": None, "peft_type": "LORA", "peft_version": "0.21.0", "qalora_group_size": 16, "r": 8,
-    "rank_pattern": {}, "revision": None, "target_modules": [], "target_parameters": None,
-    "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_bdlora": None, "use_dora": False,
-    "use_qalora": False, "use_rslora": False, "velora_config": None}
-# Settings of adapter_config.json that change the adapter's math or shape beyond what pstar_jax
-# implements: key -> (what it means, whether the value is harmless).
-_REFUSED = {
-    "use_dora": ("DoRA (use_dora)", lambda v: not v),
-    "bias": ("trained biases (bias != 'none')", lambda v: v in (None, "none")),
-    "lora_bias": ("a bias on lora_B (lora_bias)", lambda v: not v),
-    "rank_pattern": ("a rank per module (rank_pattern)", lambda v: not v),
-    "alpha_pattern": ("an alpha per module (alpha_pattern)", lambda v: not v),
-    "layers_to_transform": ("LoRA on some layers only (layers_to_transform)", lambda v: v in (None, [])),
-    "layer_replication": ("layer_replication", lambda v: not v),
-    "target_parameters": ("LoRA on parameters (target_parameters)", lambda v: not v),
-    "trainable_token_indices": ("trainable_token_indices", lambda v: not v),
-    "use_qalora": ("QALoRA (use_qalora)", lambda v: not v),
-    "alora_invocation_tokens": ("activated LoRA (alora_invocation_tokens)", lambda v: not v),
-    "use_bdlora": ("BD-LoRA (use_bdlora)", lambda v: not v),
-    "velora_config": ("VeLoRA (velora_config)", lambda v: not v),
-    "kasa_config": ("KaSA (kasa_config)", lambda v: not v),
-    "arrow_config": ("Arrow routing (arrow_config)", lambda v: not v),
-    "monteclora_config": ("MonteCLoRA (monteclora_config)", lambda v: not v),
-}
-
-
-class AdapterError(HFCheckpointError):
-    """A missing, malformed or mismatched peft adapter: one sentence."""
-
-
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     """peft's scaling of the adapter branch: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
     return alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -282,18 +241,6 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
     return [p for p in PROJECTIONS[family] if p in blocks]
 
 
-def _target_modules(family: str, projections: Sequence[str]) -> list[str]:
-    """peft's target_modules: HF's short module names (q_proj, c_attn), a dotted path only where the
-    short name would also match a projection that has no adapter (GPT-2's two c_proj)."""
-    full = {p: _hf_module(family, f"blocks.0.{p}").split(".", 3)[-1] for p in PROJECTIONS[family]}
-    out = []
-    for p in projections:
-        short = full[p].rsplit(".", 1)[-1]
-        clash = [q for q in PROJECTIONS[family] if q != p and full[q].rsplit(".", 1)[-1] == short]
-        out.append(short if all(q in projections for q in clash) else full[p])
-    return sorted(set(out))
-
-
 def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: int, alpha: float,
                   dropout: float, rslora: bool, targets: Sequence[str], family: str,
                   base_model_name_or_path: str | None, modules_to_save: Sequence[str] = (),
@@ -326,11 +273,11 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
     embedding = PREFIX + hf_tensor(family, _EMBEDDING[family]).name
     if tie_embeddings and embedding in peft_tensors:  # as peft writes it (ensure_weight_tying)
         peft_tensors[_TIED_HEAD] = peft_tensors[embedding].copy()
-    config = {**_PEFT_CONFIG, "base_model_name_or_path": base_model_name_or_path, "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "use_rslora": rslora, "target_modules": _target_modules(family, projections),
-              "fan_in_fan_out": family == "gpt2", "modules_to_save": saved_modules or None,
-              # peft ties the head to a saved copy of the embedding only when asked to
-              "ensure_weight_tying": tie_embeddings and bool(saved_modules)}
+    block_modules = {p: _hf_module(family, f"blocks.0.{p}").split(".", 3)[-1] for p in PROJECTIONS[family]}
+    config = adapter_config(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora,
+                            target_modules=target_modules(projections, block_modules), modules_to_save=saved_modules,
+                            fan_in_fan_out=family == "gpt2", tie_embeddings=tie_embeddings,
+                            base_model_name_or_path=base_model_name_or_path)
     parent, base = os.path.split(directory)
     staging = None
     try:
@@ -339,8 +286,7 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
         path = os.path.join(staging, ADAPTER_WEIGHTS)
         save_file(peft_tensors, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
         sort_metadata(path)
-        with open(os.path.join(staging, ADAPTER_CONFIG), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        write_config(os.path.join(staging, ADAPTER_CONFIG), config)
         os.chmod(path, os.stat(os.path.join(staging, ADAPTER_CONFIG)).st_mode & 0o777)  # safetensors' is private
         replace_dir(staging, directory)
     except (OSError, SafetensorError) as err:
@@ -358,73 +304,6 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
 # -- in -----------------------------------------------------------------------------------------
 
 
-def _read_config(directory: str) -> dict:
-    if not os.path.isdir(directory):
-        raise AdapterError(f"{directory} is not a directory; pass a peft adapter directory (adapter_config.json "
-                           "and adapter_model.safetensors)")
-    path = os.path.join(directory, ADAPTER_CONFIG)
-    if not os.path.isfile(path):
-        raise AdapterError(f"{directory} holds no {ADAPTER_CONFIG}; pass a peft adapter directory")
-    if not os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS)):
-        other = " (only adapter_model.bin: convert it with safetensors first)" if os.path.isfile(
-            os.path.join(directory, "adapter_model.bin")) else ""
-        raise AdapterError(f"{directory} holds no {ADAPTER_WEIGHTS}{other}; pass a peft adapter directory")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise AdapterError(f"{path} is not readable JSON ({os_error_cause(err) if isinstance(err, OSError) else err})"
-                           ) from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path} does not hold a JSON object")
-    return config
-
-
-def _settings(config: Mapping, path: str) -> tuple[int, float, float, bool]:
-    """(rank, alpha, dropout, rslora) of an adapter_config.json, after refusing what we do not implement."""
-    if config.get("peft_type") != "LORA":
-        raise AdapterError(f"{path} describes a {config.get('peft_type')} adapter; only peft LoRA adapters "
-                           "(peft_type LORA) are read")
-    if config.get("task_type") not in (None, "CAUSAL_LM"):
-        raise AdapterError(f"{path} is for task {config['task_type']}; only CAUSAL_LM adapters are read")
-    for key, (meaning, harmless) in _REFUSED.items():
-        if not harmless(config.get(key)):
-            raise AdapterError(f"{path} asks for {meaning}, which pstar_jax does not implement; "
-                               "train the adapter without it")
-    rank, alpha, dropout = config.get("r"), config.get("lora_alpha", 8), config.get("lora_dropout", 0.0)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise AdapterError(f"{path}'s r is {rank!r}; it must be a positive whole number")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"{path}'s lora_alpha is {alpha!r}; it must be a number")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise AdapterError(f"{path}'s lora_dropout is {dropout!r}; it must be in [0, 1)")
-    return rank, float(alpha), float(dropout), bool(config.get("use_rslora", False))
-
-
-def _targeted(config: Mapping, path: str, family: str, n_block: int) -> set[str]:
-    """The block-relative projections target_modules names (peft's rules: a regex matched against
-    the whole module path, or names matched exactly or as a dotted suffix)."""
-    targets = config.get("target_modules")
-    hf = {p: [_hf_module(family, f"blocks.{i}.{p}") for i in range(n_block)] for p in PROJECTIONS[family]}
-    if isinstance(targets, str):
-        try:
-            pattern = re.compile(targets)
-        except re.error as err:
-            raise AdapterError(f"{path}'s target_modules {targets!r} is not a regular expression ({err})") from None
-        return {p for p, names in hf.items() if any(pattern.fullmatch(n) for n in names)}
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise AdapterError(f"{path}'s target_modules is {targets!r}; it must name the modules the adapter wraps")
-    found = set()
-    for t in targets:
-        hit = {p for p, names in hf.items() if any(n == t or n.endswith("." + t) for n in names)}
-        if not hit:
-            raise AdapterError(f"{path} targets {t!r}, which is not a projection of this {family} model "
-                               f"(those are {', '.join(sorted({v[0].rsplit('.', 1)[-1] for v in hf.values()}))}); "
-                               "the adapter was trained for another model")
-        found |= hit
-    return found
-
-
 def read_adapter(directory: str, family: str,
                  param_shapes: Mapping[str, Sequence[int]]) -> tuple[dict, dict[str, np.ndarray]]:
     """A peft LoRA adapter read onto the base model ``param_shapes`` describes: (LoraSpec's fields:
@@ -432,11 +311,12 @@ def read_adapter(directory: str, family: str,
     saved in full). Every refusal is one AdapterError naming the file and what to change."""
     directory = os.path.abspath(directory)
     _family(family)
-    config = _read_config(directory)
+    config = read_config(directory)
     path = os.path.join(directory, ADAPTER_CONFIG)
-    rank, alpha, dropout, rslora = _settings(config, path)
+    rank, alpha, dropout, rslora = lora_settings(config, path)
     n_block = len({n.split(".")[1] for n in param_shapes if n.startswith("blocks.")})
-    targeted = _targeted(config, path, family, n_block)
+    hf = {p: [_hf_module(family, f"blocks.{i}.{p}") for i in range(n_block)] for p in PROJECTIONS[family]}
+    wrapped = targeted(config, path, hf, family)
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     try:
         with open(weights, "rb"):  # safe_open calls every failure 'No such file': ask first
@@ -467,12 +347,12 @@ def read_adapter(directory: str, family: str,
     for p in PROJECTIONS[family]:
         for i in range(n_block):
             module = f"blocks.{i}.{p}"
-            if p in targeted and not {module + LORA_A, module + LORA_B} <= set(tensors):
+            if p in wrapped and not {module + LORA_A, module + LORA_B} <= set(tensors):
                 raise AdapterError(f"{weights} lacks the adapter of {PREFIX}{_hf_module(family, module)}, which "
                                    f"{ADAPTER_CONFIG} targets; the download is incomplete")
-            if p not in targeted and module in covered:
+            if p not in wrapped and module in covered:
                 raise AdapterError(f"{weights} holds an adapter of {PREFIX}{_hf_module(family, module)}, which "
                                    f"{ADAPTER_CONFIG}'s target_modules does not name; the files disagree")
     spec = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora,
-                targets=tuple(p for p in PROJECTIONS[family] if p in targeted))
+                targets=tuple(p for p in PROJECTIONS[family] if p in wrapped))
     return spec, tensors
