@@ -376,6 +376,11 @@ class OutputConfig:
         _positive_int(self, "profile_steps", upper=MAX_STEPS)
 
 
+# The LoRA section lives with the rest of LoRA; it needs ``option`` and ``ConfigError`` above (the
+# package imports this module first, so this import always finds them defined).
+from pstar_jax.lora import LoraConfig  # noqa: E402
+
+
 @section
 class RunConfig:
     """Everything a training run needs; pstar-train's flags are derived from it."""
@@ -387,6 +392,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.optim.total_steps is None:  # the schedule spans the run unless told otherwise
@@ -402,6 +408,9 @@ class RunConfig:
         if self.checkpoint.resume and self.model.init_from_flax:
             raise ConfigError("ModelConfig.init_from_flax and CheckpointConfig.resume conflict: a resumed run "
                               "continues from its checkpoint; drop one of them")
+        if self.lora.enabled and self.model.init_from_flax:
+            raise ConfigError("LoraConfig.rank and ModelConfig.init_from_flax conflict: a LoRA run starts from a "
+                              "base model (ModelConfig.init_from_hf, or the preset's initialisation); drop one")
 
     @property
     def micro_batch_size(self) -> int:
@@ -430,7 +439,7 @@ def from_dict(cls: type, data: dict) -> Any:
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "engine": EngineConfig,
              "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
-             "output": OutputConfig}
+             "output": OutputConfig, "lora": LoraConfig}
 
 
 def math_differences(saved: RunConfig, current: RunConfig) -> list[str]:

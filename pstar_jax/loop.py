@@ -75,6 +75,9 @@ def load_model(config: RunConfig) -> StagedModel:
     checkpoint's config is refused)."""
     cfg = config.model
     module = _model_module(config)
+    lora = {}
+    if config.lora.enabled:  # the module's own spec class: pstar_jax never imports a model
+        lora = dict(lora=_module_function(module, "LoraSpec", config)(**config.lora.spec_fields()))
     try:
         if cfg.init_from_hf:
             from pstar_jax.hf import has_weights, header_shapes, read_hf_config
@@ -84,8 +87,8 @@ def load_model(config: RunConfig) -> StagedModel:
             # tensors to check; loading the weights refuses their absence)
             if callable(check) and has_weights(cfg.init_from_hf):
                 check(hf_json, header_shapes(cfg.init_from_hf))
-            return _module_function(module, "build_from_hf", config)(hf_json, **cfg.overrides())
-        return _module_function(module, "build_model", config)(cfg.name, **cfg.overrides())
+            return _module_function(module, "build_from_hf", config)(hf_json, **lora, **cfg.overrides())
+        return _module_function(module, "build_model", config)(cfg.name, **lora, **cfg.overrides())
     except (ValueError, TypeError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise
@@ -177,19 +180,24 @@ class Run:
             init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
         if cfg.model.init_from_hf:  # validated whole here; tensors are read one chunk at a time later
             from pstar_jax.hf import HFCheckpoint
-            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), self.model.param_shapes())
+            from pstar_jax.lora import WithAdapters, base_shapes
+            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), base_shapes(self.model))
             for name, (rows, kept) in init.truncated.items():
                 if self.verbose:
                     print(f"note: {name} has {rows} rows in {cfg.model.init_from_hf}; the first {kept} are used "
                           f"(seq_len {self.model.seq_len})", flush=True)
+            if cfg.lora.enabled:  # the checkpoint holds the base; the adapters start as peft's
+                init = WithAdapters(init, self.model, cfg.train.seed)
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
+            from pstar_jax.lora import frozen_for_lora
+            frozen = frozen_for_lora(self.model, cfg.lora)  # LoRA: all but the adapters and modules_to_save
             from pstar_jax.optim import default_tx
             self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
-                                       make_tx=self._make_tx)
+                                       make_tx=self._make_tx, frozen=frozen)
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
