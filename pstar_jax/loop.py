@@ -147,6 +147,9 @@ class Run:
             from pstar_jax.hf import check_export_target
             check_export_target(cfg.checkpoint.export_hf)
             hf_functions(cfg)
+        if cfg.checkpoint.export_lora:
+            from pstar_jax.peft_io import check_adapter_target
+            check_adapter_target(cfg.checkpoint.export_lora, "CheckpointConfig.export_lora")
 
         from pstar_jax.memory import configure_backend, host_budget_bytes
         configure_backend(cfg.engine.device_memory, host_budget_bytes(cfg.engine.host_memory))
@@ -160,6 +163,13 @@ class Run:
         self.main_process = distributed.is_main_process()
         self.verbose = verbose and self.main_process
 
+        self._adapter: dict[str, np.ndarray] = {}  # --init-from-lora's tensors
+        if cfg.model.init_from_lora:  # the adapter's LoRA settings become the run's
+            from pstar_jax.lora import LoraConfig
+            from pstar_jax.lora_io import adopt_adapter
+            base = model if model is not None else load_model(dataclasses.replace(cfg, lora=LoraConfig()))
+            self.config = cfg = (adopted := adopt_adapter(cfg, base))[0]
+            self._adapter = adopted[1]
         self.model = model if model is not None else load_model(cfg)
         from pstar_jax.data import is_packed, open_training_data
         self.tokens = tokens if tokens is not None else open_training_data(cfg.data.path, self.model.vocab_size)
@@ -188,6 +198,9 @@ class Run:
                           f"(seq_len {self.model.seq_len})", flush=True)
             if cfg.lora.enabled:  # the checkpoint holds the base; the adapters start as peft's
                 init = WithAdapters(init, self.model, cfg.train.seed)
+            if self._adapter:  # continuing: the adapter's tensors replace the fresh ones and the base's
+                from pstar_jax.lora_io import Overlay
+                init = Overlay(init, self._adapter)
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
@@ -336,12 +349,20 @@ class Run:
         export_flax(directory, self.engine.params(), dataclasses.asdict(config) if config is not None else {})
 
     def export_hf(self, directory: str, dtype: str | None = None) -> list[str]:
-        """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time, with the
-        tokenizer files of the checkpoint the run started from."""
+        """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time (a LoRA
+        run's adapters merged into their kernels), with the tokenizer files of the checkpoint the
+        run started from."""
         from pstar_jax.hf import export_hf
+        from pstar_jax.lora_io import hf_stream
         tensor_map, config = hf_export_config(self.config, self.model)
-        return export_hf(directory, self.engine.iter_params(), tensor_map, config,
+        return export_hf(directory, hf_stream(self.config, self.engine.iter_params), tensor_map, config,
                          dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf)
+
+    def export_lora(self, directory: str) -> list[str]:
+        """A LoRA run's adapters (and modules_to_save) as a Hugging Face peft adapter."""
+        from pstar_jax.lora_io import export_lora
+        return export_lora(directory, self.config, self.model, self.engine.iter_params,
+                           what="CheckpointConfig.export_lora")
 
     def close(self) -> None:
         """Wait for the last checkpoint save and release the checkpoint directory."""

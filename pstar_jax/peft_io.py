@@ -29,6 +29,7 @@ from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
 from pstar_jax.hf import EXPORT_DTYPES, sort_metadata
+from pstar_jax.lora import is_adapter
 from pstar_jax.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, adapter_config, lora_settings,
                                    read_config, target_modules, targeted, write_config)
 from pstar_jax.paths import check_output_dir, new_dir, os_error_cause, replace_dir
@@ -96,11 +97,6 @@ def model_family(model: object) -> str:
         raise ConfigError(f"peft adapters are written for the gpt2 and llama families; this model is configured "
                           f"by {type(config).__name__}")
     return family
-
-
-def is_adapter(name: str) -> bool:
-    """Whether ``name`` is one of our adapter tensors."""
-    return name.endswith(LORA_A) or name.endswith(LORA_B)
 
 
 def _projection(family: str, module: str) -> tuple[int, str]:
