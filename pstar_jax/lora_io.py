@@ -81,6 +81,13 @@ def export_lora(directory: str, config: RunConfig, model: Any,
                           "--export-hf")
     family = model_family(model)
     saved = saved_names(list(model.param_shapes()), config.lora.modules_to_save)
+    if "wpe" in saved and config.model.init_from_hf:  # GPT-2's position table, cut to seq_len on import
+        from pstar_jax.hf import read_hf_config
+        rows = read_hf_config(config.model.init_from_hf).get("n_positions", 1024)
+        if rows != model.param_shapes()["wpe"][0]:
+            raise ConfigError(f"{what}: the run trained wpe in full with {model.param_shapes()['wpe'][0]} positions, "
+                              f"the base has {rows}, so peft could not load it; export the merged model with "
+                              "--export-hf instead")
     tensors = {name: np.array(value, np.float32) for name, value in iter_params() if is_adapter(name) or name in saved}
     lora = config.lora
     return write_adapter(directory, tensors, rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout),

@@ -134,3 +134,21 @@ def test_lora_exports_from_the_cli_and_pstar_export(tmp_path, trained, capsys):
         assert err.startswith("pstar-train: error:") and err.count("\n") == 1 and words in err, err
     assert export_main(["--checkpoint-dir", ck]) == 2
     assert "pass --hf OUT" in capsys.readouterr().err
+
+
+def test_a_gpt2_position_table_cut_short_is_not_exported_as_an_adapter(tmp_path):
+    import json
+
+    from hf_configs import V4
+    from pstar_jax.lora_io import export_lora
+    from pstar_models.hf import build_from_hf
+    from pstar_models.lora import LoraSpec
+    (tmp_path / "config.json").write_text(json.dumps(V4["gpt2"]))  # 40 positions
+    model = build_from_hf(V4["gpt2"], seq_len=24, lora=LoraSpec(rank=2, alpha=4.0))
+    config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=str(tmp_path)),
+                          lora=LoraConfig(rank=2, alpha=4.0, modules_to_save="wpe"))
+    params = {n: np.zeros(s, np.float32) for n, s in model.param_shapes().items()}
+    with pytest.raises(ConfigError) as err:
+        export_lora(str(tmp_path / "out"), config, model, lambda: iter(params.items()))
+    assert "trained wpe in full with 24 positions, the base has 40" in str(err.value)
+    assert not os.path.exists(tmp_path / "out")
