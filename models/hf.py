@@ -277,25 +277,13 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
     transpose, whether the HF tensor may have extra rows to drop. Tied heads have no entry of
     their own (HF's lm_head.weight is the embedding then), nor LoRA adapters (a base checkpoint
     has none; the peft format is pstar_jax/peft_io.py's)."""
-    gpt = isinstance(model.config, GPTConfig)
-    if not gpt and not isinstance(model.config, LlamaConfig):
+    if isinstance(model.config, GPTConfig):
+        family = "gpt2"
+    elif isinstance(model.config, LlamaConfig):
+        family = model.config.family
+    else:
         raise ValueError(f"no Hugging Face names for a model configured by {type(model.config).__name__}")
-    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
-                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
-    out = {}
-    for name in model.param_shapes():
-        if is_adapter(name):
-            continue
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            if rest not in block:
-                raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
-            out[name] = HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
-        elif name in top:
-            out[name] = top[name]
-        else:
-            raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
-    return out
+    return {name: hf_tensor(family, name) for name in model.param_shapes() if not is_adapter(name)}
 
 
 def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> None:
