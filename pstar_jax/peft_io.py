@@ -10,9 +10,10 @@ too (``fan_in_fan_out: true`` only tells peft how to merge). Base tensors traine
 ``modules_to_save.default`` wrapper when it saves.
 
 Out: ``write_adapter`` writes ``adapter_model.safetensors`` and ``adapter_config.json`` (see
-peft_config) into a hidden directory beside the target and renames it into place. In: ``read_adapter`` checks
-everything against the base model's shapes and returns our LoraSpec's fields and tensors.
-``merge_adapter``/``merged_tensors``: W + scale * lora_a @ lora_b in fp32, a tensor at a time.
+peft_config) into a hidden directory beside the target and renames it into place. In:
+``read_adapter`` checks everything against the base model's shapes and returns our LoraSpec's
+fields and tensors. ``merge_adapter``/``merged_tensors``/``merged_stream``: W + scale * lora_a @
+lora_b in fp32, a tensor at a time.
 """
 
 from __future__ import annotations
