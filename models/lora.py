@@ -12,7 +12,12 @@ as torch's ``kaiming_uniform_(a=sqrt(5))`` on peft's [rank, in] weight, which is
 1/sqrt(in)), and lora_b at zero, so an untrained adapter adds exactly nothing.
 
 Targets are module paths relative to a block ('attn.q', 'mlp.down') or glob patterns over them;
-none means every projection of the family (``PROJECTIONS`` in models/gpt.py, models/llama.py).
+none means every projection of the family (``projections(config)`` in models/gpt.py and
+models/llama.py).
+
+Dropout: a block called with ``dropout_seed`` [B] (its stage's, see pstar_jax.batch) derives a
+seed per position (``position_seeds``), and each targeted projection salts it with its path, so
+masks differ per layer, projection, row and position and do not depend on tiling or devices.
 """
 
 from __future__ import annotations

@@ -291,3 +291,36 @@ def test_bad_lora_flags_are_one_line(capsys, flags, words):
     assert main([*TRAIN, "--steps", "1", *flags]) == 2  # (a repeated flag's last value wins)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.slow
+def test_a_lora_run_from_a_hugging_face_checkpoint_starts_at_the_base_loss(tmp_path):
+    """--init-from-hf with --lora-rank: the base comes from the checkpoint (which has no adapters),
+    the adapters from peft's init, and the first step's loss is the base model's."""
+    import pstar_jax as ps
+    from pstar_models.llama import LlamaConfig, StagedLlama
+    from test_hf import write_family_checkpoint
+    model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
+                                    seq_len=32, max_position_embeddings=32))
+    src = str(tmp_path / "src")
+    write_family_checkpoint(src, model)
+    tokens = np.random.default_rng(0).integers(0, 300, 4000).astype(np.uint16)
+    first = {}
+    for rank in (0, 4):
+        config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(steps=1, batch_size=4),
+                              engine=ps.EngineConfig(precision="fp32", chunk_numel=16384, machine="h200"),
+                              distributed=ps.DistributedConfig(data_parallel=1), output=ps.OutputConfig(quiet=True),
+                              lora=ps.LoraConfig(rank=rank))
+        with ps.Run(config, tokens=tokens, verbose=False) as run:
+            params = run.engine.params()
+            assert set(params) == set(run.model.param_shapes())
+            if rank:
+                assert {n for n in params if is_adapter(n)} == set(adapter_names(run.model))
+                assert run.engine.layout.trainable_chunks and all(
+                    run.engine.layout.is_frozen(s.chunk) != is_adapter(s.name) for s in run.engine.layout.slots)
+            first[rank] = next(iter(run.fit()))["loss"]
+            base = {n: v for n, v in params.items() if not is_adapter(n)}
+            first[f"params{rank}"] = base
+    for n, v in first["params0"].items():
+        np.testing.assert_array_equal(first["params4"][n], v, err_msg=n)
+    np.testing.assert_allclose(first[4], first[0], rtol=1e-6)
