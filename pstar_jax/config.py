@@ -408,6 +408,10 @@ class RunConfig:
         if self.checkpoint.resume and self.model.init_from_flax:
             raise ConfigError("ModelConfig.init_from_flax and CheckpointConfig.resume conflict: a resumed run "
                               "continues from its checkpoint; drop one of them")
+        if self.lora.enabled and self.checkpoint.export_hf:  # (tensor_map has no adapter names yet)
+            raise ConfigError("CheckpointConfig.export_hf of a LoRA run (the merged model) is not supported yet; "
+                              "drop CheckpointConfig.export_hf, or export the trained tensors with "
+                              "CheckpointConfig.export_flax")
         if self.lora.enabled and self.model.init_from_flax:
             raise ConfigError("LoraConfig.rank and ModelConfig.init_from_flax conflict: a LoRA run starts from a "
                               "base model (ModelConfig.init_from_hf, or the preset's initialisation); drop one")
