@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count
+from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count, with_dropout_seeds
 from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.engine import NonFiniteLoss, StepResult
@@ -104,10 +104,11 @@ class ChunkedEngine:
         self._staged: set[int] = set()  # chunks whose streamed state is on the device
         # Host updates under way (begun when the last step's norm was known): chunk -> its result.
         self._begun: dict[int, PendingUpdate] = {}
+        self.seed = seed  # also the dropout masks' (with the step, micro-batch and row)
         self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
                           else init_params.__getitem__)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
-        self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
+        self._offsets = [self.placement.put(np.asarray(b.offset_data, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
         self.step_count = 0
         # (batch shape, micro-batches) -> (the training plan it starts from, the forward-only plan)
@@ -194,6 +195,9 @@ class ChunkedEngine:
         micro_batches = [as_batch(b) for b in micro_batches]
         check_batches(micro_batches, self.model)
         rows, seq_len = micro_batches[0].shape  # this process's rows of the global micro-batch
+        if getattr(self.model, "dropout_seeded", False):  # seeds by global row: any device count
+            micro_batches = [with_dropout_seeds(b, self.seed, self.step_count, m, jax.process_index() * rows)
+                             for m, b in enumerate(micro_batches)]
         planned = self.plan_for((rows * jax.process_count(), seq_len))
         plan, accesses = planned.plan, planned.accesses
         start = time.perf_counter()
@@ -384,7 +388,8 @@ class ChunkedEngine:
     def _put_batch(self, batch: Batch) -> Batch:
         """This process's rows of the global micro-batch, every field sharded over the data axis."""
         sharding = self.placement.sharding(Space.DEVICE)
-        return Batch(*(jax.make_array_from_process_local_data(sharding, np.asarray(field)) for field in batch))
+        return Batch(*(None if field is None else jax.make_array_from_process_local_data(sharding, np.asarray(field))
+                       for field in batch))
 
     def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
         """[M, B] trained targets per row, rows sharded: the device sums them to the global count."""

@@ -257,7 +257,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         deeper = model_at(n_layer)
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
-        bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
+        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,

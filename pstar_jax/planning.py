@@ -71,7 +71,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
     layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel,
                                     trainable=trainable)
-    bound = [bind(s, layout) for s in stages]
+    bound = [bind(s, layout, i) for i, s in enumerate(stages)]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch
+from pstar_jax.batch import PER_POSITION, Batch
 from pstar_jax.memory import Placement, Space
 from pstar_jax.schedule import StepShape
 from pstar_jax.stages import BoundStage, StageFunctions
@@ -54,7 +54,7 @@ class _Tracer:
         self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
         self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
         self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
-                             for f in Batch._fields))
+                             for f in PER_POSITION))
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
         self.xs = [self.batch.tokens]
         for b in bound[:-1]:
@@ -65,11 +65,11 @@ class _Tracer:
             y = self.cache[key]
             self.xs.append(_abstract(y.shape, y.dtype, self.dev))
         # Per device. The first stage's input is the batch itself (its tokens among it).
-        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in self.batch) // self.W
+        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
         self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
-        return _abstract((len(b.offsets),), jnp.int32, self.rep)
+        return _abstract((len(b.offset_data),), jnp.int32, self.rep)
 
     def chunks(self, b: BoundStage):
         return tuple(self.chunk for _ in b.chunks)

@@ -18,7 +18,7 @@ def traced(n_layer, batch=4, cache=None):
     model = build_model("tiny", n_layer=n_layer)
     layout = build_layout(model.param_shapes(), model.decays, 8192)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    bound = [bind(s, layout) for s in model.stages(jnp.bfloat16)]
+    bound = [bind(s, layout, i) for i, s in enumerate(model.stages(jnp.bfloat16))]
     return trace_step(bound, StageFunctions(mesh), Placement(mesh), layout.chunk_numel, jnp.bfloat16,
                       batch, 64, 100, cache=cache), layout
 
