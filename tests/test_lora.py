@@ -286,7 +286,6 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "0", "--lora-rslora"], "--lora-rslora is set but --lora-rank is 0"),
     (["--init-from-flax", "x"], "--lora-rank and --init-from-flax conflict"),
-    (["--export-hf", "x"], "--export-hf of a LoRA run"),
 ])
 def test_bad_lora_flags_are_one_line(capsys, flags, words):
     from pstar_jax.train import main
