@@ -2,7 +2,9 @@
 
 Per micro-batch: forward through the stages, keeping only each stage's input (activation
 checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
-every stage); the last stage computes its loss sum, scaled by 1 / the step's global count of
+every stage). A stage input is an item of the store beside the chunks (key ("act", stage,
+micro-batch)): the plan keeps it on the device or sends it to pinned host memory after its
+forward and fetches it back ahead of its backward, and the store counts its bytes. The last stage computes its loss sum, scaled by 1 / the step's global count of
 trained tokens, and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
@@ -157,7 +159,8 @@ class ChunkedEngine:
             f"plan: {100 * p.resident_fraction:.0f}% of param chunks stay on the device; Adam on the device for "
             f"{on_device} chunks, on the host for {n - on_device - streamed}, streamed through the device for "
             f"{streamed}; per step {format_bytes(p.h2d_bytes)} h2d, "
-            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
+            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}",
+            f"plan: {p.stage_inputs_line()}"])
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
         """Master and optimizer state where the plan keeps them; params in the slots, placed as at
@@ -352,24 +355,30 @@ class ChunkedEngine:
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
         i = a.index
         if not a.needs:  # a backward below the lowest trainable stage: no gradient is wanted
-            run.stash.pop()
             return
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
+        key = ("act", i, a.micro)  # the stage's input, when it is not the batch's tokens
         if a.phase == "fwd":
             if i == 0:  # the micro-batch's side inputs stay live until its first stage's backward
                 run.batch = self._put_batch(micro_batches[a.micro])
                 run.x = run.batch.tokens
-            run.stash.append(run.x)
-            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], run.x, run.batch)
+            else:  # the forward below made it: the store owns it from now on (run.x lets go of it)
+                self.store.put(key, run.x)
+                run.x = None
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
+            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
             return
         grads = self._grads(i)
         if a.phase == "head":
+            self.store.put(key, run.x)
+            run.x = None
             loss, run.g, grads = self.fns.head(self.bound[i])(
-                params, self._offsets[i], run.x, run.batch, grads, run.scale)
+                params, self._offsets[i], self.store.get(key, Space.DEVICE), run.batch, grads, run.scale)
             run.losses.append(loss)
         else:
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets[i], run.stash.pop(), run.batch, run.g, grads)
+                params, self._offsets[i], x, run.batch, run.g, grads)
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)
@@ -559,6 +568,5 @@ class _StepState:
     x: Any = None
     g: Any = None
     batch: Any = None
-    stash: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     sumsq: list = dataclasses.field(default_factory=list)

@@ -8,7 +8,7 @@ evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy
 valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
 
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
-update is explained), the eviction rule from eviction.py, the step time from predict.py.
+update and the stage inputs are explained), the eviction rule from eviction.py, the step time from predict.py.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -16,6 +16,11 @@ A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which 
 their host copy: fetching it costs its bytes up, evicting it costs nothing, it has no optimizer
 state, and it may stay on the device across the step boundary (its first use in the next step
 then fetches nothing).
+
+A stage input is an item like a chunk's, of its own size: made dirty on the device by its
+forward, read again by its backward, then dropped. When the device is short, the replay may evict
+it like any item (Belady: its next use, the backward, is often the furthest), sending it to pinned
+host memory, and fetch it back for its backward; it never outlives the step.
 
 A moment's fetches and evictions may run during the previous moment (prefetch distance 1)
 when both moments' chunks fit beside the larger of their non-model data; otherwise they run
@@ -57,8 +62,9 @@ class PlanMoment:
     evict: tuple[Item, ...]
     fetch: tuple[Item, ...]
     prefetch: bool  # evict/fetch run during the previous moment
-    capacity_bytes: int  # device memory for chunks during the moment (beside non-model data)
-    chunk_bytes: int  # chunk bytes on the device during the moment, optimizer state included
+    capacity_bytes: int  # device memory for items during the moment (beside non-model data)
+    chunk_bytes: int  # chunk (param and grad) bytes on the device during the moment
+    input_bytes: int  # stage-input bytes on the device during the moment
     h2d_bytes: int
     d2h_bytes: int
 
@@ -80,9 +86,20 @@ class Plan:
     predicted_step_s: float
     fits: bool
     problem: str | None
+    input_bytes: int = 0  # all stage inputs a step keeps for its backward, per device
+    input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def stage_inputs_line(self) -> str:
+        """Where the stage inputs kept for the backward live, in a sentence (pstar-plan, summaries)."""
+        if not self.input_bytes:
+            return "stage inputs: none kept for the backward"
+        where = ("all stay on the device" if not self.input_offload_bytes else
+                 f"{format_bytes(self.input_offload_bytes)} of them go to pinned host memory after their forward "
+                 "and come back before their backward")
+        return f"stage inputs: {format_bytes(self.input_bytes)} per step kept for the backward; {where}"
 
     @property
     def resident_fraction(self) -> float:
@@ -98,66 +115,108 @@ class Infeasible(Exception):
         self.shortfall = shortfall
 
 
+Size = Callable[[Item], int]  # an item's bytes per device
+
+
 class _State:
+    """Where every item is during a replay, and the bytes that puts in each memory (kept as items
+    come and go: a replay visits every moment of a step, many times per search)."""
+
     def __init__(self, device: dict[Item, bool], host: set[Item]):
         self.device = dict(device)  # item -> dirty (no valid host copy)
         self.host = set(host)  # items with a valid host copy
-        self.peak_host_items = len(self.host)
+        self.size: Size = lambda item: 0
+        self.device_bytes = self.host_bytes = self.peak_host_bytes = 0
+
+    def measure(self, size: Size) -> None:
+        """Count the bytes of the items where they are now, by ``size``."""
+        self.size = size
+        self.device_bytes = sum(map(size, self.device))
+        self.host_bytes = self.peak_host_bytes = sum(map(size, self.host))
+
+    def to_device(self, item: Item, dirty: bool) -> None:
+        if item not in self.device:
+            self.device_bytes += self.size(item)
+        self.device[item] = dirty
+
+    def off_device(self, item: Item) -> bool | None:
+        """Remove the device copy; whether it was dirty (None: there was none)."""
+        dirty = self.device.pop(item, None)
+        if dirty is not None:
+            self.device_bytes -= self.size(item)
+        return dirty
+
+    def to_host(self, item: Item) -> None:
+        if item not in self.host:
+            self.host.add(item)
+            self.host_bytes += self.size(item)
+
+    def off_host(self, item: Item) -> None:
+        if item in self.host:
+            self.host.remove(item)
+            self.host_bytes -= self.size(item)
 
     def key(self) -> tuple:
         return tuple(sorted(self.device.items())), tuple(sorted(self.host))
 
 
-def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: int, state: _State,
+def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: _State,
              victim: EvictionPolicy, prefetch: bool = True) -> tuple[list[PlanMoment], _State]:
     """Replay one step from ``state``; returns the moments' actions and the end state.
 
-    ``capacity[t]`` is the device memory for chunk items at moment t. Raises Infeasible when a
-    moment's own items do not fit."""
+    ``capacity[t]`` is the device memory for items at moment t, ``size(item)`` an item's bytes.
+    Raises Infeasible when a moment's own items do not fit."""
     moments: list[PlanMoment] = []
-    state.peak_host_items = len(state.host)
+    state.measure(size)
+    inputs = 0  # stage-input bytes on the device
     for t, a in enumerate(accesses):
         fetched, evicted, early = None, None, False
         if prefetch and t > 0:
             prev = accesses[t - 1]
             try:
                 evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
-                                            min(capacity[t], capacity[t - 1]), item_bytes, t, state, victim,
+                                            min(capacity[t], capacity[t - 1]), t, state, victim,
                                             extra=set(prev.drops) | set(prev.to_host))
                 early = True
             except Infeasible:
                 pass
         if not early:
-            evicted, fetched = _actions(a, set(a.needs), capacity[t], item_bytes, t, state, victim)
-        h2d, d2h = _apply(a, evicted, fetched, state, item_bytes)
+            evicted, fetched = _actions(a, set(a.needs), capacity[t], t, state, victim)
+        inputs -= sum(size(it) for it in evicted if it[0] == "act")
+        inputs += sum(size(it) for it in a.needs if it[0] == "act" and it not in state.device)
+        h2d, d2h = _apply(a, evicted, fetched, state)
         h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
-                                  capacity[t], len(state.device) * item_bytes, h2d, d2h))
+                                  capacity[t], state.device_bytes - inputs, inputs, h2d, d2h))
         for item in a.to_host:  # a final grad for host Adam goes up to the host (unless its host copy is valid)
-            if state.device.pop(item, False):
-                d2h += item_bytes
+            if state.off_device(item):
+                d2h += size(item)
                 moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
-            state.host.add(item)
+            state.to_host(item)
         for item in a.consumes + a.drops:
-            state.device.pop(item, None)
-            state.host.discard(item)
+            if state.off_device(item) is not None and item[0] == "act":
+                inputs -= size(item)
+            state.off_host(item)
         for item in a.creates_host:
-            state.host.add(item)
+            state.to_host(item)
         for item in a.creates_device:
-            state.device[item] = True
-            state.host.discard(item)
-        state.peak_host_items = max(state.peak_host_items, len(state.host))
+            state.to_device(item, True)
+            state.off_host(item)
+        state.peak_host_bytes = max(state.peak_host_bytes, state.host_bytes)
     return moments, state
 
 
-def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: int, state: _State,
+def _actions(a: Access, protect: set[Item], capacity: int, t: int, state: _State,
              victim: EvictionPolicy, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
     """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
 
-    Items created at this moment (grads at first use) count as needed but are not fetched.
-    ``extra`` are items still occupying memory (dropped or sent to the host after the previous moment runs)."""
+    Items created at this moment (grads at first use, stage inputs at their forward) count as
+    needed but are not fetched. ``extra`` are items still occupying memory (dropped or sent to the
+    host after the previous moment runs)."""
+    size = state.size
     missing = [it for it in a.needs if it not in state.device]
-    need_bytes = (len(state.device) + len(missing) + len([e for e in extra if e not in state.device])) * item_bytes
+    need_bytes = (state.device_bytes + sum(map(size, missing))
+                  + sum(size(e) for e in extra if e not in state.device))
     if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
         return [], [it for it in missing if it in state.host]
     resident = dict(state.device)
@@ -169,7 +228,7 @@ def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: i
         out = victim(candidates, t, resident)
         del resident[out]
         evicted.append(out)
-        need_bytes -= item_bytes
+        need_bytes -= size(out)
     return evicted, [it for it in missing if it in state.host]
 
 
@@ -177,20 +236,21 @@ def _where(a: Access) -> str:
     return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
 
 
-def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, item_bytes: int
-           ) -> tuple[int, int]:
+def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State) -> tuple[int, int]:
     d2h = 0
     for it in evicted:
-        if state.device.pop(it):
-            d2h += item_bytes
-            state.host.add(it)
+        if state.off_device(it):
+            d2h += state.size(it)
+            state.to_host(it)
     for it in fetched:
-        state.device[it] = False
-    for it in a.needs:  # grads are created at their first use and written at every use
-        if it[0] == "slot":
-            state.device[it] = True
-            state.host.discard(it)
-    return len(fetched) * item_bytes, d2h
+        state.to_device(it, False)
+    for it in a.needs:
+        if it[0] == "slot":  # grads are created at their first use and written at every use
+            state.to_device(it, True)
+            state.off_host(it)
+        elif it[0] == "act" and it not in state.device:  # a stage input, made by the forward below: no host copy yet
+            state.to_device(it, True)
+    return sum(map(state.size, fetched)), d2h
 
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
@@ -227,12 +287,13 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
-            if len(a.needs) * shape.item_bytes > room:
-                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(_where(a), own - room)
         victim = policy_for(victim_rule, accesses)
         for _ in range(8):  # to the fixed point: the step ends where it started
             start = _State(state.device, state.host)
-            moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
+            moments, state = simulate(accesses, capacity, shape.item_size, state, victim)
             if state.key() == start.key():
                 break
         else:
@@ -242,15 +303,18 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                    else str(err))
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
-    peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
+    peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
+                      for m, a in zip(moments, accesses))
     host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
-    peak_host = state.peak_host_items * shape.item_bytes + host_opt
+    peak_host = state.peak_host_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
+    offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
-                predict_step_s(moments, accesses, shape, machine), problem is None, problem)
+                predict_step_s(moments, accesses, shape, machine), problem is None, problem,
+                shape.input_bytes_per_step, offloaded)
 
 
 def _host_items(shape: StepShape) -> list[Item]:
@@ -286,20 +350,21 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
                     sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
     try:
         for a, room in zip(accesses, capacity):
-            if len(a.needs) * shape.item_bytes > room:
-                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(_where(a), own - room)
         # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
-        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_bytes, state,
+        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_size, state,
                                   policy_for(victim_rule, accesses))
     except Infeasible as err:
         return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
     evict = tuple(sorted(it for it in state.device if it not in start))
     fetch = tuple(sorted(it for it in start if it not in state.device))
     written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
-    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes,
+    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes, 0,
                               len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
-    peak_host = state.peak_host_items * shape.item_bytes + host_opt
+    peak_host = state.peak_host_bytes + host_opt
     problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
                if peak_host > host_bytes else None)
     return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))

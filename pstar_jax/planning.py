@@ -80,7 +80,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
-        working = shape.busiest_non_model_bytes
+        working = shape.busiest_working_bytes  # stage inputs kept on the device
         model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
         budget = working + max(model_data // 2, 2 * stage_bytes)
     log.info("planning where each chunk lives at each moment of the step")

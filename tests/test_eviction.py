@@ -25,7 +25,7 @@ def traces(draw, max_items=6, max_len=10):
 
 def fetched_bytes(accesses, n_items, capacity, rule):
     state = _State({}, {("param", c) for c in range(n_items)})
-    moments, _ = simulate(accesses, [capacity] * len(accesses), 1, state, policy_for(rule, accesses),
+    moments, _ = simulate(accesses, [capacity] * len(accesses), lambda item: 1, state, policy_for(rule, accesses),
                           prefetch=False)
     resident = set()
     for a, m in zip(accesses, moments):

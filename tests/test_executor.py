@@ -372,3 +372,53 @@ def test_out_of_range_targets_are_refused_before_the_step():
                 with pytest.raises(DataError, match=message):
                     call([(tokens, bad)])
         assert engine.step_count == 0
+
+
+def deep(n_layer=8):
+    """Eight tiny blocks: at a batch of 8 their stage inputs outweigh a few chunks."""
+    return model(n_layer=n_layer)
+
+
+def record_input_bytes(engine, monkeypatch):
+    """Per moment of each step: the stage-input bytes the store holds on the device once the
+    moment has run (before the next moment's placement), as the plan's ``input_bytes`` counts them."""
+    seen = []
+    for name in ("_run", "_adam"):
+        real = getattr(engine, name)
+
+        def recorded(*args, real=real):
+            real(*args)
+            seen.append(engine.store.resident_bytes("act"))
+        monkeypatch.setattr(engine, name, recorded)
+    return seen
+
+
+def test_stage_inputs_offloaded_as_planned_train_exactly_as_kept_on_the_device(monkeypatch):
+    """A budget below the working memory of a step that keeps every stage input on the device (the
+    old engine's least): the plan sends stage inputs to pinned host memory after their forward and
+    fetches them back for their backward, the store holds exactly the planned stage-input bytes at
+    every moment, traffic equals the plan's, and losses and params equal those of an engine that
+    keeps everything on the device, bit for bit."""
+    m = deep()
+    probe = chunked(m, batch=8)
+    planned = probe.plan_for((8, 64))
+    shape, accesses = planned.shape, planned.accesses
+    least = max(a.non_model_bytes + sum(map(shape.item_size, a.needs)) for a in accesses)
+    budget = least + 2 * shape.item_bytes
+    assert budget < shape.busiest_working_bytes, "keeping the stage inputs on the device cannot fit this budget"
+    del probe
+    engine, reference = chunked(m, budget=budget, batch=8), chunked(m, budget=10**8, batch=8)
+    plan = engine.plan
+    assert plan.fits and plan.input_offload_bytes > 0 and plan.input_bytes == shape.input_bytes_per_step
+    assert reference.plan.input_offload_bytes == 0
+    seen = record_input_bytes(engine, monkeypatch)
+    for step in batches(3, batch=8):
+        seen.clear()
+        r, ref = engine.step(step), reference.step(step)
+        assert r.loss == ref.loss
+        assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
+        assert seen == [mo.input_bytes for mo in plan.moments]
+        assert r.device_chunk_peak_bytes <= plan.peak_device_bytes - min(a.non_model_bytes for a in accesses)
+        assert engine.store.resident_bytes("act") == engine.store.resident_bytes("act", Space.HOST) == 0
+    for name, value in engine.params().items():
+        np.testing.assert_array_equal(value, reference.params()[name], err_msg=name)

@@ -109,7 +109,7 @@ def test_fp32_equals_plain_under_eviction_and_frozen_stay_bit_identical(monkeypa
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     frozen_chunks = {c for c in range(engine.layout.n_chunks) if engine.layout.is_frozen(c)}
     assert bool(spy.keys) == (engine.plan.d2h_bytes > 0)
-    assert not [k for k in spy.keys if k[1] in frozen_chunks]
+    assert not [k for k in spy.keys if k[0] != "act" and k[1] in frozen_chunks]  # stage inputs may go up
     pa, pb = engine.params(), reference.params()
     for name in pa:
         if name in frozen:
