@@ -15,6 +15,7 @@ from pstar_jax.data import DataError
 from pstar_jax.model import compose_loss
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.machine import H200
 from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
@@ -37,7 +38,7 @@ def chunked(m, budget=None, precision="fp32", micro_batches=1, optim=OPTIM, adam
     """budget None: half the model data beside the traced working memory, so chunks move."""
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=budget, precision=precision,
                        micro_batches=micro_batches, adam_placement=adam)
-    return ChunkedEngine(m, cfg, default_tx(optim), mesh1(), (batch, 64), H200, clip_norm=optim.clip_norm)
+    return chunked_engine(m, cfg, default_tx(optim), mesh1(), (batch, 64), H200, clip_norm=optim.clip_norm)
 
 
 def plain(m, precision="fp32", micro_batches=1, optim=OPTIM):
@@ -422,3 +423,41 @@ def test_stage_inputs_offloaded_as_planned_train_exactly_as_kept_on_the_device(m
         assert engine.store.resident_bytes("act") == engine.store.resident_bytes("act", Space.HOST) == 0
     for name, value in engine.params().items():
         np.testing.assert_array_equal(value, reference.params()[name], err_msg=name)
+
+
+def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_its_replanner():
+    """Data flows config -> plan -> executor: importing the executor loads neither the planning
+    module nor the trace (and predict.py does not load plan.py); an engine built from a plan made
+    beforehand trains as planned, and a new batch shape or an evaluation is asked of its
+    replanner, once each."""
+    import subprocess
+    import sys
+    code = ("import sys; import pstar_jax.predict; assert 'pstar_jax.plan' not in sys.modules; "
+            "import pstar_jax.executor; loaded = [m for m in ('pstar_jax.planning', 'pstar_jax.planner', "
+            "'pstar_jax.trace') if m in sys.modules]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
+
+    from pstar_jax.planning import EnginePlanner, plan_model
+
+    class Recording(EnginePlanner):
+        asked: list = []
+
+        def for_batch(self, batch_shape):
+            self.asked.append(("batch", batch_shape))
+            return super().for_batch(batch_shape)
+
+        def for_evaluation(self, training, batch_shape, micro_batches):
+            self.asked.append(("eval", batch_shape))
+            return super().for_evaluation(training, batch_shape, micro_batches)
+    m, tx = model(), default_tx(OPTIM)
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None, precision="fp32")
+    planned = plan_model(m, cfg, mesh1(), (4, 64), H200, 10**10, tx)
+    engine = ChunkedEngine(m, cfg, planned, Recording(m, cfg, H200, 10**10, tx, planned), tx, clip_norm=None)
+    assert engine.plan is planned.plan
+    for i, step in enumerate(batches(2) + batches(2, batch=2)):
+        r = engine.step(step)
+        if i != 2:  # the first step of a new shape also moves the slots to where its plan starts
+            assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
+    engine.evaluate(batches(1)[0])
+    engine.evaluate(batches(1)[0])
+    assert Recording.asked == [("batch", (2, 64)), ("eval", (4, 64))]
