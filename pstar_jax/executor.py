@@ -62,7 +62,8 @@ from pstar_jax.memory import ChunkStore, Placement, Space
 from pstar_jax.model import StagedModel
 from pstar_jax.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
                              zeros_chunk)
-from pstar_jax.plan import Plan, PlanMoment
+from pstar_jax.plan import Plan
+from pstar_jax.replay import PlanMoment
 from pstar_jax.schedule import Access, staged_after
 from pstar_jax.zero import replicated_value, to_numpy
 

@@ -8,7 +8,8 @@ evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy
 valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
 
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
-update and the stage inputs are explained), the eviction rule from eviction.py, the step time from predict.py.
+update and the stage inputs are explained), the replay of a step from replay.py, the eviction
+rule from eviction.py, the step time from predict.py.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -37,10 +38,11 @@ import math
 from typing import Callable, Sequence
 
 from pstar_jax.config import format_bytes
-from pstar_jax.eviction import EvictionPolicy, policy_for
+from pstar_jax.eviction import policy_for
 from pstar_jax.machine import Machine
 from pstar_jax.predict import predict_step_s, state_leads
-from pstar_jax.schedule import Access, Item, StepShape, forward_accesses, step_accesses
+from pstar_jax.replay import Infeasible, PlanMoment, ReplayState, moment_name, simulate
+from pstar_jax.schedule import Item, StepShape, forward_accesses, step_accesses
 
 
 def shortfall(n_bytes: int) -> str:
@@ -52,21 +54,6 @@ def shortfall(n_bytes: int) -> str:
         return text
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
     return f"{math.ceil(n_bytes * 100 / scale) / 100:.2f} {unit}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanMoment:
-    phase: str
-    index: int
-    micro: int
-    evict: tuple[Item, ...]
-    fetch: tuple[Item, ...]
-    prefetch: bool  # evict/fetch run during the previous moment
-    capacity_bytes: int  # device memory for items during the moment (beside non-model data)
-    chunk_bytes: int  # chunk (param and grad) bytes on the device during the moment
-    input_bytes: int  # stage-input bytes on the device during the moment
-    h2d_bytes: int
-    d2h_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,150 +96,6 @@ class Plan:
         return sum(("param", c) not in moved for c in range(n)) / max(n, 1)
 
 
-class Infeasible(Exception):
-    def __init__(self, message: str, shortfall: int):
-        super().__init__(message)
-        self.shortfall = shortfall
-
-
-Size = Callable[[Item], int]  # an item's bytes per device
-
-
-class _State:
-    """Where every item is during a replay, and the bytes that puts in each memory (kept as items
-    come and go: a replay visits every moment of a step, many times per search)."""
-
-    def __init__(self, device: dict[Item, bool], host: set[Item]):
-        self.device = dict(device)  # item -> dirty (no valid host copy)
-        self.host = set(host)  # items with a valid host copy
-        self.size: Size = lambda item: 0
-        self.device_bytes = self.host_bytes = self.peak_host_bytes = 0
-
-    def measure(self, size: Size) -> None:
-        """Count the bytes of the items where they are now, by ``size``."""
-        self.size = size
-        self.device_bytes = sum(map(size, self.device))
-        self.host_bytes = self.peak_host_bytes = sum(map(size, self.host))
-
-    def to_device(self, item: Item, dirty: bool) -> None:
-        if item not in self.device:
-            self.device_bytes += self.size(item)
-        self.device[item] = dirty
-
-    def off_device(self, item: Item) -> bool | None:
-        """Remove the device copy; whether it was dirty (None: there was none)."""
-        dirty = self.device.pop(item, None)
-        if dirty is not None:
-            self.device_bytes -= self.size(item)
-        return dirty
-
-    def to_host(self, item: Item) -> None:
-        if item not in self.host:
-            self.host.add(item)
-            self.host_bytes += self.size(item)
-
-    def off_host(self, item: Item) -> None:
-        if item in self.host:
-            self.host.remove(item)
-            self.host_bytes -= self.size(item)
-
-    def key(self) -> tuple:
-        return tuple(sorted(self.device.items())), tuple(sorted(self.host))
-
-
-def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: _State,
-             victim: EvictionPolicy, prefetch: bool = True) -> tuple[list[PlanMoment], _State]:
-    """Replay one step from ``state``; returns the moments' actions and the end state.
-
-    ``capacity[t]`` is the device memory for items at moment t, ``size(item)`` an item's bytes.
-    Raises Infeasible when a moment's own items do not fit."""
-    moments: list[PlanMoment] = []
-    state.measure(size)
-    inputs = 0  # stage-input bytes on the device
-    for t, a in enumerate(accesses):
-        fetched, evicted, early = None, None, False
-        if prefetch and t > 0:
-            prev = accesses[t - 1]
-            try:
-                evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
-                                            min(capacity[t], capacity[t - 1]), t, state, victim,
-                                            extra=set(prev.drops) | set(prev.to_host))
-                early = True
-            except Infeasible:
-                pass
-        if not early:
-            evicted, fetched = _actions(a, set(a.needs), capacity[t], t, state, victim)
-        inputs -= sum(size(it) for it in evicted if it[0] == "act")
-        inputs += sum(size(it) for it in a.needs if it[0] == "act" and it not in state.device)
-        h2d, d2h = _apply(a, evicted, fetched, state)
-        h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
-        moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
-                                  capacity[t], state.device_bytes - inputs, inputs, h2d, d2h))
-        for item in a.to_host:  # a final grad for host Adam goes up to the host (unless its host copy is valid)
-            if state.off_device(item):
-                d2h += size(item)
-                moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
-            state.to_host(item)
-        for item in a.consumes + a.drops:
-            if state.off_device(item) is not None and item[0] == "act":
-                inputs -= size(item)
-            state.off_host(item)
-        for item in a.creates_host:
-            state.to_host(item)
-        for item in a.creates_device:
-            state.to_device(item, True)
-            state.off_host(item)
-        state.peak_host_bytes = max(state.peak_host_bytes, state.host_bytes)
-    return moments, state
-
-
-def _actions(a: Access, protect: set[Item], capacity: int, t: int, state: _State,
-             victim: EvictionPolicy, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
-    """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
-
-    Items created at this moment (grads at first use, stage inputs at their forward) count as
-    needed but are not fetched. ``extra`` are items still occupying memory (dropped or sent to the
-    host after the previous moment runs)."""
-    size = state.size
-    missing = [it for it in a.needs if it not in state.device]
-    need_bytes = (state.device_bytes + sum(map(size, missing))
-                  + sum(size(e) for e in extra if e not in state.device))
-    if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
-        return [], [it for it in missing if it in state.host]
-    resident = dict(state.device)
-    evicted = []
-    while need_bytes > capacity:
-        candidates = [it for it in resident if it not in protect and it not in extra]
-        if not candidates:
-            raise Infeasible(_where(a), need_bytes - capacity)
-        out = victim(candidates, t, resident)
-        del resident[out]
-        evicted.append(out)
-        need_bytes -= size(out)
-    return evicted, [it for it in missing if it in state.host]
-
-
-def _where(a: Access) -> str:
-    return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
-
-
-def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State) -> tuple[int, int]:
-    d2h = 0
-    for it in evicted:
-        if state.off_device(it):
-            d2h += state.size(it)
-            state.to_host(it)
-    for it in fetched:
-        state.to_device(it, False)
-    for it in a.needs:
-        if it[0] == "slot":  # grads are created at their first use and written at every use
-            state.to_device(it, True)
-            state.off_host(it)
-        elif it[0] == "act" and it not in state.device:  # a stage input, made by the forward below: no host copy yet
-            state.to_device(it, True)
-    return sum(map(state.size, fetched)), d2h
-
-
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
               streamed: Sequence[bool] | None = None, hide_state: bool = True) -> Plan:
@@ -283,16 +126,16 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
+    state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
             own = sum(map(shape.item_size, a.needs))
             if own > room:
-                raise Infeasible(_where(a), own - room)
+                raise Infeasible(moment_name(a), own - room)
         victim = policy_for(victim_rule, accesses)
         for _ in range(8):  # to the fixed point: the step ends where it started
-            start = _State(state.device, state.host)
+            start = ReplayState(state.device, state.host)
             moments, state = simulate(accesses, capacity, shape.item_size, state, victim)
             if state.key() == start.key():
                 break
@@ -341,7 +184,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     host_opt = (shape.n_trainable - n_opt_device) * training.opt_state_bytes
     accesses = forward_accesses(shape, tuple(start))
     capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
+    state = ReplayState(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
 
     def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
         return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
@@ -352,7 +195,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
         for a, room in zip(accesses, capacity):
             own = sum(map(shape.item_size, a.needs))
             if own > room:
-                raise Infeasible(_where(a), own - room)
+                raise Infeasible(moment_name(a), own - room)
         # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
         moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_size, state,
                                   policy_for(victim_rule, accesses))

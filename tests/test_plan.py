@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200
 from pstar_jax.eviction import policy_for
-from pstar_jax.plan import _State, choose, host_needed_bytes, make_plan, plan_step, simulate
+from pstar_jax.plan import choose, host_needed_bytes, make_plan, plan_step
+from pstar_jax.replay import ReplayState, simulate
 from pstar_jax.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
@@ -44,7 +45,7 @@ def test_plan_is_periodic_and_counts_traffic():
     plan = make_plan(shape, 300 + 900, 10**9, H200)
     assert plan.fits and plan.h2d_bytes > 0
     accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads)
-    start = _State(dict(plan.initial_device),
+    start = ReplayState(dict(plan.initial_device),
                    {("slot", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
     moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_size, start,
                             policy_for("belady", accesses))
