@@ -103,6 +103,7 @@ class PlanReport:
                     f"state streamed through the device for {streamed}",
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host",
+                    plan.stage_inputs_line(),
                     f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
                     "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
         if self.depth is not None:
@@ -225,7 +226,7 @@ def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, c
     def fits(device_bytes: int) -> bool:
         return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
     # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
-    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_non_model_bytes)
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
     low = planned.device_budget_bytes
     if low >= high or not fits(high):
         return None
