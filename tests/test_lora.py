@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from pstar_models import build_model
 from pstar_models.lora import LoraLinear, LoraSpec
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.freeze import trainable
 from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
 from pstar_jax.machine import H200
@@ -46,7 +46,7 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
     stage reads, so chunks move every step (as tests/test_frozen.py)."""
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
                        micro_batches=micro_batches)
-    engine = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
                            trainable=trainable(frozen))
     if budget != "tight":
         return engine
