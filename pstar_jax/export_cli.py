@@ -33,7 +33,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isdir(args.checkpoint_dir):  # Checkpointer would create it
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-    from pstar_jax.checkpoint import Checkpointer, CheckpointError, iter_master_tensors
+    from pstar_jax.base_record import checkpoint_tensors
+    from pstar_jax.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.chunks import ChunkLayout
     from pstar_jax.hf import check_export_target, export_hf
 
@@ -56,7 +57,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         if saved != {name: tuple(shape) for name, shape in model.param_shapes().items()}:
             raise CheckpointError(f"the model rebuilt from the run's flags does not match the checkpoint in "
                                   f"{ckpt.directory}; pass the --model-module it was trained with")
-        files = export_hf(args.hf, iter_master_tensors(ckpt, meta["step"]), tensor_map, hf_json, args.export_dtype,
+        if config.lora.enabled:
+            raise CheckpointError(f"checkpoint in {ckpt.directory} is of a LoRA run, and pstar-export does not merge "
+                                  "adapters yet; export from the run itself (pstar-train --export-lora or --export-hf)")
+        tensors = checkpoint_tensors(ckpt, meta, model, config)  # a frozen base from its record
+        files = export_hf(args.hf, tensors, tensor_map, hf_json, args.export_dtype,
                           args.tokenizer_from or config.model.init_from_hf, what="--hf")
     finally:
         ckpt.close()
