@@ -201,6 +201,9 @@ def test_plain_engine_lora_resume_is_bit_for_bit(bases, tmp_path):
     assert train([*flags, "--stop-after", "2", "--checkpoint-dir", str(d), "--metrics-out", str(b)]) == 0
     assert train([*flags, "--resume", "--checkpoint-dir", str(d), "--metrics-out", str(b)]) == 0
     assert [r["loss"] for r in records(a)] == [r["loss"] for r in records(b)]
+    meta, arrays = saved_state(d)  # the adapters alone, no base tensor
+    adapters = sum(int(np.prod(s)) for n, s in meta["shapes"].items() if is_adapter(n))
+    assert sum(v.size for k, v in arrays.items() if k.startswith("params/")) == adapters
 
 
 # -- generation and the held-out loss with the adapter ------------------------------------------
