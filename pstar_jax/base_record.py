@@ -117,7 +117,8 @@ def check_same_base(saved: Mapping | None, ours: Mapping, directory: str) -> Non
         return
     where = f"the checkpoint in {directory}"
     if saved["source"] != ours["source"] or (saved["source"] == "init" and saved["fingerprint"] != ours["fingerprint"]):
-        raise CheckpointError(f"{where} was trained on the base {describe(saved)}, this run's base is {describe(ours)}; "
+        raise CheckpointError(f"{where} was trained on the base {describe(saved)}, this run's base is "
+                              f"{describe(ours)}; "
                               "resume with the checkpoint's base")
     if saved["fingerprint"] != ours["fingerprint"]:
         raise CheckpointError(f"{where} was trained on the base {describe(saved)} (fingerprint "

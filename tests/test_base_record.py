@@ -27,6 +27,7 @@ from test_decode import greedy_full_forward
 
 EPS32 = float(np.finfo(np.float32).eps)
 SEQ = 32
+STEPS, STOP = 4, 2  # the LoRA run: steps in all, and where it stops and resumes
 LLAMA = LlamaConfig(vocab_size=256, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, seq_len=SEQ)
 COMMON = ["--quiet", "--precision", "fp32", "--batch-size", "4", "--lr", "1e-2", "--data-parallel", "1",
           "--chunk-size", "8192"]
@@ -42,7 +43,8 @@ def write_base(path, seed=0, noise=0.0):
               for n, v in model.init_params(seed).items()}
     if noise:
         params = {n: v + noise * rng.standard_normal(v.shape).astype(np.float32) for n, v in params.items()}
-    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n]) for n, (hf, t, _) in hf_tensors(model).items()},
+    save_file({hf: np.ascontiguousarray(params[n].T if t else params[n])
+               for n, (hf, t, _) in hf_tensors(model).items()},
               str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(hf_config(model, torch_dtype="float32")))
     return params
@@ -90,20 +92,20 @@ def test_fingerprint_tells_same_shaped_bases_apart_and_ignores_where_they_live(b
 
 @pytest.fixture(scope="module")
 def lora_run(bases, tmp_path_factory):
-    """Six straight LoRA steps over the HF base, and three, a checkpoint, three resumed."""
+    """STEPS straight LoRA steps over the HF base, and STOP, a checkpoint, the rest resumed."""
     root = tmp_path_factory.mktemp("lora")
-    flags = lora_flags(bases / "base", "--steps", "6")
+    flags = lora_flags(bases / "base", "--steps", str(STEPS))
     assert train([*flags, "--checkpoint-dir", str(root / "a"), "--metrics-out", str(root / "a.jsonl")]) == 0
-    assert train([*flags, "--stop-after", "3", "--checkpoint-dir", str(root / "b"),
+    assert train([*flags, "--stop-after", str(STOP), "--checkpoint-dir", str(root / "b"),
                   "--metrics-out", str(root / "b.jsonl")]) == 0
-    shutil.copytree(root / "b", root / "at3")
+    shutil.copytree(root / "b", root / "at_stop")
     assert train([*flags, "--resume", "--checkpoint-dir", str(root / "b"), "--metrics-out", str(root / "b.jsonl")]) == 0
     return root
 
 
 def test_lora_resume_is_bit_for_bit_and_the_checkpoint_holds_no_base_tensor(lora_run, bases):
     la = [(r["loss"], r["grad_norm"]) for r in records(lora_run / "a.jsonl")]
-    assert [(r["loss"], r["grad_norm"]) for r in records(lora_run / "b.jsonl")] == la and len(la) == 6
+    assert [(r["loss"], r["grad_norm"]) for r in records(lora_run / "b.jsonl")] == la and len(la) == STEPS
     (meta_a, arrays_a), (meta_b, arrays_b) = saved_state(lora_run / "a"), saved_state(lora_run / "b")
     assert arrays_a.keys() == arrays_b.keys()
     for name in arrays_a:
@@ -117,7 +119,7 @@ def test_lora_resume_is_bit_for_bit_and_the_checkpoint_holds_no_base_tensor(lora
     assert sum(v.size for k, v in arrays_a.items() if k.split("/")[0] in ("param", "master")) == 2 * numel
     assert meta_a["base"]["source"] == "hf" and len(meta_a["base"]["fingerprint"]) == 64
     # on disk: about the trained chunks' bytes (bf16 params, fp32 master, m, v), not the base's
-    disk = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(lora_run / "a" / "6") for f in fs)
+    disk = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(lora_run / "a" / str(STEPS)) for f in fs)
     print(f"step directory {disk} B on disk; trained chunks {14 * numel} B; base "
           f"{os.path.getsize(bases / 'base' / 'model.safetensors')} B")
     assert disk < 14 * numel + 256 * 1024, disk
@@ -143,9 +145,10 @@ def test_resuming_onto_another_base_or_adapters_is_one_line_and_touches_nothing(
                                                                                 change, words):
     """Even with --allow-config-change: the checkpoint's adapters belong to its base and shapes."""
     d = tmp_path / "ck"
-    shutil.copytree(lora_run / "at3", d)
+    shutil.copytree(lora_run / "at_stop", d)
     before = snapshot(d)
-    flags = lora_flags(bases / "base", "--steps", "6", "--resume", "--allow-config-change", "--checkpoint-dir", str(d))
+    flags = lora_flags(bases / "base", "--steps", str(STEPS), "--resume", "--allow-config-change",
+                       "--checkpoint-dir", str(d))
     flag, value = change
     at = flags.index(flag) if flag in flags else None
     if value is None:
@@ -162,21 +165,23 @@ def test_resuming_onto_another_base_or_adapters_is_one_line_and_touches_nothing(
 
 
 def test_a_moved_base_resumes_and_another_chunk_size_and_degree_relayout(lora_run, bases, tmp_path):
-    """The same weights in another directory are the same base; the step-3 checkpoint resumed with
+    """The same weights in another directory are the same base; the checkpoint at STOP resumed with
     16384-element chunks over two devices continues the straight run (to fp32 rounding: the
     reduction order differs)."""
     d = tmp_path / "ck"
-    shutil.copytree(lora_run / "at3", d)
+    shutil.copytree(lora_run / "at_stop", d)
     metrics = tmp_path / "m.jsonl"
-    flags = lora_flags(bases / "moved", "--steps", "6", "--resume", "--allow-config-change", "--checkpoint-dir", str(d))
+    flags = lora_flags(bases / "moved", "--steps", str(STEPS), "--resume", "--allow-config-change",
+                       "--checkpoint-dir", str(d))
     at = flags.index("--chunk-size")
     flags[at + 1] = "16384"
     flags[flags.index("--data-parallel") + 1] = "2"
     assert train([*flags, "--device-memory", "1GiB", "--metrics-out", str(metrics)]) == 0
-    want = [r["loss"] for r in records(lora_run / "a.jsonl")][3:]
+    want = [r["loss"] for r in records(lora_run / "a.jsonl")][STOP:]
     np.testing.assert_allclose([r["loss"] for r in records(metrics)], want, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_an_initialised_base_is_recorded_by_preset_and_seed(tmp_path, capsys):
     d = tmp_path / "ck"
     flags = [*COMMON, "--model", "tiny", "--lora-rank", "4", "--steps", "4", "--checkpoint-dir", str(d)]
@@ -256,7 +261,7 @@ def test_generation_applies_the_adapter_cached_and_streamed(lora_run, capsys):
 def test_generation_refuses_a_changed_base_in_one_line(lora_run, bases, tmp_path, capsys):
     from pstar_jax.generate import main as generate
     d, base = tmp_path / "ck", tmp_path / "base"
-    shutil.copytree(lora_run / "at3", d)
+    shutil.copytree(lora_run / "at_stop", d)
     shutil.copytree(bases / "base", base)
     ckpt = Checkpointer(str(d))
     meta = ckpt.meta()
@@ -273,17 +278,15 @@ def test_generation_refuses_a_changed_base_in_one_line(lora_run, bases, tmp_path
     assert generate(["--checkpoint-dir", str(d), "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"but the weights in {base} differ" in err[0], err
-    assert meta["step"] == 3
+    assert meta["step"] == STOP
 
 
 def test_held_out_loss_with_lora_equals_plain_and_the_base_at_step_zero():
     """The chunked engine's held-out loss of a LoRA model equals the plain engine's before and
     after training, and at step 0 the base model's (the untrained adapter adds nothing)."""
     from pstar_jax.config import EngineConfig, OptimConfig
-    from pstar_jax.freeze import trainable
     from pstar_jax.lora import LoraConfig, frozen_for_lora
     from pstar_jax.machine import H200
-    from pstar_jax.optim import default_tx
     from pstar_jax.planning import build_engine
     from sft_batches import batches
     optim = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10)
@@ -302,7 +305,6 @@ def test_held_out_loss_with_lora_equals_plain_and_the_base_at_step_zero():
     a, b = chunked.evaluate(held_out), plain.evaluate(held_out)
     np.testing.assert_allclose(a, b, rtol=1e-5)
     assert abs(a - base.evaluate(held_out)) > 1e-4
-    del trainable, default_tx
 
 
 def test_pstar_train_with_lora_reports_eval_loss(bases, tmp_path):
