@@ -313,3 +313,62 @@ def test_pstar_train_with_lora_reports_eval_loss(bases, tmp_path):
     rows = records(metrics)
     assert [r["step"] for r in rows if "eval_loss" in r] == [1, 3] and all(np.isfinite(r["eval_loss"])
                                                                             for r in rows if "eval_loss" in r)
+
+
+def test_the_fingerprint_reads_a_few_kilobytes_of_a_large_file(tmp_path, monkeypatch):
+    """A 4 GiB (sparse) safetensors-like file: the header and 1024 samples of 64 bytes are read."""
+    import builtins
+
+    import pstar_jax.base_record as base_record_module
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2**31], "data_offsets": [0, 2**32]}}).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + 2**32)
+    read = []
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+    monkeypatch.setattr(base_record_module, "open", lambda *a, **k: Counting(builtins.open(*a, **k)), raising=False)
+    first = fingerprint_files(str(tmp_path), ["model.safetensors"])
+    assert sum(read) <= 1024 * 64 + 4096, sum(read)  # the samples, the header and its probes
+    with open(tmp_path / "model.safetensors", "r+b") as f:  # a change at a sampled place
+        f.seek(8 + len(header) + 7 * (2**32 // 1024))
+        f.write(b"\x01")
+    assert fingerprint_files(str(tmp_path), ["model.safetensors"]) != first
+
+
+def test_pstar_export_of_a_frozen_run_takes_the_base_from_its_record_and_refuses_lora(lora_run, tmp_path, capsys):
+    from pstar_jax.export_cli import main as export
+    from pstar_jax.hf import HFCheckpoint
+    d = tmp_path / "ck"
+    assert train([*COMMON, "--chunk-size", "16384", "--model", "llama-tiny", "--freeze", "blocks.*", "--steps", "1",
+                  "--checkpoint-dir", str(d)]) == 0
+    meta, _ = saved_state(d)
+    assert meta["base"]["source"] == "init"
+    capsys.readouterr()
+    assert export(["--checkpoint-dir", str(d), "--hf", str(tmp_path / "out")]) == 0
+    config = from_dict(RunConfig, meta["config"])
+    model = load_model(config)
+    exported = HFCheckpoint(str(tmp_path / "out"), hf_tensors(model), model.param_shapes())
+    name = "blocks.0.attn.q.kernel"  # frozen: the preset's initial value, rounded to the export's bf16
+    want = np.asarray(model.init_tensor(name, 0), np.float32)
+    np.testing.assert_array_equal(exported[name], np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+    exported.close()
+    assert export(["--checkpoint-dir", str(lora_run / "a"), "--hf", str(tmp_path / "lora_out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is of a LoRA run, and pstar-export does not merge adapters" in err[0], err
