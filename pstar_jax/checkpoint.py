@@ -1,8 +1,10 @@
 """Checkpoints with orbax: save all chunk state, resume bit for bit, restore under another layout.
 
-A checkpoint holds every chunk list (bf16 params, fp32 master, optimizer state) wherever it
-lives, plus JSON metadata: the step, the data position, the run's config, the chunk layout and
-a checksum per array. Saving is asynchronous (orbax writes in the background while training
+A checkpoint holds every trainable chunk list (bf16 params, fp32 master, optimizer state)
+wherever it lives, plus JSON metadata: the step, the data position, the run's config, the chunk
+layout, the chunks saved and a checksum per array. Frozen chunks (a LoRA run's base) are not
+saved: the metadata records where the base came from and its fingerprint (base_record.py), and a
+resume or a reader loads it from there. Saving is asynchronous (orbax writes in the background while training
 goes on) and atomic (orbax commits a finished step by renaming it; a crash mid-save leaves the
 previous step as the latest readable one). Loading checks the metadata against the model and
 the checksums against the data before anything is replaced.
@@ -37,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pstar_jax.chunks import ChunkLayout, pack, unpack
+from pstar_jax.chunks import ChunkLayout
 from pstar_jax.config import ConfigError
 from pstar_jax.orbax_quiet import drop_closed_loop_errors, silence_orbax_errors
 from pstar_jax.paths import check_output_dir, os_error_cause
@@ -285,29 +287,40 @@ class Checkpointer:
 
 def save_engine(ckpt: Checkpointer, engine, step: int, extra: dict) -> None:
     """Any engine's state; the metadata says which engine wrote it and how its arrays are laid
-    out (the chunk layout, or the plain engine's tensor shapes)."""
+    out (the chunk layout and the chunks saved: the trainable ones, or the plain engine's tensor
+    shapes). ``extra`` holds the caller's keys (the loop's: data position, config, base record)."""
     if engine.kind == "chunked":
-        described = {"layout": engine.layout.to_json(), "precision": engine.cfg.precision}
+        described = {"layout": engine.layout.to_json(), "precision": engine.cfg.precision,
+                     "saved_chunks": list(engine.layout.trainable_chunks)}
     else:
         described = {"shapes": {n: list(s) for n, s in engine.param_shapes().items()}, "precision": engine.precision}
     ckpt.save(step, engine.state(), {"engine": engine.kind, **described, **extra})
 
 
+def saved_chunks(meta: dict, layout: ChunkLayout) -> list[int]:
+    """The chunks a chunked checkpoint holds: its trainable ones (every one before frozen chunks
+    stopped being saved, which the metadata then does not list)."""
+    return list(meta.get("saved_chunks", range(layout.n_chunks)))
+
+
 def iter_master_tensors(ckpt: Checkpointer, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """A checkpoint's fp32 master tensors by name, read a chunk at a time: an export streams the
-    model through host memory one chunk at a time, never whole."""
+    model through host memory one chunk at a time, never whole. A checkpoint of a run with frozen
+    tensors holds the trained ones only (base_record.checkpoint_tensors adds the base)."""
     meta = ckpt.meta(step)
     layout = ChunkLayout.from_json(meta["layout"])
+    chunks = saved_chunks(meta, layout)
     # checksums follow jax.tree.leaves(state()): the "master" dict sorts first, its keys as strings.
-    position = {key: i for i, key in enumerate(sorted(str(c) for c in range(layout.n_chunks)))}
-    for c in range(layout.n_chunks):
+    position = {key: i for i, key in enumerate(sorted(str(c) for c in chunks))}
+    for c in chunks:
         chunk = ckpt.restore_chunk(meta["step"], "master", c, layout.chunk_numel, meta["checksums"][position[str(c)]])
         for s in sorted((s for s in layout.slots if s.chunk == c), key=lambda s: s.offset):
             yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
 
 
 def check_compatible(meta: dict, layout: ChunkLayout, precision: str, directory: str) -> ChunkLayout:
-    """The saved layout, if its tensors match the model's (names and shapes); else CheckpointError."""
+    """The saved layout, if its tensors match the model's (names and shapes) and the same ones
+    are frozen; else CheckpointError."""
     saved = ChunkLayout.from_json(meta["layout"])
     ours = {s.name: s.shape for s in layout.slots}
     theirs = {s.name: s.shape for s in saved.slots}
@@ -318,13 +331,24 @@ def check_compatible(meta: dict, layout: ChunkLayout, precision: str, directory:
     if meta.get("precision") != precision:
         raise CheckpointError(f"checkpoint in {directory} was trained with --precision {meta.get('precision')}; "
                               f"pass the same")
+    frozen_ours, frozen_theirs = frozen_tensors(layout), frozen_tensors(saved)
+    if frozen_ours != frozen_theirs:
+        name = sorted(frozen_ours ^ frozen_theirs)[0]
+        raise CheckpointError(f"checkpoint in {directory} {'froze' if name in frozen_theirs else 'trained'} "
+                              f"{name}, which this run {'trains' if name in frozen_theirs else 'freezes'}; resume "
+                              "with the same --freeze and --lora-modules-to-save")
     return saved
+
+
+def frozen_tensors(layout: ChunkLayout) -> set[str]:
+    return {s.name for s in layout.slots if layout.is_frozen(s.chunk)}
 
 
 def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
                    required: tuple[str, ...] = ("data_position",)) -> dict:
     """Load the latest (or given) checkpoint into ``engine``; returns its metadata, which holds
-    at least the ``required`` keys (those the caller saved)."""
+    at least the ``required`` keys (those the caller saved). Frozen chunks the checkpoint lacks
+    keep the base the engine was built from (the caller checks it is the checkpoint's)."""
     meta = ckpt.meta(step, ("precision", *required))
     kind = meta.get("engine", "chunked")
     if kind != engine.kind:
@@ -336,17 +360,12 @@ def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
         raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} has no chunk layout in its "
                               "metadata; remove that step to fall back to an earlier one")
     saved = check_compatible(meta, engine.layout, engine.cfg.precision, ckpt.directory)
-    ours = engine.layout
-    if (any(saved.frozen) or any(ours.frozen)) and saved != ours:
-        # Frozen chunks keep no optimizer state, so a layout with them is not relaid out (to
-        # another chunk size, or with other tensors frozen) yet.
-        raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} was saved with another set of "
-                              "frozen tensors or another chunk size; resume with the same --freeze and --chunk-size")
+    ours, chunks = engine.layout, saved_chunks(meta, saved)
     if saved.chunk_numel == ours.chunk_numel and saved.slots == ours.slots:
-        state = ckpt.restore(meta["step"], engine.abstract_state(), meta["checksums"])
+        state = ckpt.restore(meta["step"], engine.abstract_state(saved, chunks), meta["checksums"])
     else:  # another chunk size: unpack with the saved layout, pack with ours, on the host
         replicated = NamedSharding(engine.placement.mesh, P())
-        like = engine.abstract_state(saved)
+        like = engine.abstract_state(saved, chunks)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), like)
         host = jax.tree.map(to_numpy, ckpt.restore(meta["step"], abstract, meta["checksums"]))
         state = relayout(host, saved, ours)
@@ -366,21 +385,30 @@ def _restore_plain(ckpt: Checkpointer, engine, meta: dict) -> dict:
 
 
 def relayout(state: dict, saved: ChunkLayout, ours: ChunkLayout) -> dict:
-    """Chunk lists from the saved layout to ours (numpy); per-chunk scalars come from chunk 0."""
-    def move(chunks: list[np.ndarray]) -> list[np.ndarray]:
-        return pack(ours, unpack(saved, chunks), chunks[0].dtype)
+    """The trainable chunk lists of ``state`` (numpy; frozen chunks, which earlier versions saved,
+    are left out: the engine holds its base) from the saved layout to ours; per-chunk scalars come
+    from the first chunk. Both layouts freeze the same tensors (check_compatible)."""
+    theirs, mine = saved.trainable_chunks, ours.trainable_chunks
 
-    out = {kind: dict(enumerate(move([state[kind][str(c)] for c in range(saved.n_chunks)])))
-           for kind in ("param", "master")}
-    per_chunk = [jax.tree.leaves(state["opt"][str(c)]) for c in range(saved.n_chunks)]
-    treedef = jax.tree.structure(state["opt"]["0"])
+    def move(chunks: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        tensors = {s.name: chunks[s.chunk][s.offset:s.offset + s.numel] for s in saved.slots if s.chunk in chunks}
+        dtype = next(iter(chunks.values())).dtype
+        out = {c: np.zeros(ours.chunk_numel, dtype) for c in mine}
+        for s in ours.slots:
+            if s.chunk in out:
+                out[s.chunk][s.offset:s.offset + s.numel] = tensors[s.name]
+        return out
+
+    out = {kind: move({c: state[kind][str(c)] for c in theirs}) for kind in ("param", "master")}
+    per_chunk = {c: jax.tree.leaves(state["opt"][str(c)]) for c in theirs}
+    treedef = jax.tree.structure(state["opt"][str(theirs[0])])
     columns = []
-    for i, leaf in enumerate(per_chunk[0]):
+    for i, leaf in enumerate(per_chunk[theirs[0]]):
         if np.ndim(leaf) == 1 and leaf.shape[0] == saved.chunk_numel:
-            columns.append(move([leaves[i] for leaves in per_chunk]))
+            columns.append(move({c: leaves[i] for c, leaves in per_chunk.items()}))
         else:
-            columns.append([leaf] * ours.n_chunks)
-    out["opt"] = {c: jax.tree.unflatten(treedef, [col[c] for col in columns]) for c in range(ours.n_chunks)}
+            columns.append({c: leaf for c in mine})
+    out["opt"] = {c: jax.tree.unflatten(treedef, [col[c] for col in columns]) for c in mine}
     return {kind: {str(c): v for c, v in chunks.items()} for kind, chunks in out.items()}
 
 

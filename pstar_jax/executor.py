@@ -476,26 +476,22 @@ class ChunkedEngine:
 
     # -- state for checkpoints -----------------------------------------------------------------
     def state(self) -> dict:
-        """Every chunk list as stored (one copy each), the pending update applied first:
-        {"param"|"master"|"opt": {"c": value}}. A frozen chunk is saved as its params, and as a
-        master made from them on the host (so exports read every tensor's master alike); it has
-        no optimizer state."""
+        """The trainable chunks as stored (one copy each), the pending update applied first:
+        {"param"|"master"|"opt": {"c": value}}. Frozen chunks are the base the engine was built
+        from, not state: a checkpoint records where that base came from (base_record.py) instead of
+        holding it (a 70B bf16 base would be 140 GB per checkpoint)."""
         self.flush()
-        n = self.layout.n_chunks
-        return {"param": {str(c): self.store.peek(self._params_key(c)) for c in range(n)},
-                "master": {str(c): self._master(c) for c in range(n)},
-                "opt": {str(c): self.store.peek(("opt", c)) for c in self.trained_chunks}}
+        kept = self.trained_chunks
+        return {"param": {str(c): self.store.peek(("slot", c)) for c in kept},
+                "master": {str(c): self.store.peek(("master", c)) for c in kept},
+                "opt": {str(c): self.store.peek(("opt", c)) for c in kept}}
 
-    def _master(self, c: int) -> Any:
-        """Chunk c's fp32 master; a frozen chunk's params cast to fp32 in host memory."""
-        if not self.layout.is_frozen(c):
-            return self.store.peek(("master", c))
-        return self.placement.put(to_numpy(self.store.peek(("param", c))).astype(np.float32), Space.HOST)
-
-    def abstract_state(self, layout: ChunkLayout | None = None) -> dict:
-        """Shapes and shardings ``state()`` has (for ``layout``, default ours): params on the host,
-        master and optimizer state where the plan keeps them."""
+    def abstract_state(self, layout: ChunkLayout | None = None, chunks: Sequence[int] | None = None) -> dict:
+        """Shapes and shardings ``state()`` has (for ``layout``, default ours; ``chunks``, default
+        its trainable ones): params on the host, master and optimizer state where the plan keeps
+        them (a frozen chunk, saved by earlier versions, on the host)."""
         layout = layout or self.layout
+        chunks = layout.trainable_chunks if chunks is None else chunks
         numel = layout.chunk_numel
         opt = jax.eval_shape(self.optimizer.make_tx(jnp.ones((), jnp.float32)).init,
                              jax.ShapeDtypeStruct((numel,), jnp.float32))
@@ -507,22 +503,24 @@ class ChunkedEngine:
         def space(c):
             return self.opt_space[c] if c < len(self.opt_space) and not layout.is_frozen(c) else Space.HOST
         return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
-                          for c in range(layout.n_chunks)},
-                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c))
-                           for c in range(layout.n_chunks)},
-                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt) for c in layout.trainable_chunks}}
+                          for c in chunks},
+                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c)) for c in chunks},
+                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt)
+                        for c in chunks if not layout.is_frozen(c)}}
 
     def load_state(self, state: dict, step: int) -> None:
-        """Replace all chunk state (arrays or numpy in our layout) and set the step count; a pending
-        update is discarded."""
+        """Replace the chunk state ``state`` holds (arrays or numpy in our layout) and set the step
+        count; a pending update is discarded. Frozen chunks it lacks keep the base they hold; one it
+        has (a checkpoint of an earlier version, which saved them) takes its saved params."""
         self.store.limit(None)
         self._pending_clip = None
         self._discard_begun()
-        for c in range(self.layout.n_chunks):
+        given = [c for c in range(self.layout.n_chunks) if str(c) in state["param"]]
+        for c in given:
             for kind in ("param", "slot", "master", "opt"):
                 if (kind, c) in self.store:
                     self.store.drop((kind, c))
-        for c in range(self.layout.n_chunks):
+        for c in given:
             self.store.put(self._params_key(c), self.placement.put(state["param"][str(c)], Space.HOST))
             if not self.layout.is_frozen(c):  # a frozen chunk's saved master is its params again
                 self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))

@@ -39,7 +39,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("pass --hf OUT (the whole model) or --lora OUT (a LoRA run's adapters), or both")
     if not os.path.isdir(args.checkpoint_dir):  # Checkpointer would create it
         raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-    from pstar_jax.checkpoint import Checkpointer, CheckpointError, iter_master_tensors
+    from pstar_jax.base_record import checkpoint_tensors
+    from pstar_jax.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.chunks import ChunkLayout
     from pstar_jax.hf import check_export_target, export_hf
     from pstar_jax.lora_io import export_lora, hf_stream
@@ -68,8 +69,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             raise CheckpointError(f"the model rebuilt from the run's flags does not match the checkpoint in "
                                   f"{ckpt.directory}; pass the --model-module it was trained with")
 
-        def tensors():
-            return iter_master_tensors(ckpt, meta["step"])
+        def tensors():  # the saved tensors, then a frozen base from its record (checked against it)
+            return checkpoint_tensors(ckpt, meta, model, config)
         if args.lora:  # first: it refuses a run without LoRA before the long export
             files = export_lora(args.lora, config, model, tensors, what="--lora")
             print(f"exported the LoRA adapter of step {meta['step']} of {ckpt.directory} to "

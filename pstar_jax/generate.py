@@ -94,7 +94,8 @@ def _same_shapes(model: Any, shapes: dict[str, tuple[int, ...]], where: str) -> 
 def checkpoint_source(directory: str, step: int | None, module: str | None) -> Source:
     if not os.path.isdir(directory):  # Checkpointer would create it
         raise ConfigError(f"--checkpoint-dir {directory} is not a directory")
-    from pstar_jax.checkpoint import Checkpointer, CheckpointError, iter_master_tensors
+    from pstar_jax.base_record import checkpoint_tensors
+    from pstar_jax.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.chunks import ChunkLayout
     from pstar_jax.loop import load_model
     ckpt = Checkpointer(directory)
@@ -108,11 +109,12 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
             config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=module))
         model = load_model(config)
         _same_shapes(model, {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}, ckpt.directory)
+        # A LoRA run's checkpoint holds the adapters (and modules_to_save): the base comes from its record.
+        tensors = finite(checkpoint_tensors(ckpt, meta, model, config), ckpt.directory)
     except BaseException:
         ckpt.close()
         raise
-    return Source(model, lambda: finite(iter_master_tensors(ckpt, meta["step"]), ckpt.directory),
-                  config.model.init_from_hf, config.engine.precision, ckpt.close)
+    return Source(model, lambda: tensors, config.model.init_from_hf, config.engine.precision, ckpt.close)
 
 
 def finite(tensors: Iterator[tuple[str, np.ndarray]], where: str) -> Iterator[tuple[str, np.ndarray]]:

@@ -131,6 +131,7 @@ class Run:
         self.config = cfg = config
         self._writers: list[MetricsWriter] = list(writers)
         self._ckpt = None
+        self.base: dict | None = None  # the record of a frozen base (checkpoints hold the rest)
         self.stopped_by, self.stopped_by_peer = 0, False
         if cfg.checkpoint.directory:
             check_run_checkpoints(cfg.checkpoint.directory, cfg.checkpoint.resume, cfg.checkpoint.keep)
@@ -236,18 +237,30 @@ class Run:
                                         position=position)  # yields this process's rows
 
     def _open_checkpoints(self):
+        from pstar_jax.base_record import base_record, check_same_adapters, check_same_base
         from pstar_jax.checkpoint import open_run_checkpoints
         c = self.config.checkpoint
         ckpt = open_run_checkpoints(c.directory, c.resume, self.config.train.steps, c.keep,
                                     lock=self.main_process)  # a run owns its directory
-        if c.resume:
-            saved = ckpt.meta().get("config")
-            differences = math_differences(from_dict(RunConfig, saved), self.config) if saved else []
-            if differences and not c.allow_changes:
-                ckpt.close()
-                raise ConfigError(f"resuming with settings that change the training math: {'; '.join(differences)}; "
-                                  "use the checkpoint's values, or pass CheckpointConfig.allow_changes to resume "
-                                  "with the new ones")
+        try:
+            # A run with frozen tensors saves its trained chunks alone and records the base (base_record.py).
+            self.base = base_record(self.config, self.model) if self.config.lora.enabled or \
+                self.config.engine.freeze else None
+            if c.resume:
+                meta = ckpt.meta()
+                saved = meta.get("config")
+                if saved:  # what the checkpoint holds and is trained on cannot change, allowed or not
+                    check_same_adapters(from_dict(RunConfig, saved), self.config, ckpt.directory)
+                if self.base is not None:
+                    check_same_base(meta.get("base"), self.base, ckpt.directory)
+                differences = math_differences(from_dict(RunConfig, saved), self.config) if saved else []
+                if differences and not c.allow_changes:
+                    raise ConfigError(f"resuming with settings that change the training math: "
+                                      f"{'; '.join(differences)}; use the checkpoint's values, or pass "
+                                      "CheckpointConfig.allow_changes to resume with the new ones")
+        except BaseException:
+            ckpt.close()
+            raise
         return ckpt
 
     @property
@@ -261,7 +274,8 @@ class Run:
             raise ConfigError("no CheckpointConfig.directory: nothing to save into")
         save_engine(self._ckpt, self.engine, self.engine.step_count,
                     {"data_position": self.batches.state()["position"], "seed": self.config.train.seed,
-                     "config": to_dict(self.config), "engine": self.engine.kind})
+                     "config": to_dict(self.config), "engine": self.engine.kind,
+                     **({"base": self.base} if self.base is not None else {})})
 
     def evaluate(self) -> float:
         """The held-out loss now (forward only; nothing changes): needs ``train.eval_every``."""

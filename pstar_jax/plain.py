@@ -321,17 +321,36 @@ class PlainEngine:
 
     # -- state for checkpoints (the Engine protocol) ---------------------------------------------
     def state(self) -> dict:
+        """The trained params and the optimizer state; frozen tensors (the base, which checkpoints
+        record instead: base_record.py) are left out, and there is no optimizer state for them."""
         if self._params is None:
             self._allocate()
-        return {"params": self._params, "opt": self._opt_state}
+        return {"params": self._trained(self._params), "opt": self._opt_state}
+
+    def _trained(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """``tree`` (the params pytree) without its frozen entries (a stacked position is all frozen or none)."""
+        scanned = [seg for seg in self._segments if seg.scanned]
+        return {"named": {n: v for n, v in tree["named"].items() if n not in self.frozen},
+                "stacked": tuple(tuple(v for i, v in enumerate(stack) if seg.names_at(i)[0] not in self.frozen)
+                                 for seg, stack in zip(scanned, tree["stacked"]))}
 
     def abstract_state(self, layout: Any = None) -> dict:
-        return {"params": self._abstract_params, "opt": self._abstract_opt}
+        return {"params": self._trained(self._abstract_params), "opt": self._abstract_opt}
 
     def load_state(self, state: dict, step: int) -> None:
+        """Replace the trained params and the optimizer state; frozen tensors keep the base."""
+        if self._params is None:
+            self._allocate()
         abstract = self.abstract_state()
-        self._params, self._opt_state = (
-            jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state[k], abstract[k]) for k in ("params", "opt"))
+        trained, opt = (jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state[k], abstract[k])
+                        for k in ("params", "opt"))
+        scanned = [seg for seg in self._segments if seg.scanned]
+        named = {n: trained["named"].get(n, v) for n, v in self._params["named"].items()}
+        stacked = []
+        for seg, stack, kept in zip(scanned, self._params["stacked"], trained["stacked"]):
+            given = iter(kept)
+            stacked.append(tuple(v if seg.names_at(i)[0] in self.frozen else next(given) for i, v in enumerate(stack)))
+        self._params, self._opt_state = {"named": named, "stacked": tuple(stacked)}, opt
         self.step_count = step
 
     def summary(self) -> str:
