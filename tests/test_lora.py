@@ -272,11 +272,16 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     import json
 
     from pstar_jax.train import main
-    metrics = tmp_path / "m.jsonl"
-    assert main([*TRAIN, "--steps", "12", "--metrics-out", str(metrics)]) == 0
-    losses = [json.loads(line)["loss"] for line in open(metrics)]
-    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
+    def losses(lr):  # the same batches in the same order at every learning rate
+        metrics = tmp_path / f"m{lr}.jsonl"
+        assert main([*TRAIN, "--steps", "12", "--lr", lr, "--metrics-out", str(metrics)]) == 0
+        return np.array([json.loads(line)["loss"] for line in open(metrics)])
+    trained = losses("1e-2")
     assert "frozen" in capsys.readouterr().out
+    # Per-batch losses of this data vary by about 0.05 from batch to batch: compare with the same
+    # batches under an update too small to matter, whose losses stay the base model's.
+    gain = trained - losses("1e-9")
+    assert len(gain) == 12 and gain[0] == 0 and np.all(gain[-6:] < 0) and gain[-6:].mean() < -0.05, gain
 
 
 @pytest.mark.parametrize("flags,words", [
