@@ -260,7 +260,8 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
         bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
-                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
+                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes).fits
     # Every parameter needs its bf16 item and its optimizer state somewhere: no deeper model fits

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from pstar_models import build_model
 from pstar_models.lora import LoraLinear, LoraSpec
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
+from pstar_jax.planning import chunked_engine, plan_model
 from pstar_jax.freeze import trainable
 from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
 from pstar_jax.machine import H200
@@ -239,6 +239,40 @@ def test_zero_over_8_devices_equals_plain_on_one_with_the_same_dropout_masks():
     for name in pa:
         atol = 64 * EPS32 * max(1.0, float(np.abs(pb[name]).max()))
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
+
+
+def test_with_dropout_the_trace_runs_the_steps_batch_so_the_step_compiles_no_stage_and_the_plan_counts_masks():
+    """The engine adds each row's dropout seed to the batch: the trace must compile the stage
+    functions on that same pytree (else the first step compiles every one again) and so count
+    the masks' memory. Stage functions are stages.py's jitted ``local``s; compilations are counted
+    by JAX's backend-compile event (recorded on a persistent-cache hit too)."""
+    import jax.monitoring
+
+    compiled: list[str] = []
+
+    def listen(event, duration_s, **info):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(str(info.get("fun_name")))
+    m = lora_model("tiny", dropout=0.1)
+    frozen = frozen_for_lora(m, LoraConfig(rank=4, dropout=0.1))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        engine = chunked(m, frozen, budget=None, batch=2)
+        traced = compiled.count("jit(local)")
+        compiled.clear()
+        engine.step(batches(1, batch=2)[0])
+        engine.flush()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert traced > 0, "the trace compiles the stage functions"
+    assert compiled.count("jit(local)") == 0, f"the step compiled stage functions again: {compiled}"
+    with_masks = engine.plan_for((2, 64)).shape
+    cfg = EngineConfig(chunk_numel=CHUNK, precision="fp32")
+    without = plan_model(lora_model("tiny"), cfg, mesh(), (2, 64), H200, 2**40, default_tx(OPTIM),
+                         trainable=trainable(frozen)).shape
+    a = (*with_masks.fwd_non_model, with_masks.head_non_model, *with_masks.bwd_non_model)
+    b = (*without.fwd_non_model, without.head_non_model, *without.bwd_non_model)
+    assert all(x >= y for x, y in zip(a, b)) and sum(a) > sum(b), (a, b)
 
 
 def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_param():
