@@ -8,11 +8,12 @@ and ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()``
 non-model memory of a moment is what the stage call needs beside the chunks and the stage inputs:
 the micro-batch (its ``Batch``: tokens and side inputs, live from the first forward to the first
 stage's backward; with LoRA dropout, ``dropout_seeded``, its rows' seeds too, so the masks are
-in the temporaries and the step calls the very functions the trace compiled), the gradient flowing down (in a backward), the call's outputs and its
-temporaries (which on a CPU include the copies XLA makes of static slices of chunks). The stage
-inputs kept for the backward (``StepShape.input_bytes``: micro-batch x sequence x d_model in the
-compute dtype for a decoder, per device) are items the plan places, so a moment's non-model
-bytes do not count them; a stage's own input is one of them (schedule.py).
+in the temporaries and the step calls the very functions the trace compiled), the gradient
+flowing down (in a backward), the call's outputs and its temporaries (which on a CPU include
+the copies XLA makes of static slices of chunks). The stage inputs kept for the backward
+(``StepShape.input_bytes``: micro-batch x sequence x d_model in the compute dtype for a decoder,
+per device) are items the plan places, so a moment's non-model bytes do not count them; a
+stage's own input is one of them (schedule.py).
 """
 
 from __future__ import annotations
