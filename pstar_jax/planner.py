@@ -174,7 +174,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                          layout=layout, trace_cache=cache)
     cfg = getattr(model, "config", None)
     report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
-                        config.micro_batches, model.seq_len, config.precision, flops_per_token(model),
+                        config.micro_batches, model.seq_len, config.precision,
+                        flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
                         width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width")
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):

@@ -296,6 +296,32 @@ def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_
         frozen_for_lora(build_model("tiny"), LoraConfig(rank=4))
 
 
+def tiny_lora_flops_by_hand(trained_head: bool = False) -> int:
+    """GPT "tiny" with rank-4 adapters on its four projections, counted by hand: a frozen tensor 4
+    FLOPs per parameter and token (forward, input gradient), an adapter or trained one 6, the
+    lookups (wpe; wte as a lookup) none, attention's two causal L x L matmuls 6 L D per layer."""
+    D, L, V, layers, r = 32, 64, 256, 2, 4
+    block = 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + 2 * D + (D * 4 * D + 4 * D) + (4 * D * D + D)
+    adapters = r * ((D + 3 * D) + (D + D) + (D + 4 * D) + (4 * D + D))  # [in, r] and [r, out] each
+    head = V * D  # the tied embedding, as the head's kernel
+    frozen = layers * block + 2 * D + (0 if trained_head else head)
+    return 4 * frozen + 6 * (layers * adapters + (head if trained_head else 0)) + 6 * layers * L * D
+
+
+def test_model_flops_count_frozen_tensors_at_four_per_parameter():
+    from pstar_jax.model import flops_per_token
+    m = lora_model("tiny")
+    assert (m.config.d_model, m.config.seq_len, m.config.vocab_size, m.config.n_layer) == (32, 64, 256, 2)
+    assert m.config.tie_embeddings
+    assert flops_per_token(m) == m.flops_per_token() == flops_per_token(m, frozenset())  # nothing frozen: as before
+    assert flops_per_token(m, frozen_for_lora(m, LoraConfig(rank=4))) == tiny_lora_flops_by_hand()
+    saved = frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="wte"))
+    assert flops_per_token(m, saved) == tiny_lora_flops_by_hand(trained_head=True)
+    # The lookup of an untied embedding counts nothing, frozen or not.
+    untied = build_model("tiny", tie_embeddings=False)
+    assert flops_per_token(untied, {"wte.embedding", "wpe"}) == untied.flops_per_token()
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "1e-2", "--chunk-size", "8192",
@@ -308,8 +334,12 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     from pstar_jax.train import main
     metrics = tmp_path / "m.jsonl"
     assert main([*TRAIN, "--steps", "12", "--metrics-out", str(metrics)]) == 0
-    losses = [json.loads(line)["loss"] for line in open(metrics)]
+    records = [json.loads(line) for line in open(metrics)]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
+    for r in records:  # model FLOPs count the frozen base at 4 per parameter
+        np.testing.assert_allclose(r["model_tflops"] * 1e12 * r["step_s"] / (8 * 64), tiny_lora_flops_by_hand(),
+                                   rtol=1e-12)
     assert "frozen" in capsys.readouterr().out
 
 
