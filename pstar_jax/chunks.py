@@ -55,6 +55,11 @@ class ChunkLayout:
         return tuple(c for c in range(self.n_chunks) if not self.is_frozen(c))
 
     @property
+    def frozen_names(self) -> frozenset[str]:
+        """The tensors in frozen chunks."""
+        return frozenset(s.name for s in self.slots if self.is_frozen(s.chunk))
+
+    @property
     def numel(self) -> int:
         """Elements of all tensors (without padding)."""
         return sum(s.numel for s in self.slots)

@@ -212,6 +212,9 @@ class Run:
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
                                        make_tx=self._make_tx, frozen=frozen)
+            from pstar_jax.freeze import frozen_names, parse_patterns
+            # What the engine freezes (its patterns and LoRA's): no weight gradient, fewer model FLOPs.
+            self.frozen = frozen_names(list(self.model.param_shapes()), parse_patterns(cfg.engine.freeze), frozen)
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
@@ -311,7 +314,7 @@ class Run:
         progress = Progress(cfg.train.steps, initial=engine.step_count,
                             enabled=self.verbose and not cfg.output.quiet)
         step_tokens = cfg.train.batch_size * self.model.seq_len
-        flops = flops_per_token(self.model)
+        flops = flops_per_token(self.model, self.frozen)
         first_step, every = engine.step_count, cfg.checkpoint.every
         evaluated = False
         profile = Profile(cfg.output.profile if self.main_process else None, first_step + 2, cfg.output.profile_steps)

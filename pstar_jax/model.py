@@ -13,10 +13,11 @@ pstar_jax never imports a model. A model hands over (``StagedModel``):
     divides once by the step's global count of trained tokens);
   * ``seq_len`` and ``vocab_size``.
 Optional, with defaults here: ``decays(name)`` (whether weight decay applies; default: tensors
-of two or more dimensions), ``flops_per_token()`` (forward+backward model FLOPs per token;
-default 6 per matmul parameter) and ``supports_packing`` (True when attention and positions
-follow ``batch.segment_ids`` and ``batch.positions``; a model without it is refused packed rows,
-whose examples it would mix).
+of two or more dimensions), ``flops_per_token()`` (forward+backward model FLOPs per token with
+every tensor trained; default 6 per matmul parameter; ``flops_per_token(model, frozen)`` here
+takes 2 per parameter off for frozen tensors) and ``supports_packing`` (True when attention and
+positions follow ``batch.segment_ids`` and ``batch.positions``; a model without it is refused
+packed rows, whose examples it would mix).
 
 A stage's ``apply`` receives its tensors as a tuple in ``param_names`` order, already in the
 compute dtype. Stages that share one ``apply`` object (the identical transformer blocks) share
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -70,15 +71,21 @@ def n_params(model: StagedModel) -> int:
     return sum(math.prod(s) for s in model.param_shapes().values())
 
 
-def flops_per_token(model: StagedModel) -> float:
+def flops_per_token(model: StagedModel, frozen: Collection[str] = ()) -> float:
     """The model's count, else 6 FLOPs (forward and backward) per parameter outside the first
-    stage's lookups (attention's own matmuls are the model's to add)."""
-    if hasattr(model, "flops_per_token"):
+    stage's lookups (attention's own matmuls are the model's to add).
+
+    A ``frozen`` tensor needs no weight gradient: 4 FLOPs per parameter (forward 2, input
+    gradient 2), so 2 per parameter less for every frozen tensor a later stage reads (a tensor
+    only the first stage reads is a lookup, which no count includes). A LoRA adapter trains:
+    its 6 cover its forward, its weight gradient and the input gradient through it."""
+    if hasattr(model, "flops_per_token") and not frozen:
         return float(model.flops_per_token())
-    stages = list(model.stages(jnp.float32))
     shapes = model.param_shapes()
-    later = {n for s in stages[1:] for n in s.param_names}
-    return 6.0 * sum(math.prod(shapes[n]) for n in later)
+    later = {n for s in list(model.stages(jnp.float32))[1:] for n in s.param_names}
+    total = float(model.flops_per_token()) if hasattr(model, "flops_per_token") else \
+        6.0 * sum(math.prod(shapes[n]) for n in later)
+    return total - 2.0 * sum(math.prod(shapes[n]) for n in later & set(frozen))
 
 
 def init_params(model: StagedModel, seed: int) -> dict[str, jax.Array]:

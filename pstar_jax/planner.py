@@ -174,7 +174,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                          layout=layout, trace_cache=cache)
     cfg = getattr(model, "config", None)
     report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
-                        config.micro_batches, model.seq_len, config.precision, flops_per_token(model),
+                        config.micro_batches, model.seq_len, config.precision,
+                        flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
                         width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width")
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
@@ -260,7 +261,8 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
         bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
-                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
+                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes).fits
     # Every parameter needs its bf16 item and its optimizer state somewhere: no deeper model fits

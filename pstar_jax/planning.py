@@ -79,7 +79,8 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
     shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
-                       cfg.micro_batches, cache=trace_cache)
+                       cfg.micro_batches, cache=trace_cache,
+                       dropout_seeded=bool(getattr(model, "dropout_seeded", False)))  # the batch the step runs
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes

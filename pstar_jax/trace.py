@@ -7,11 +7,13 @@ model data exists: every distinct stage function is lowered and compiled on abst
 and ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
 non-model memory of a moment is what the stage call needs beside the chunks and the stage inputs:
 the micro-batch (its ``Batch``: tokens and side inputs, live from the first forward to the first
-stage's backward), the gradient flowing down (in a backward), the call's outputs and its
-temporaries (which on a CPU include the copies XLA makes of static slices of chunks). The stage
-inputs kept for the backward (``StepShape.input_bytes``: micro-batch x sequence x d_model in the
-compute dtype for a decoder, per device) are items the plan places, so a moment's non-model
-bytes do not count them; a stage's own input is one of them (schedule.py).
+stage's backward; with LoRA dropout, ``dropout_seeded``, its rows' seeds too, so the masks are
+in the temporaries and the step calls the very functions the trace compiled), the gradient
+flowing down (in a backward), the call's outputs and its temporaries (which on a CPU include
+the copies XLA makes of static slices of chunks). The stage inputs kept for the backward
+(``StepShape.input_bytes``: micro-batch x sequence x d_model in the compute dtype for a decoder,
+per device) are items the plan places, so a moment's non-model bytes do not count them; a
+stage's own input is one of them (schedule.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class _Tracer:
     training and the forward-only trace (equal calls are analysed once per ``cache``)."""
 
     def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement, chunk_numel: int,
-                 param_dtype: Any, batch: int, seq_len: int, cache: dict | None):
+                 param_dtype: Any, batch: int, seq_len: int, cache: dict | None, dropout_seeded: bool = False):
         self.bound, self.fns, self.chunk_numel, self.param_dtype = bound, fns, chunk_numel, param_dtype
         self.cache = {} if cache is None else cache
         self.dev = placement.sharding(Space.DEVICE)
@@ -55,8 +57,11 @@ class _Tracer:
         self.W = placement.n_devices
         self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
         self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
+        # The batch the engine runs (executor._put_batch): every field sharded over the data axis,
+        # the seeds ([B] uint32, batch.with_dropout_seeds) only where the model draws dropout masks.
+        seeds = _abstract((batch,), jnp.uint32, self.dev) if dropout_seeded else None
         self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
-                             for f in PER_POSITION))
+                             for f in PER_POSITION), dropout_seed=seeds)
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
         self.xs = [self.batch.tokens]
         for b in bound[:-1]:
@@ -81,7 +86,7 @@ class _Tracer:
 
     def kind(self, b: BoundStage) -> tuple:
         return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
-                jnp.dtype(self.param_dtype).name, self.W, b.frozen)
+                jnp.dtype(self.param_dtype).name, self.W, b.frozen, self.batch.dropout_seed is not None)
 
     def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
         # Memory barely depends on where tensors sit in chunks, so one compile per
@@ -95,13 +100,14 @@ class _Tracer:
 
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
-               micro_batches: int = 1, cache: dict | None = None) -> StepShape:
-    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``.
+               micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False) -> StepShape:
+    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``;
+    ``dropout_seeded`` (the model's attribute: it draws LoRA dropout masks) adds the rows' seeds.
 
     ``cache`` may be shared between traces of models that differ only in depth or chunk layout
     (pstar-plan's searches): a stage is known by its apply function's name and position, its
     number of chunks and its activation shapes, so equal stages are analysed once."""
-    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
+    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache, dropout_seeded)
     xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head

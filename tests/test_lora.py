@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from pstar_models import build_model
 from pstar_models.lora import LoraLinear, LoraSpec
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
+from pstar_jax.planning import chunked_engine, plan_model
 from pstar_jax.freeze import trainable
 from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
 from pstar_jax.machine import H200
@@ -241,6 +241,40 @@ def test_zero_over_8_devices_equals_plain_on_one_with_the_same_dropout_masks():
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
 
 
+def test_with_dropout_the_trace_runs_the_steps_batch_so_the_step_compiles_no_stage_and_the_plan_counts_masks():
+    """The engine adds each row's dropout seed to the batch: the trace must compile the stage
+    functions on that same pytree (else the first step compiles every one again) and so count
+    the masks' memory. Stage functions are stages.py's jitted ``local``s; compilations are counted
+    by JAX's backend-compile event (recorded on a persistent-cache hit too)."""
+    import jax.monitoring
+
+    compiled: list[str] = []
+
+    def listen(event, duration_s, **info):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(str(info.get("fun_name")))
+    m = lora_model("tiny", dropout=0.1)
+    frozen = frozen_for_lora(m, LoraConfig(rank=4, dropout=0.1))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        engine = chunked(m, frozen, budget=None, batch=2)
+        traced = compiled.count("jit(local)")
+        compiled.clear()
+        engine.step(batches(1, batch=2)[0])
+        engine.flush()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert traced > 0, "the trace compiles the stage functions"
+    assert compiled.count("jit(local)") == 0, f"the step compiled stage functions again: {compiled}"
+    with_masks = engine.plan_for((2, 64)).shape
+    cfg = EngineConfig(chunk_numel=CHUNK, precision="fp32")
+    without = plan_model(lora_model("tiny"), cfg, mesh(), (2, 64), H200, 2**40, default_tx(OPTIM),
+                         trainable=trainable(frozen)).shape
+    a = (*with_masks.fwd_non_model, with_masks.head_non_model, *with_masks.bwd_non_model)
+    b = (*without.fwd_non_model, without.head_non_model, *without.bwd_non_model)
+    assert all(x >= y for x, y in zip(a, b)) and sum(a) > sum(b), (a, b)
+
+
 def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_param():
     m = lora_model("tiny")
     frozen = frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="wte,blocks.*.ln1"))
@@ -262,6 +296,32 @@ def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_
         frozen_for_lora(build_model("tiny"), LoraConfig(rank=4))
 
 
+def tiny_lora_flops_by_hand(trained_head: bool = False) -> int:
+    """GPT "tiny" with rank-4 adapters on its four projections, counted by hand: a frozen tensor 4
+    FLOPs per parameter and token (forward, input gradient), an adapter or trained one 6, the
+    lookups (wpe; wte as a lookup) none, attention's two causal L x L matmuls 6 L D per layer."""
+    D, L, V, layers, r = 32, 64, 256, 2, 4
+    block = 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + 2 * D + (D * 4 * D + 4 * D) + (4 * D * D + D)
+    adapters = r * ((D + 3 * D) + (D + D) + (D + 4 * D) + (4 * D + D))  # [in, r] and [r, out] each
+    head = V * D  # the tied embedding, as the head's kernel
+    frozen = layers * block + 2 * D + (0 if trained_head else head)
+    return 4 * frozen + 6 * (layers * adapters + (head if trained_head else 0)) + 6 * layers * L * D
+
+
+def test_model_flops_count_frozen_tensors_at_four_per_parameter():
+    from pstar_jax.model import flops_per_token
+    m = lora_model("tiny")
+    assert (m.config.d_model, m.config.seq_len, m.config.vocab_size, m.config.n_layer) == (32, 64, 256, 2)
+    assert m.config.tie_embeddings
+    assert flops_per_token(m) == m.flops_per_token() == flops_per_token(m, frozenset())  # nothing frozen: as before
+    assert flops_per_token(m, frozen_for_lora(m, LoraConfig(rank=4))) == tiny_lora_flops_by_hand()
+    saved = frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="wte"))
+    assert flops_per_token(m, saved) == tiny_lora_flops_by_hand(trained_head=True)
+    # The lookup of an untied embedding counts nothing, frozen or not.
+    untied = build_model("tiny", tie_embeddings=False)
+    assert flops_per_token(untied, {"wte.embedding", "wpe"}) == untied.flops_per_token()
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "1e-2", "--chunk-size", "8192",
@@ -275,7 +335,11 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     def losses(lr):  # the same batches in the same order at every learning rate
         metrics = tmp_path / f"m{lr}.jsonl"
         assert main([*TRAIN, "--steps", "12", "--lr", lr, "--metrics-out", str(metrics)]) == 0
-        return np.array([json.loads(line)["loss"] for line in open(metrics)])
+        records = [json.loads(line) for line in open(metrics)]
+        for r in records:  # model FLOPs count the frozen base at 4 per parameter
+            np.testing.assert_allclose(r["model_tflops"] * 1e12 * r["step_s"] / (8 * 64), tiny_lora_flops_by_hand(),
+                                       rtol=1e-12)
+        return np.array([r["loss"] for r in records])
     trained = losses("1e-2")
     assert "frozen" in capsys.readouterr().out
     # Per-batch losses of this data vary by about 0.05 from batch to batch: compare with the same
