@@ -94,7 +94,8 @@ class Searcher:
         item = np.dtype(self.config.compute_dtype).itemsize
         per_param = item if rank else item + 12
         bound = int((self.config.device_memory + self.host_bytes) // (per_param * (two - one)))
-        return largest_mixed(lambda n, mixes: self.fits(n, rank, mixes), 1, max(1, min(bound, max_layers)))
+        start = build_model(self.preset).config.n_layer  # the doubling starts at the preset's depth
+        return largest_mixed(lambda n, mixes: self.fits(n, rank, mixes), start, max(1, min(bound, max_layers)))
 
 
 @dataclasses.dataclass
