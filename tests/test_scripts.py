@@ -137,3 +137,45 @@ def test_bench_compare_says_the_largest_size_tried_bounds_the_ratio(tmp_path, ca
     points[-1] = P("c", 6_400_000, 8, "pstar", False, why="does not fit")
     points.insert(2, P("c", 6_400_000, 8, "plain-full", False, why="predicted OOM"))
     assert "at least" not in bench.ratio_line(points, {"plain-full": 200_000, "pstar": 3_200_000})
+
+
+def _load_script(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_lora_refuses_figures_that_would_be_wrong():
+    """The LoRA benchmark's checks: a loss not finite and falling, frozen chunks copied
+    device->host, or a byte split that does not add up to the step's counts fail the run."""
+    bench = _load_script("bench_lora")
+    good = bench.Run("lora", 4, 1000, 10, losses=[5.0, 4.0], h2d_bytes=30, d2h_bytes=5,
+                     moved={"frozen": [20, 0], "trainable": [10, 5], "optimizer": [0, 0]})
+    assert bench.problems(good) == []
+    for change, says in (({"losses": [5.0, 5.0]}, "not finite and falling"),
+                         ({"losses": [5.0, float("nan")]}, "not finite and falling"),
+                         ({"moved": {"frozen": [20, 4], "trainable": [10, 1], "optimizer": [0, 0]}}, "device->host"),
+                         ({"h2d_bytes": 31}, "do not add up")):
+        found = bench.problems(bench.dataclasses.replace(good, **change))
+        assert len(found) == 1 and says in found[0], (change, found)
+    full = bench.Run("full", 2, 500, 500, losses=[5.0, 4.5], moved={k: [0, 0] for k in bench.KINDS})
+    lines = bench.table([full, good], "header")
+    assert lines[-1].endswith("2.00x the parameters") and "| lora | 4 | 1,000 | 10 |" in "\n".join(lines)
+
+
+@pytest.mark.slow  # minutes on 2 shared cores: two depth searches and three engines
+def test_bench_lora_trains_lora_deeper_than_full_fine_tuning(tmp_path):
+    r = script("bench_lora.py", "--model", "tiny", "--device-memory", "1MiB", "--host-memory", "1536KiB",
+               "--lora-rank", "1", "--batch-size", "2", "--steps", "3", "--max-layers", "12", "--out", str(tmp_path),
+               timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+    runs = {run["name"]: run for run in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert runs["lora"]["layers"] > runs["full"]["layers"] == runs["lora-same"]["layers"]
+    for run in runs.values():  # measured = planned, and frozen chunks never go device->host
+        assert (run["h2d_bytes"], run["d2h_bytes"]) == (run["planned_h2d_bytes"], run["planned_d2h_bytes"])
+        assert run["moved"]["frozen"][1] == 0 and run["losses"][-1] < run["losses"][0]
+    assert runs["full"]["moved"]["frozen"] == [0, 0]
