@@ -11,7 +11,8 @@ Runs, each trained for ``--steps`` steps on one fixed batch (so the loss must fa
   lora-same      LoRA of that same base model: the bytes a step moves beside full training's
   lora           LoRA at its largest depth
 Bytes moved are the chunk store's own counts per step, split by what moved: frozen base chunks,
-trainable param/grad chunks, optimizer state (master, m, v). Evicting a frozen chunk drops its
+trainable param/grad chunks, optimizer state (master, m, v), and the stage inputs the plan sends to
+the host and back for the backward (store key ("act", stage, micro)). Evicting a frozen chunk drops its
 device copy, so frozen chunks never move device->host; the script exits 1 if one did, or if a
 loss was not finite and falling. On a CPU the device is simulated (--device-memory, which the
 chunk store enforces) and the copies are between labels on the same RAM.
@@ -48,7 +49,7 @@ from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
 from pstar_jax.stages import StageFunctions, bind  # noqa: E402
 from pstar_jax.trace import trace_step  # noqa: E402
 
-KINDS = ("frozen", "trainable", "optimizer")  # what a chunk store key holds, for the byte split
+KINDS = ("frozen", "trainable", "optimizer", "inputs")  # what a chunk store key holds, for the byte split
 
 
 def lora_model(preset: str, n_layer: int, rank: int):
@@ -127,7 +128,8 @@ def count_by_kind(engine) -> dict[str, list[int]]:
     def get_counted(key, space):
         h2d, d2h = store.traffic.h2d_bytes, store.traffic.d2h_bytes
         value = get(key, space)
-        kind = "optimizer" if key[0] in ("master", "opt") else "frozen" if layout.is_frozen(key[1]) else "trainable"
+        kind = ("inputs" if key[0] == "act" else "optimizer" if key[0] in ("master", "opt")
+                else "frozen" if layout.is_frozen(key[1]) else "trainable")
         moved[kind][0] += store.traffic.h2d_bytes - h2d
         moved[kind][1] += store.traffic.d2h_bytes - d2h
         return value
@@ -187,7 +189,7 @@ def table(runs: list[Run], header: str) -> list[str]:
     f = ps.format_bytes
     lines = [header, "", "| run | layers | params | trained | loss first -> last | step s | tokens/s | h2d/step "
              "(planned) | d2h/step (planned) | frozen h2d / d2h | trainable h2d / d2h | optimizer h2d / d2h | "
-             "plan peak device / host |", "|" + " --- |" * 13]
+             "stage inputs h2d / d2h | plan peak device / host |", "|" + " --- |" * 14]
     for r in runs:
         m = r.moved
         lines.append(f"| {r.name} | {r.layers} | {r.params:,} | {r.trained_params:,} | {r.losses[0]:.4f} -> "

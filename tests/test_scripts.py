@@ -153,11 +153,11 @@ def test_bench_lora_refuses_figures_that_would_be_wrong():
     device->host, or a byte split that does not add up to the step's counts fail the run."""
     bench = _load_script("bench_lora")
     good = bench.Run("lora", 4, 1000, 10, losses=[5.0, 4.0], h2d_bytes=30, d2h_bytes=5,
-                     moved={"frozen": [20, 0], "trainable": [10, 5], "optimizer": [0, 0]})
+                     moved={"frozen": [20, 0], "trainable": [10, 5], "optimizer": [0, 0], "inputs": [0, 0]})
     assert bench.problems(good) == []
     for change, says in (({"losses": [5.0, 5.0]}, "not finite and falling"),
                          ({"losses": [5.0, float("nan")]}, "not finite and falling"),
-                         ({"moved": {"frozen": [20, 4], "trainable": [10, 1], "optimizer": [0, 0]}}, "device->host"),
+                         ({"moved": {"frozen": [20, 4], "trainable": [10, 1], "optimizer": [0, 0], "inputs": [0, 0]}}, "device->host"),
                          ({"h2d_bytes": 31}, "do not add up")):
         found = bench.problems(bench.dataclasses.replace(good, **change))
         assert len(found) == 1 and says in found[0], (change, found)
