@@ -13,12 +13,15 @@ refused up front by ``check_plan_size``, with a chunk size or micro-batch count 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
+import math
 from typing import Callable
 
 from jax.sharding import Mesh
 
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
+from pstar_jax.freeze import frozen_names, parse_patterns, trainable as make_trainable
 from pstar_jax.machine import Machine, describe
 from pstar_jax.model import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planning import Planned, plan_model, resolve_engine_config
@@ -165,8 +168,9 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     if micro % W:
         raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree {W} "
                           "(DistributedConfig.data_parallel)")
-    resolved = resolve_engine_config(config, model, mesh)
-    layout = check_plan_size(model, resolved, mesh)
+    trainable = trainable_for(model, config)
+    resolved = resolve_engine_config(config, model, mesh, trainable)
+    layout = check_plan_size(model, resolved, mesh, trainable)
     make_tx = default_tx_for_shapes()
     cache: dict = {}
     planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
@@ -183,14 +187,29 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     return report
 
 
-def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh):
-    """The layout of ``model`` (``config`` resolved), refusing a step too long to plan in reasonable
-    time (MAX_PLAN_CHUNKS, MAX_PLAN_MOMENTS) with a value that answers when followed."""
+def trainable_for(model: StagedModel, config: EngineConfig, strict: bool = True) -> Callable[[str], bool] | None:
+    """The run's trainable predicate for ``model`` (None: everything trains): ``config.freeze``'s
+    patterns, as the engine applies them. ``strict`` False lets a pattern match nothing (the depth
+    search's shallower models may lack a layer the pattern names)."""
+    patterns = parse_patterns(config.freeze)
+    if not patterns:
+        return None
+    names = list(model.param_shapes())
+    if strict:
+        return make_trainable(frozen_names(names, patterns))
+    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)})
+
+
+def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
+                    trainable: Callable[[str], bool] | None = None):
+    """The layout of ``model`` (``config`` resolved; ``trainable`` as build_layout's), refusing a
+    step too long to plan in reasonable time (MAX_PLAN_CHUNKS, MAX_PLAN_MOMENTS) with a value
+    that answers when followed."""
     from pstar_jax.chunks import build_layout
     W = mesh.devices.size
     chunk_numel = -(-config.chunk_numel // W) * W
     decay = functools.partial(decays, model)
-    layout = build_layout(model.param_shapes(), decay, chunk_numel)
+    layout = build_layout(model.param_shapes(), decay, chunk_numel, trainable=trainable)
     n_stages = len(list(model.stages(config.compute_dtype)))
     moments = 2 * n_stages * config.micro_batches
     if 2 * n_stages > MAX_PLAN_MOMENTS:
@@ -207,7 +226,7 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh):
         larger = -(-layout.numel // MAX_PLAN_CHUNKS)
         while True:  # packing wastes some of each chunk: grow until the count is within the cap
             larger = -(-larger // (64 * W)) * 64 * W
-            if build_layout(model.param_shapes(), decay, larger).n_chunks <= MAX_PLAN_CHUNKS:
+            if build_layout(model.param_shapes(), decay, larger, trainable=trainable).n_chunks <= MAX_PLAN_CHUNKS:
                 break
             larger = larger * 9 // 8
         raise ConfigError(f"{layout.n_chunks:,} chunks of {layout.chunk_numel:,} elements are more than pstar-plan "
@@ -256,20 +275,28 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
     def depth_fits(n_layer: int, mixes: bool) -> bool:
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         deeper = model_at(n_layer)
-        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel)
+        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
+                              trainable=trainable_for(deeper, cfg, strict=False))
         bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes).fits
-    # Every parameter needs its bf16 item and its optimizer state somewhere: no deeper model fits
-    # in device and host memory together. The search also stops at MAX_SEARCH_CHUNKS chunks.
-    layer_numel = n_params(model_at(depth0 + 1)) - n_params(model)
+    # Every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too:
+    # no deeper model fits in device and host memory together. The search also stops at
+    # MAX_SEARCH_CHUNKS chunks.
+    one_more = model_at(depth0 + 1)
+    layer_numel = n_params(one_more) - n_params(model)
     if layer_numel <= 0:
         return Largest(depth0)
-    bytes_per_numel = (shape.item_bytes + shape.opt_state_bytes) / shape.shard_numel / mesh.devices.size
-    memory_bound = depth0 + int((device_bytes + host_bytes - n_params(model) * bytes_per_numel)
-                                // (layer_numel * bytes_per_numel))
+    item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
+
+    def data_bytes(m) -> float:
+        trainable = trainable_for(m, cfg, strict=False)
+        trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
+        return n_params(m) * item + trained * state
+    layer_bytes = data_bytes(one_more) - data_bytes(model)
+    memory_bound = depth0 + int((device_bytes + host_bytes - data_bytes(model)) // layer_bytes)
     chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
     limit = max(1, min(memory_bound, chunk_bound))
     depth = largest_mixed(depth_fits, depth0, limit)

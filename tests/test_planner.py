@@ -58,3 +58,16 @@ def test_no_placement_fits_when_the_two_memories_cannot_hold_the_model_data():
     assert could_fit(shape, 300 + data, 0) and not could_fit(shape, 300 + data - 1, 0)
     assert could_fit(shape, 300, data) and not could_fit(shape, 300, data - 1)
     assert not make_plan(shape, 300, data - 1, H200, first_fit=True).fits
+
+
+def test_depth_search_plans_with_the_runs_frozen_set():
+    """With EngineConfig.freeze, the depth search's deeper models freeze what the run would (2 B
+    per frozen parameter, no optimizer state): its answer is the depth at which the frozen plan
+    still fits and one more layer does not, deeper than full training reaches."""
+    def report(n_layer, freeze, search=True):
+        cfg = ps.EngineConfig(device_memory=3 * MiB, chunk_numel=8192, freeze=freeze)
+        return ps.plan_report(build_model("tiny", n_layer=n_layer), cfg, 4, mesh(), H200, 2 * MiB, search=search,
+                              model_at=lambda n: build_model("tiny", n_layer=n))
+    full, frozen = report(2, None).depth.value, report(2, "blocks.*").depth.value
+    assert frozen > full > 2
+    assert report(frozen, "blocks.*", search=False).fits and not report(frozen + 1, "blocks.*", search=False).fits
