@@ -28,6 +28,9 @@ from pstar_jax.planning import Planned, plan_model, resolve_engine_config
 
 MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
 MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
+MAX_SEARCH_SEQ_LEN = 1 << 23  # tokens per sequence (8M): the longest-sequence search stops there
+SEQ_LEN_TOLERANCE = 0.03  # the longest-sequence search stops within 3% (each probe is a new trace)
+SEQ_LEN_GRANULE = 64  # its probes are multiples of this many tokens
 # A plan replays every moment of the step, evicting among the chunks: its cost grows with both
 # (tiny at 500 one-layer chunks: 8 s; 4096 micro-batches: 40 s on a 2-core VM). The largest
 # presets need far less (GPT3_175B: 98 stages; 8 micro-batches of llama-3.1-70b: 1,312 moments).
@@ -60,6 +63,8 @@ class PlanReport:
     depth: Largest | None = None  # layers at this batch (None: not searched)
     batch: Largest | None = None  # sequences per step at this depth
     width: str = "this width"
+    seq_len_search: Largest | None = None  # tokens per sequence at one sequence per device
+    longest: "PlanReport | None" = None  # the plan at that length
 
     @property
     def plan(self):
@@ -84,7 +89,18 @@ class PlanReport:
         for name in ("depth", "batch"):
             if getattr(self, name) is not None:
                 out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
+        if self.seq_len_search is not None:
+            longest = self.longest
+            out["largest_seq_len"] = {**dataclasses.asdict(self.seq_len_search), "tolerance": SEQ_LEN_TOLERANCE,
+                                      "batch_size": self.data_parallel,
+                                      "plan": longest.plan.to_json() if longest else None,
+                                      "tokens_per_s": longest.tokens_per_s if longest else None,
+                                      "model_tflops": longest.model_tflops if longest else None}
         return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.plan.predicted_step_s
 
     def lines(self) -> list[str]:
         """What pstar-plan prints."""
@@ -126,7 +142,24 @@ class PlanReport:
             else:
                 out.append(f"largest batch that fits at this depth: {per_step} sequences per step {note}"
                            if b.value else f"no batch fits at this depth {note}")
+        if self.seq_len_search is not None:
+            out.append(self._longest_line())
         return out
+
+    def _longest_line(self) -> str:
+        s, longest, W = self.seq_len_search, self.longest, self.data_parallel
+        rows = "1 sequence" if W == 1 else f"{W} sequences (one per device)"
+        if not s.value:
+            return f"longest sequence that trains at {rows}: none of {SEQ_LEN_GRANULE} tokens or more fits"
+        bound = (f"at least {s.value:,} tokens (the search stops at {MAX_SEARCH_SEQ_LEN:,})" if s.capped
+                 else f"{s.value:,} tokens (to {100 * SEQ_LEN_TOLERANCE:.0f}%)")
+        line = f"longest sequence that trains at {rows}: {bound}"
+        if longest is not None and longest.fits:
+            line += (f", predicted {longest.plan.predicted_step_s:.3f} s/step, {longest.tokens_per_s:,.0f} "
+                     f"tokens/s, {longest.model_tflops:.0f} model TFLOPS, peak device "
+                     f"{format_bytes(longest.plan.peak_device_bytes)}, peak host "
+                     f"{format_bytes(longest.plan.peak_host_bytes)}")
+        return line
 
 
 def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
@@ -156,10 +189,14 @@ def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> 
 
 def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
-                search: bool = True) -> PlanReport:
+                search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
+                cache: dict | None = None) -> PlanReport:
     """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
     ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
-    depth search (no depth search without it). No model data is allocated."""
+    depth search (no depth search without it). ``seq_len_at(seq_len)`` rebuilds it for another
+    sequence length: given, the report also answers the longest sequence that trains at one
+    sequence per device (``longest_seq_len``), whatever ``search`` says. No model data is
+    allocated."""
     if batch_size < 1 or batch_size % config.micro_batches:
         raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
                           f"EngineConfig.micro_batches {config.micro_batches}")
@@ -172,7 +209,7 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     resolved = resolve_engine_config(config, model, mesh, trainable)
     layout = check_plan_size(model, resolved, mesh, trainable)
     make_tx = default_tx_for_shapes()
-    cache: dict = {}
+    cache = {} if cache is None else cache
     planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
                          layout=layout, trace_cache=cache)
     cfg = getattr(model, "config", None)
@@ -184,7 +221,97 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
             report.depth = _largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
                                           cache, cfg.n_layer)
         report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
+    if seq_len_at is not None:
+        report.seq_len_search, report.longest = longest_seq_len(seq_len_at, resolved, mesh, machine, host_bytes,
+                                                                start=model.seq_len, cache=cache)
     return report
+
+
+def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConfig, mesh: Mesh, machine: Machine,
+                    host_bytes: int, *, start: int, cache: dict | None = None,
+                    tolerance: float = SEQ_LEN_TOLERANCE) -> tuple[Largest, PlanReport | None]:
+    """The longest sequence (a multiple of SEQ_LEN_GRANULE tokens) that trains at one sequence per
+    device, one micro-batch, and the report at that length (None when none fits).
+
+    Each probe rebuilds the model at that length (``seq_len_at``), lays it out with the run's
+    chunk size and frozen set, traces it (shape only; ``cache`` shares the stages' analyses) and
+    asks whether any placement fits (make_plan's ``first_fit``). From ``start`` it doubles while
+    it fits (halves while it does not), then bisects until the answer is within ``tolerance`` of
+    the first length that fails: about log2(answer / start) + log2(1 / tolerance) traces."""
+    from pstar_jax.plan import make_plan
+    cache = {} if cache is None else cache
+    cfg = dataclasses.replace(config, micro_batches=1)
+    W = mesh.devices.size
+    make_tx = default_tx_for_shapes()
+    first = seq_len_at(start)
+    chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg)).chunk_numel
+    fitted: dict[int, bool] = {}
+
+    def resolved_at(model: StagedModel) -> EngineConfig:
+        # The run's chunk size at every length, unless a tensor grows past it (GPT's positions).
+        largest_numel = max(math.prod(v) for v in model.param_shapes().values())
+        numel = chunk_numel if largest_numel <= chunk_numel else None
+        return resolve_engine_config(dataclasses.replace(cfg, chunk_numel=numel), model, mesh,
+                                     trainable_for(model, cfg))
+
+    def fits(seq_len: int) -> bool:
+        if seq_len not in fitted:
+            model = seq_len_at(seq_len)
+            resolved = resolved_at(model)
+            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg))
+            shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
+            fitted[seq_len] = any(make_plan(shape, resolved.device_budget_bytes, host_bytes, machine,
+                                            cfg.adam_placement, first_fit=True, mixes=mixes).fits
+                                  for mixes in (False, True))
+        return fitted[seq_len]
+
+    def report_at(seq_len: int) -> PlanReport:
+        # The full plan (placement search, predicted step) at the answer: its traces are cached.
+        model = seq_len_at(seq_len)
+        return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache)
+
+    length, capped = longest_within(fits, start, SEQ_LEN_GRANULE, tolerance, MAX_SEARCH_SEQ_LEN)
+    return Largest(length, capped=capped), report_at(length) if length else None
+
+
+def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int
+                   ) -> tuple[int, bool]:
+    """(n, capped): the largest multiple n of ``granule`` in [granule, limit] with fits(n) (0: none),
+    fits monotone, to within ``tolerance``: some m <= n + max(granule, tolerance * n) does not fit
+    (capped: ``limit`` fits). From ``start`` (rounded to a granule) it doubles while fits (halves
+    while not), then bisects, each probe a multiple of ``granule``."""
+    low = max(granule, start // granule * granule)
+    if fits(low):
+        high = None
+        while high is None and low < limit:
+            nxt = min(2 * low, limit) // granule * granule
+            low, high = (nxt, None) if fits(nxt) else (low, nxt)
+        if high is None:
+            return low, True
+    else:
+        low, high = 0, low
+        while low == 0 and high > granule:
+            nxt = max(granule, high // 2 // granule * granule)
+            low, high = (nxt, high) if fits(nxt) else (0, nxt)
+    while low and high - low > max(granule, tolerance * low):
+        mid = (low + high) // 2 // granule * granule
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low, False
+
+
+def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int], layout, make_tx,
+            cache: dict):
+    """The step's shape (trace) of ``model`` with ``layout``, no plan."""
+    from pstar_jax.memory import Placement
+    from pstar_jax.optim import ChunkOptimizer
+    from pstar_jax.stages import StageFunctions, bind
+    from pstar_jax.trace import trace_step
+    placement = Placement(mesh)
+    bound = [bind(stage, layout) for stage in model.stages(cfg.compute_dtype)]
+    fns = StageFunctions(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(layout.chunk_numel)
+    return trace_step(bound, fns, placement, layout.chunk_numel, cfg.compute_dtype, *batch_shape, opt_state_bytes,
+                      cfg.micro_batches, cache=cache)
 
 
 def trainable_for(model: StagedModel, config: EngineConfig, strict: bool = True) -> Callable[[str], bool] | None:
@@ -319,5 +446,5 @@ def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: 
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 
-__all__ = ["PlanReport", "Largest", "plan_report", "largest", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
+__all__ = ["PlanReport", "Largest", "plan_report", "largest", "longest_seq_len", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
            "MAX_SEARCH_BATCH", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]

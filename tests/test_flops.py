@@ -72,7 +72,7 @@ def test_a_plan_never_beats_the_machine_matmul_rate():
     """Model TFLOPS (6 per parameter per token) over the predicted step stays below the rate the
     prediction divides counted FLOPs by: the step counts at least those FLOPs (plus recompute).
     A model wide enough and a step long enough for matmuls to dominate (not the optimizer), in
-    tiles of 64 positions: XLA's count alone predicted 666 model TFLOPS on an H200 (397)."""
+    tiles of 64 positions: XLA's count alone predicted 666 model TFLOPS on an H200 (397 then)."""
     import pstar_jax as ps
     long = dataclasses.replace(LLAMA, d_model=256, n_head=4, n_kv_head=4, d_ff=1024, seq_len=1024)
     tiles = TileBudget(logits_bytes=4 * long.vocab_size * 64, scores_bytes=4 * B * long.n_head * long.seq_len * 64,
