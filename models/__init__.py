@@ -6,8 +6,9 @@ from typing import Any
 
 from pstar_models import gpt, llama
 from pstar_models.hf import build_from_hf, check_hf_shapes, hf_config, hf_tensors
+from pstar_models.lora import LoraSpec
 
-__all__ = ["PRESET_NAMES", "build_from_hf", "build_model", "check_hf_shapes", "hf_config", "hf_tensors"]
+__all__ = ["PRESET_NAMES", "LoraSpec", "build_from_hf", "build_model", "check_hf_shapes", "hf_config", "hf_tensors"]
 
 PRESET_NAMES: tuple[str, ...] = (*gpt.PRESETS, *llama.PRESETS)
 

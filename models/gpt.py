@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path
 from pstar_jax.attention import causal_attention
 from pstar_jax.loss import linear_cross_entropy_sum
 from pstar_jax.model import NNXStaged, cross_entropy
@@ -40,6 +41,7 @@ class GPTConfig:
     seq_len: int
     tie_embeddings: bool = True
     mlp_ratio: int = 4
+    lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "seq_len", "mlp_ratio"):
@@ -49,6 +51,15 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}; "
                              "change one of them")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ValueError(f"GPTConfig.lora must be a LoraSpec or None, got {self.lora!r}")
+        check_spec(self.lora, projections(self), "GPT-2")
+
+
+def projections(config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """Every projection of a block (LoRA's possible targets): path -> (in, out) features."""
+    d, hidden = config.d_model, config.mlp_ratio * config.d_model
+    return {"attn.qkv": (d, 3 * d), "attn.proj": (d, d), "mlp.fc": (d, hidden), "mlp.proj": (hidden, d)}
 
 
 _PAPER = GPTConfig(vocab_size=50257, d_model=2048, n_layer=20, n_head=16, seq_len=1024)
@@ -159,9 +170,13 @@ class LayerNorm(nnx.Module):
         return layer_norm(x, self.scale[...], self.bias[...])
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=nnx.initializers.normal(std),
-                      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02, bias: bool = True,
+            lora: LoraSpec | None = None) -> nnx.Linear:
+    """A projection; with ``lora`` (this projection is a target) a LoraLinear, whose base tensors
+    are named and drawn as the plain Linear's."""
+    kwargs = dict(use_bias=bias, kernel_init=nnx.initializers.normal(std), bias_init=nnx.initializers.zeros_init(),
+                  rngs=rngs)
+    return nnx.Linear(d_in, d_out, **kwargs) if lora is None else LoraLinear(d_in, d_out, lora, **kwargs)
 
 
 class Attention(nnx.Module):
@@ -170,8 +185,8 @@ class Attention(nnx.Module):
 
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         d, self.n_head, self.tiling = config.d_model, config.n_head, tiling
-        self.qkv = _linear(d, 3 * d, rngs)
-        self.proj = _linear(d, d, rngs, proj_std)
+        self.qkv = _linear(d, 3 * d, rngs, lora=for_path(config.lora, "attn.qkv"))
+        self.proj = _linear(d, d, rngs, proj_std, lora=for_path(config.lora, "attn.proj"))
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -195,8 +210,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.d_hidden, self.tiling = config.mlp_ratio * config.d_model, tiling
-        self.fc = _linear(config.d_model, self.d_hidden, rngs)
-        self.proj = _linear(self.d_hidden, config.d_model, rngs, proj_std)
+        self.fc = _linear(config.d_model, self.d_hidden, rngs, lora=for_path(config.lora, "mlp.fc"))
+        self.proj = _linear(self.d_hidden, config.d_model, rngs, proj_std, lora=for_path(config.lora, "mlp.proj"))
 
     def plain(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.proj(jax.nn.gelu(self.fc(x_BxLxD), approximate=True))
@@ -335,7 +350,10 @@ def load_gpt(directory: str) -> GPT:
     import orbax.checkpoint as ocp
 
     with open(os.path.join(directory, "config.json")) as f:
-        config = GPTConfig(**json.load(f))
+        fields = json.load(f)
+    if fields.get("lora") is not None:  # written by dataclasses.asdict: a dict, targets a list
+        fields["lora"] = LoraSpec(**{**fields["lora"], "targets": tuple(fields["lora"].get("targets", ()))})
+    config = GPTConfig(**fields)
     with ocp.StandardCheckpointer() as ckptr:
         nested = ckptr.restore(os.path.abspath(os.path.join(directory, "params")))
     flat = {".".join(str(getattr(k, "key", k)) for k in path): jnp.asarray(v)

@@ -16,6 +16,7 @@ import re
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
+from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
 
 SUPPORTED = ("gpt2", *FAMILIES)
@@ -177,16 +178,17 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         "qkv_bias": "model_type"})
 
 
-def build_from_hf(config: Mapping[str, Any], **overrides: Any) -> StagedGPT | StagedLlama:
+def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **overrides: Any) -> StagedGPT | StagedLlama:
     """The staged model a config.json describes. ``overrides`` are our config fields (None values
     ignored): ``seq_len`` may be chosen (for GPT-2 at most n_positions; default n_positions for
-    GPT-2, min(max_position_embeddings, 4096) for the Llama family), any other must agree."""
+    GPT-2, min(max_position_embeddings, 4096) for the Llama family), any other must agree.
+    ``lora`` adds adapters (models/lora.py) that the checkpoint does not hold."""
     model_type = config.get("model_type")
     _refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
-        return StagedGPT(_gpt2_config(config, overrides))
+        return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
     if model_type in FAMILIES:
-        return StagedLlama(_llama_config(config, overrides))
+        return StagedLlama(dataclasses.replace(_llama_config(config, overrides), lora=lora))
     raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
 
 
@@ -273,24 +275,15 @@ _LLAMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "mlp_norm.scale": "
 def hf_tensors(model: Any) -> dict[str, HFTensor]:
     """For every parameter of ``model`` (by its pstar name): the HF tensor name, whether to
     transpose, whether the HF tensor may have extra rows to drop. Tied heads have no entry of
-    their own (HF's lm_head.weight is the embedding then)."""
-    gpt = isinstance(model.config, GPTConfig)
-    if not gpt and not isinstance(model.config, LlamaConfig):
+    their own (HF's lm_head.weight is the embedding then), nor LoRA adapters (a base checkpoint
+    has none; the peft format is pstar_jax/peft_io.py's)."""
+    if isinstance(model.config, GPTConfig):
+        family = "gpt2"
+    elif isinstance(model.config, LlamaConfig):
+        family = model.config.family
+    else:
         raise ValueError(f"no Hugging Face names for a model configured by {type(model.config).__name__}")
-    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
-                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
-    out = {}
-    for name in model.param_shapes():
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            if rest not in block:
-                raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
-            out[name] = HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
-        elif name in top:
-            out[name] = top[name]
-        else:
-            raise ValueError(f"parameter {name!r} has no Hugging Face counterpart")
-    return out
+    return {name: hf_tensor(family, name) for name in model.param_shapes() if not is_adapter(name)}
 
 
 def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> None:
@@ -345,3 +338,21 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
             raise ValueError(f"config.json's {key}={heads} disagrees with the weights: {tensor} has {rows} rows, "
                              f"not {heads} heads of {head_dim}; {fix} or use the weights this "
                              "config.json belongs to")
+
+
+def hf_tensor(family: str, name: str) -> HFTensor:
+    """Where our parameter ``name`` lives in a ``family`` checkpoint (a model_type of SUPPORTED), from
+    the name alone: what the peft adapter files need, which name base tensors and projections
+    without a model at hand."""
+    if family not in SUPPORTED:
+        raise ValueError(f"no Hugging Face names for family {family!r}; supported: {', '.join(SUPPORTED)}")
+    gpt = family == "gpt2"
+    top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
+                          else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
+    if name.startswith("blocks.") and name.count(".") >= 2:
+        _, i, rest = name.split(".", 2)
+        if i.isdigit() and rest in block:
+            return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
+    elif name in top:
+        return top[name]
+    raise ValueError(f"parameter {name!r} has no Hugging Face counterpart in a {family} checkpoint")

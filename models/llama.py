@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pstar_models.lora import LoraSpec, check_spec, for_path, init_adapter, is_adapter
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                visible_TxS, write_cache)
 from pstar_jax.attention import causal_attention
@@ -74,6 +75,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None  # the context written to config.json; None: seq_len
     family: str = "llama"  # llama, qwen2 or mistral: the HF model_type it exports as
+    lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "seq_len"):
@@ -103,10 +105,20 @@ class LlamaConfig:
         if self.qkv_bias != (self.family == "qwen2"):
             raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
                              "q/k/v biases exist exactly in qwen2")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
+        check_spec(self.lora, projections(self), self.family)
 
     @property
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+
+def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """Every projection of a block (LoRA's possible targets): path -> (in, out) features."""
+    D, F, HK, NK = config.d_model, config.d_ff, config.n_head * config.d_head, config.n_kv_head * config.d_head
+    return {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D),
+            "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
 
 
 def _llama3(factor: float) -> Llama3RopeScaling:
@@ -249,10 +261,11 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.config, self.tiling = config, tiling
         D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.d_head
-        self.q = _linear(D, H * K, rngs, bias=config.qkv_bias)
-        self.k = _linear(D, N * K, rngs, bias=config.qkv_bias)
-        self.v = _linear(D, N * K, rngs, bias=config.qkv_bias)
-        self.o = _linear(H * K, D, rngs, o_std, bias=False)
+        lora = config.lora
+        self.q = _linear(D, H * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.q"))
+        self.k = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.k"))
+        self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.v"))
+        self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=for_path(lora, "attn.o"))
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
                  positions_BxL: jax.Array | None = None) -> jax.Array:
@@ -281,9 +294,10 @@ class MLP(nnx.Module):
 
     def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.d_ff, self.tiling = config.d_ff, tiling
-        self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False)
-        self.up = _linear(config.d_model, config.d_ff, rngs, bias=False)
-        self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False)
+        lora = config.lora
+        self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=for_path(lora, "mlp.gate"))
+        self.up = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=for_path(lora, "mlp.up"))
+        self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False, lora=for_path(lora, "mlp.down"))
 
     def plain(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))
@@ -401,10 +415,13 @@ class StagedLlama(NNXStaged):
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)
         for attn.o and mlp.down, zeros for biases, ones for norm scales (the module's own
-        initialisers' distributions, drawn without building the module); each tensor's key is the
-        seed folded with its index, so values do not depend on which other tensors are made."""
+        initialisers' distributions, drawn without building the module), peft's for LoRA adapters
+        (models/lora.py); each tensor's key is the seed folded with its index, so values do not
+        depend on which other tensors are made (nor base tensors on whether adapters exist)."""
         shape = self.param_shapes()[name]
         leaf = name.rsplit(".", 1)[-1]
+        if is_adapter(name):
+            return init_adapter(name, shape, jax.random.fold_in(jax.random.key(seed), self._index[name]))
         if leaf == "bias":
             return jnp.zeros(shape, jnp.float32)
         if leaf == "scale":

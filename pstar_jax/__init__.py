@@ -19,8 +19,8 @@ config error) does not wait seconds for jax, flax, orbax and numba to load.
 import importlib as _importlib
 
 from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
-                              ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig, format_bytes,
-                              parse_bytes)
+                              LoraConfig, ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig,
+                              format_bytes, parse_bytes)
 
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {
@@ -40,6 +40,7 @@ _LAZY = {
     "PackedRows": "packing", "is_packed_file": "packing", "load_packed": "packing", "pack": "packing",
     "write_packed": "packing",
     "make_sft_file": "sft_file",
+    "frozen_for_lora": "lora",
 }
 
 
@@ -67,4 +68,5 @@ __all__ = [
     "is_packed_file",
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",
+    "LoraConfig", "frozen_for_lora",
 ]

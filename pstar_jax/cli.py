@@ -23,7 +23,7 @@ from pstar_jax.config import SECTIONS, ConfigError, format_bytes, parse_device_m
 
 _TITLES = {"model": "model", "train": "training", "optim": "optimizer", "engine": "engine", "data": "data",
            "checkpoint": "checkpoints", "distributed": "data parallelism (ZeRO) and multi-host",
-           "output": "output"}
+           "output": "output", "lora": "LoRA adapters (only they train; the base is frozen)"}
 
 
 class Parser(argparse.ArgumentParser):

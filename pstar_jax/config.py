@@ -148,12 +148,19 @@ class ModelConfig:
     init_from_hf: str | None = option(None, "start from a Hugging Face checkpoint directory (config.json and "
                                       "safetensors; gpt2, llama, qwen2, mistral): the model is built from its "
                                       "config.json, --model is ignored", metavar="DIR", math_changing=True)
+    init_from_lora: str | None = option(None, "continue training a Hugging Face peft LoRA adapter (adapter_config.json "
+                                        "and adapter_model.safetensors) on --init-from-hf's base: its rank, alpha "
+                                        "and targets become the run's LoRA settings", metavar="DIR",
+                                        math_changing=True)
 
     def __post_init__(self) -> None:
         _positive_int(self, *MODEL_SHAPE, allow_none=True, upper=MAX_STEPS)
         if self.init_from_flax and self.init_from_hf:
             raise ConfigError("ModelConfig.init_from_flax and ModelConfig.init_from_hf both give initial weights; "
                               "choose one")
+        if self.init_from_lora and not self.init_from_hf:
+            raise ConfigError("ModelConfig.init_from_lora needs ModelConfig.init_from_hf: the base checkpoint the "
+                              "adapter was trained on")
 
     def overrides(self) -> dict[str, Any]:
         """The preset fields this config replaces (None: keep the preset's)."""
@@ -316,8 +323,12 @@ class CheckpointConfig:
     export_flax: str | None = option(None, "at the end, write the parameters as a plain Flax pytree that "
                                      "models/ loads without pstar_jax", metavar="DIR")
     export_hf: str | None = option(None, "at the end, write a Hugging Face checkpoint (config.json, safetensors "
-                                   "shards of at most 5 GB, tokenizer files of --init-from-hf)", metavar="DIR")
+                                   "shards of at most 5 GB, tokenizer files of --init-from-hf; a LoRA run's "
+                                   "adapters merged into the weights)", metavar="DIR")
     export_dtype: str = option("bf16", "dtype of --export-hf's weights", choices=("bf16", "fp16", "fp32"))
+    export_lora: str | None = option(None, "at the end, write a LoRA run's adapters (and its modules_to_save) as a "
+                                     "Hugging Face peft adapter (adapter_config.json, adapter_model.safetensors, "
+                                     "fp32) for --init-from-hf's base", metavar="DIR")
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or not 0 <= self.every <= MAX_STEPS:
@@ -376,6 +387,11 @@ class OutputConfig:
         _positive_int(self, "profile_steps", upper=MAX_STEPS)
 
 
+# The LoRA section lives with the rest of LoRA; it needs ``option`` and ``ConfigError`` above (the
+# package imports this module first, so this import always finds them defined).
+from pstar_jax.lora import LoraConfig  # noqa: E402
+
+
 @section
 class RunConfig:
     """Everything a training run needs; pstar-train's flags are derived from it."""
@@ -387,6 +403,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         if self.optim.total_steps is None:  # the schedule spans the run unless told otherwise
@@ -402,6 +419,12 @@ class RunConfig:
         if self.checkpoint.resume and self.model.init_from_flax:
             raise ConfigError("ModelConfig.init_from_flax and CheckpointConfig.resume conflict: a resumed run "
                               "continues from its checkpoint; drop one of them")
+        if self.checkpoint.export_lora and not self.lora.enabled and not self.model.init_from_lora:
+            raise ConfigError("CheckpointConfig.export_lora needs a LoRA run: give LoraConfig.rank (or "
+                              "ModelConfig.init_from_lora), or export the whole model with CheckpointConfig.export_hf")
+        if self.lora.enabled and self.model.init_from_flax:
+            raise ConfigError("LoraConfig.rank and ModelConfig.init_from_flax conflict: a LoRA run starts from a "
+                              "base model (ModelConfig.init_from_hf, or the preset's initialisation); drop one")
 
     @property
     def micro_batch_size(self) -> int:
@@ -430,7 +453,7 @@ def from_dict(cls: type, data: dict) -> Any:
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "engine": EngineConfig,
              "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
-             "output": OutputConfig}
+             "output": OutputConfig, "lora": LoraConfig}
 
 
 def math_differences(saved: RunConfig, current: RunConfig) -> list[str]:

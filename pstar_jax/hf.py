@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
@@ -30,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
-from pstar_jax.paths import check_output_dir, os_error_cause
+from pstar_jax.paths import check_output_dir, new_dir, os_error_cause, replace_dir
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
@@ -294,7 +293,7 @@ class _ShardWriter:
         filename = f"shard-{len(self.files)}.safetensors"
         path = os.path.join(self.directory, filename)
         save_file(self._shard, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
-        _sort_metadata(path)
+        sort_metadata(path)
         self.files.append(filename)
         self.weight_map.update((name, filename) for name in self._shard)
         self._shard, self._shard_bytes = {}, 0
@@ -314,7 +313,7 @@ class _ShardWriter:
                 json.dump(index, f, indent=2)
 
 
-def _sort_metadata(path: str) -> None:
+def sort_metadata(path: str) -> None:
     """Rewrite a safetensors header with its metadata keys sorted, in place: safetensors keeps them
     in a Rust HashMap, whose order changes from run to run, so two exports would differ in bytes.
     The same keys and values sorted take the same bytes, so the tensors' data does not move."""
@@ -350,7 +349,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
     staging = None
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = _new_dir(parent, f".{base}.partial-")
+        staging = new_dir(parent, f".{base}.partial-")
         writer = _ShardWriter(staging, max_shard_bytes)
         seen: set[str] = set()
         for name, value in named_tensors:
@@ -383,7 +382,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
                 shutil.copytree(source, os.path.join(staging, name))
             else:
                 shutil.copyfile(source, os.path.join(staging, name))
-        _replace(staging, directory)
+        replace_dir(staging, directory)
     except (OSError, SafetensorError) as err:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
@@ -394,22 +393,3 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return sorted(os.listdir(directory))
-
-
-def _replace(staging: str, directory: str) -> None:
-    """Rename the finished export into place; an earlier export (or empty directory) is moved aside
-    first and removed after, so the target is always absent, the old export or the new one."""
-    old = None
-    if os.path.isdir(directory):
-        old = _new_dir(os.path.dirname(directory), f".{os.path.basename(directory)}.old-")
-        os.rename(directory, os.path.join(old, "export"))
-    os.rename(staging, directory)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _new_dir(parent: str, prefix: str) -> str:
-    """A fresh directory with the umask's permissions (tempfile.mkdtemp's are private)."""
-    path = os.path.join(parent, prefix + secrets.token_hex(4))
-    os.mkdir(path)
-    return path

@@ -75,6 +75,9 @@ def load_model(config: RunConfig) -> StagedModel:
     checkpoint's config is refused)."""
     cfg = config.model
     module = _model_module(config)
+    lora = {}
+    if config.lora.enabled:  # the module's own spec class: pstar_jax never imports a model
+        lora = dict(lora=_module_function(module, "LoraSpec", config)(**config.lora.spec_fields()))
     try:
         if cfg.init_from_hf:
             from pstar_jax.hf import has_weights, header_shapes, read_hf_config
@@ -84,8 +87,8 @@ def load_model(config: RunConfig) -> StagedModel:
             # tensors to check; loading the weights refuses their absence)
             if callable(check) and has_weights(cfg.init_from_hf):
                 check(hf_json, header_shapes(cfg.init_from_hf))
-            return _module_function(module, "build_from_hf", config)(hf_json, **cfg.overrides())
-        return _module_function(module, "build_model", config)(cfg.name, **cfg.overrides())
+            return _module_function(module, "build_from_hf", config)(hf_json, **lora, **cfg.overrides())
+        return _module_function(module, "build_model", config)(cfg.name, **lora, **cfg.overrides())
     except (ValueError, TypeError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise
@@ -144,6 +147,9 @@ class Run:
             from pstar_jax.hf import check_export_target
             check_export_target(cfg.checkpoint.export_hf)
             hf_functions(cfg)
+        if cfg.checkpoint.export_lora:
+            from pstar_jax.peft_io import check_adapter_target
+            check_adapter_target(cfg.checkpoint.export_lora, "CheckpointConfig.export_lora")
 
         from pstar_jax.memory import configure_backend, host_budget_bytes
         configure_backend(cfg.engine.device_memory, host_budget_bytes(cfg.engine.host_memory))
@@ -157,6 +163,13 @@ class Run:
         self.main_process = distributed.is_main_process()
         self.verbose = verbose and self.main_process
 
+        self._adapter: dict[str, np.ndarray] = {}  # --init-from-lora's tensors
+        if cfg.model.init_from_lora:  # the adapter's LoRA settings become the run's
+            from pstar_jax.lora import LoraConfig
+            from pstar_jax.lora_io import adopt_adapter
+            base = model if model is not None else load_model(dataclasses.replace(cfg, lora=LoraConfig()))
+            self.config = cfg = (adopted := adopt_adapter(cfg, base))[0]
+            self._adapter = adopted[1]
         self.model = model if model is not None else load_model(cfg)
         from pstar_jax.data import is_packed, open_training_data
         self.tokens = tokens if tokens is not None else open_training_data(cfg.data.path, self.model.vocab_size)
@@ -177,19 +190,27 @@ class Run:
             init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
         if cfg.model.init_from_hf:  # validated whole here; tensors are read one chunk at a time later
             from pstar_jax.hf import HFCheckpoint
-            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), self.model.param_shapes())
+            from pstar_jax.lora import WithAdapters, base_shapes
+            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), base_shapes(self.model))
             for name, (rows, kept) in init.truncated.items():
                 if self.verbose:
                     print(f"note: {name} has {rows} rows in {cfg.model.init_from_hf}; the first {kept} are used "
                           f"(seq_len {self.model.seq_len})", flush=True)
+            if cfg.lora.enabled:  # the checkpoint holds the base; the adapters start as peft's
+                init = WithAdapters(init, self.model, cfg.train.seed)
+            if self._adapter:  # continuing: the adapter's tensors replace the fresh ones and the base's
+                from pstar_jax.lora_io import Overlay
+                init = Overlay(init, self._adapter)
         if cfg.checkpoint.directory:
             self._ckpt = self._open_checkpoints()
         try:
+            from pstar_jax.lora import frozen_for_lora
+            frozen = frozen_for_lora(self.model, cfg.lora)  # LoRA: all but the adapters and modules_to_save
             from pstar_jax.optim import default_tx
             self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
-                                       make_tx=self._make_tx)
+                                       make_tx=self._make_tx, frozen=frozen)
             position = 0
             self.eval_set: list = []  # the fixed held-out micro-batches, this process's rows
             if self.eval_tokens is not None:
@@ -328,12 +349,20 @@ class Run:
         export_flax(directory, self.engine.params(), dataclasses.asdict(config) if config is not None else {})
 
     def export_hf(self, directory: str, dtype: str | None = None) -> list[str]:
-        """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time, with the
-        tokenizer files of the checkpoint the run started from."""
+        """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time (a LoRA
+        run's adapters merged into their kernels), with the tokenizer files of the checkpoint the
+        run started from."""
         from pstar_jax.hf import export_hf
+        from pstar_jax.lora_io import hf_stream
         tensor_map, config = hf_export_config(self.config, self.model)
-        return export_hf(directory, self.engine.iter_params(), tensor_map, config,
+        return export_hf(directory, hf_stream(self.config, self.engine.iter_params), tensor_map, config,
                          dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf)
+
+    def export_lora(self, directory: str) -> list[str]:
+        """A LoRA run's adapters (and modules_to_save) as a Hugging Face peft adapter."""
+        from pstar_jax.lora_io import export_lora
+        return export_lora(directory, self.config, self.model, self.engine.iter_params,
+                           what="CheckpointConfig.export_lora")
 
     def close(self) -> None:
         """Wait for the last checkpoint save and release the checkpoint directory."""

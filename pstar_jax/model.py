@@ -154,6 +154,10 @@ def _flat(state: nnx.State) -> dict[str, Any]:
             for path, var in nnx.to_flat_state(state)}
 
 
+def _variables(state: nnx.State) -> dict[str, Any]:
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+
+
 def _merge(graph: Any, names: Sequence[str], values: Sequence[Any]) -> nnx.Module:
     return nnx.merge(graph, nnx.from_flat_state(list(zip(map(_path, names), values))))
 
@@ -249,7 +253,12 @@ class NNXStaged:
         shapes.update({f"blocks.{i}.{n}": tuple(block[n].shape) for i in range(n_layer) for n in self._block_names})
         shapes.update({n: tuple(outer_flat[n].shape) for n in (*self._head_names, *outer_flat) if n not in shapes})
         self._shapes = shapes
-        self._index = {n: i for i, n in enumerate(shapes)}
+        # Initialisation keys: base tensors first, LoRA adapters (nnx.LoRAParam) after them, so a
+        # base tensor's key (and value) is the same with or without adapters.
+        adapters = {n for n, v in _variables(outer_state).items() if isinstance(v, nnx.LoRAParam)} | {
+            f"blocks.{i}.{n}" for n, v in _variables(block_state).items() if isinstance(v, nnx.LoRAParam)
+            for i in range(n_layer)}
+        self._index = {n: i for i, n in enumerate(sorted(shapes, key=lambda n: n in adapters))}
 
         def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return block_call(_merge(self._block_graph, self._block_names, params), h_BxLxD, batch)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import shutil
 import tempfile
 
 from pstar_jax.config import ConfigError
@@ -72,3 +73,28 @@ def check_output_file(path: str, what: str) -> None:
     check_output_dir(os.path.dirname(path), what)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ConfigError(f"{what} {path} cannot be written (permission denied); choose another path")
+
+
+def new_dir(parent: str, prefix: str) -> str:
+    """A fresh directory ``parent/prefix<hex>`` with the umask's permissions (tempfile.mkdtemp's are
+    private, which a rename would carry over to an export the user's group then cannot read)."""
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:  # (2**32 names: another writer's, try the next)
+            continue
+
+
+def replace_dir(staging: str, directory: str) -> None:
+    """Rename a finished ``staging`` directory to ``directory``; one already there (an earlier export
+    or an empty directory) is moved aside first and removed after, so the target is always absent,
+    the old one or the new one, never half of each."""
+    old = None
+    if os.path.isdir(directory):
+        old = new_dir(os.path.dirname(directory), f".{os.path.basename(directory)}.old-")
+        os.rename(directory, os.path.join(old, "export"))
+    os.rename(staging, directory)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

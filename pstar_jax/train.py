@@ -63,6 +63,10 @@ def _train(config: RunConfig, start: float) -> int:
             files = r.export_hf(config.checkpoint.export_hf)
             if r.main_process:
                 print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}", flush=True)
+        if config.checkpoint.export_lora:
+            files = r.export_lora(config.checkpoint.export_lora)
+            if r.main_process:
+                print(f"exported the LoRA adapter to {config.checkpoint.export_lora}: {', '.join(files)}", flush=True)
         if r.main_process and record is not None:
             held_out = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
             tokens = (r.engine.step_count - first_step) * config.train.batch_size * r.model.seq_len

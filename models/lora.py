@@ -1,0 +1,127 @@
+"""LoRA adapters on a decoder's projections, with Hugging Face peft's initialisation and scaling.
+
+A targeted projection computes ``base(x) + scale * (dropout(x) @ lora_a) @ lora_b``: the adapter
+is a branch beside the base kernel, not merged into it, so a bf16 base never rounds away small
+adapter updates and the backward never forms the full kernel's gradient. The adapter is
+``flax.nnx.LoRA`` (its matmuls and ``LoRAParam`` variables) under the attribute ``lora`` of an
+``nnx.Linear`` subclass, so the base tensors keep their names and the adapter's are
+``<projection>.lora.lora_a`` [in, rank] and ``<projection>.lora.lora_b`` [rank, out].
+
+peft's conventions: ``scale = alpha / rank`` (``rslora``: ``alpha / sqrt(rank)``); lora_a starts
+as torch's ``kaiming_uniform_(a=sqrt(5))`` on peft's [rank, in] weight, which is U(-1/sqrt(in),
+1/sqrt(in)), and lora_b at zero, so an untrained adapter adds exactly nothing.
+
+Targets are module paths relative to a block ('attn.q', 'mlp.down') or glob patterns over them;
+none means every projection of the family (``PROJECTIONS`` in models/gpt.py, models/llama.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Which projections get an adapter, and its rank, alpha (scale alpha / rank) and dropout."""
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()  # block-relative paths or globs; () every projection
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraSpec.rank must be a whole number of at least 1, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+                math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoraSpec.alpha must be a positive number, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not \
+                0 <= self.dropout < 1:
+            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.targets, tuple) or not all(isinstance(t, str) and t for t in self.targets):
+            raise ValueError(f"LoraSpec.targets must be a tuple of module paths or patterns, got {self.targets!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def targets_path(self, path: str) -> bool:
+        """Whether the projection at block-relative ``path`` gets an adapter."""
+        return not self.targets or any(fnmatch.fnmatchcase(path, t) for t in self.targets)
+
+
+def check_spec(spec: LoraSpec | None, projections: dict[str, tuple[int, int]], family: str) -> None:
+    """ValueError (one line) for a target that matches none of ``projections`` (path -> (in, out))
+    or a rank above a targeted projection's smaller side."""
+    if spec is None:
+        return
+    for target in spec.targets:
+        if not any(fnmatch.fnmatchcase(p, target) for p in projections):
+            raise ValueError(f"LoRA target {target!r} matches no projection of a {family} block; "
+                             f"choose among {', '.join(projections)} (or glob patterns over them)")
+    for path, (d_in, d_out) in projections.items():
+        if spec.targets_path(path) and spec.rank > min(d_in, d_out):
+            raise ValueError(f"LoRA rank {spec.rank} exceeds {path}'s smaller side ({min(d_in, d_out)}: "
+                             f"in {d_in}, out {d_out}); choose a rank of at most {min(d_in, d_out)}")
+
+
+def for_path(spec: LoraSpec | None, path: str) -> LoraSpec | None:
+    """``spec`` if the projection at ``path`` is a target, else None (a plain nnx.Linear)."""
+    return spec if spec is not None and spec.targets_path(path) else None
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a tensor name is an adapter's ('blocks.0.attn.q.lora.lora_a')."""
+    return name.endswith((".lora.lora_a", ".lora.lora_b"))
+
+
+def peft_a_init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    """lora_a [in, rank]: U(-1/sqrt(in), 1/sqrt(in)), torch's kaiming_uniform_(a=sqrt(5)) as peft
+    draws it on its [rank, in] weight (gain sqrt(1/3) times sqrt(3 / fan_in))."""
+    bound = 1.0 / math.sqrt(shape[0])
+    return jax.random.uniform(key, tuple(shape), dtype, -bound, bound)
+
+
+def init_adapter(name: str, shape: Sequence[int], key: jax.Array) -> jax.Array:
+    """An adapter tensor's fp32 initial value: peft's lora_a draw, or zeros for lora_b."""
+    if name.endswith(".lora_b"):
+        return jnp.zeros(tuple(shape), jnp.float32)
+    return peft_a_init(key, shape)
+
+
+def _peek(rngs: nnx.Rngs) -> jax.Array:
+    """A key from the params stream's current state, without drawing from it: the base tensors
+    then get the same values with or without adapters (init does not shift their draws)."""
+    stream = rngs.params
+    return jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), 0x10A)
+
+
+class LoraLinear(nnx.Linear):
+    """``nnx.Linear`` plus ``scale * lora(dropout(x))``, the adapter an ``nnx.LoRA`` at ``self.lora``.
+
+    Dropout (rate ``spec.dropout``) needs a key set by ``set_dropout_key`` before the call; without
+    one (evaluation, decoding) the adapter sees x unchanged."""
+
+    def __init__(self, d_in: int, d_out: int, spec: LoraSpec, *, rngs: nnx.Rngs, **linear: Any):
+        super().__init__(d_in, d_out, rngs=rngs, **linear)
+        self.lora = nnx.LoRA(d_in, spec.rank, d_out, a_initializer=peft_a_init, rngs=nnx.Rngs(_peek(rngs)))
+        self.lora_scale = spec.scale
+        self.lora_dropout = float(spec.dropout)
+
+    def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+        y = super().__call__(x, out_sharding=out_sharding)
+        return y + (self.lora_scale * self.lora(x)).astype(y.dtype)
+
+
+def adapter_names(names: Sequence[str]) -> list[str]:
+    """The adapter tensors among ``names``, in their order."""
+    return [n for n in names if is_adapter(n)]

@@ -1,0 +1,258 @@
+"""LoRA: adapters on the projections (models/lora.py) over a frozen base (pstar_jax/lora.py).
+
+Step 0 equals the base model bit for bit; the adapter's forward is W x + b + scale x A B; the
+chunked engine under eviction equals the plain engine running the same LoRA model; the frozen
+base never changes and exactly the adapters (and modules_to_save) train."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from pstar_models import build_model
+from pstar_models.lora import LoraLinear, LoraSpec
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
+from pstar_jax.executor import ChunkedEngine
+from pstar_jax.freeze import trainable
+from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
+from pstar_jax.machine import H200
+from pstar_jax.memory import Space
+from pstar_jax.optim import default_tx
+from pstar_jax.plain import PlainEngine
+from sft_batches import batches
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
+CHUNK = 8192
+EPS32 = float(np.finfo(np.float32).eps)
+needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
+FAMILIES = ("tiny", "llama-tiny")
+
+
+def lora_model(name="tiny", **spec):
+    return build_model(name, lora=LoraSpec(**{"rank": 4, "alpha": 16.0, **spec}))
+
+
+def mesh(W=1):
+    return Mesh(np.array(jax.devices()[:W]), ("data",))
+
+
+def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4):
+    """budget "tight": room beside the busiest moment's working memory for one chunk more than a
+    stage reads, so chunks move every step (as tests/test_frozen.py)."""
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
+                       micro_batches=micro_batches)
+    engine = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+                           trainable=trainable(frozen))
+    if budget != "tight":
+        return engine
+    shape = engine.plan_for((batch, 64)).shape
+    reads = max(len(cs) for cs in shape.stage_chunks)
+    budget = shape.busiest_non_model_bytes + (2 * reads + 1) * shape.item_bytes
+    return chunked(m, frozen, budget, precision, micro_batches, W, batch)
+
+
+def plain(m, frozen, micro_batches=1, W=1):
+    return PlainEngine(m, "fp32", default_tx(OPTIM), micro_batches, clip_norm=OPTIM.clip_norm, mesh=mesh(W),
+                       frozen=frozen)
+
+
+# -- the model side ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_adapters_are_named_shaped_and_initialised_as_peft(name):
+    m = lora_model(name)
+    shapes = m.param_shapes()
+    base = build_model(name).param_shapes()
+    adapters = adapter_names(m)
+    assert {n for n in shapes if not is_adapter(n)} == set(base)
+    projections = ({"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"} if name == "tiny"
+                   else {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"})
+    n_layer = m.config.n_layer
+    assert set(adapters) == {f"blocks.{i}.{p}.lora.{leaf}" for i in range(n_layer) for p in projections
+                             for leaf in ("lora_a", "lora_b")}
+    for n in adapters:
+        kernel = shapes[n.replace(".lora.lora_a", ".kernel").replace(".lora.lora_b", ".kernel")]
+        value = np.asarray(m.init_tensor(n, 0))
+        if n.endswith("lora_a"):
+            assert shapes[n] == (kernel[0], 4)
+            bound = 1 / math.sqrt(kernel[0])  # torch kaiming_uniform_(a=sqrt(5)) on [rank, in]
+            assert np.abs(value).max() <= bound and np.abs(value).max() > 0.8 * bound
+        else:
+            assert shapes[n] == (4, kernel[1]) and not value.any()
+    a = [np.asarray(m.init_tensor(n, 0)) for n in adapters if n.endswith("lora_a")]
+    assert len({x.tobytes() for x in a}) == len(a), "every adapter draws its own values"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_zero_equals_the_base_model_bit_for_bit(name):
+    """lora_b is zero: the LoRA model's logits (training forward and cached decoding) are the base
+    model's exactly, and the base tensors are drawn the same with or without adapters."""
+    m, b = lora_model(name), build_model(name)
+    pl, pb = m.init_params(0), b.init_params(0)
+    for n in pb:
+        np.testing.assert_array_equal(pl[n], pb[n], err_msg=n)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
+    ml, mb = m.module(pl), b.module(pb)
+    np.testing.assert_array_equal(np.asarray(ml(tokens)), np.asarray(mb(tokens)))
+    cache_l, cache_b = ml.init_cache(2, 16, jnp.float32), mb.init_cache(2, 16, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ml.decode(tokens, cache_l, 0)[0]),
+                                  np.asarray(mb.decode(tokens, cache_b, 0)[0]))
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_adapter_forward_is_w_x_plus_scaled_x_a_b(rslora):
+    """y = x W + b + scale x A B against float64 numpy; scale alpha/rank (rslora: alpha/sqrt(rank))."""
+    spec = LoraSpec(rank=4, alpha=12.0, rslora=rslora)
+    layer = LoraLinear(16, 24, spec, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    W, bias = rng.normal(size=(16, 24)), rng.normal(size=24)
+    A, B = rng.normal(size=(16, 4)), rng.normal(size=(4, 24))
+    layer.kernel[...], layer.bias[...] = jnp.asarray(W, jnp.float32), jnp.asarray(bias, jnp.float32)
+    layer.lora.lora_a[...], layer.lora.lora_b[...] = jnp.asarray(A, jnp.float32), jnp.asarray(B, jnp.float32)
+    x = rng.normal(size=(3, 5, 16))
+    scale = 12.0 / (2.0 if rslora else 4.0)
+    assert layer.lora_scale == spec.scale == scale
+    want = x @ W + bias + scale * (x @ A @ B)
+    got = np.asarray(layer(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=64 * EPS32 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_decoding_applies_the_adapter(name):
+    """With trained (nonzero) adapters the cached decode gives the training forward's logits, and
+    they differ from the base model's."""
+    m = lora_model(name)
+    params = m.init_params(0)
+    rng = np.random.default_rng(2)
+    for n in adapter_names(m):
+        if n.endswith("lora_b"):
+            params[n] = jnp.asarray(0.05 * rng.normal(size=params[n].shape), jnp.float32)
+    module = m.module(params)
+    tokens = rng.integers(0, 256, (2, 12))
+    full = np.asarray(module(tokens))
+    cache = module.init_cache(2, 12, jnp.float32)
+    first, cache = module.decode(tokens[:, :8], cache, 0)
+    rest, _ = module.decode(tokens[:, 8:], cache, 8)
+    decoded = np.concatenate([np.asarray(first), np.asarray(rest)], axis=1)
+    np.testing.assert_allclose(decoded, full, rtol=0, atol=256 * EPS32 * np.abs(full).max())
+    base = build_model(name).module({n: v for n, v in params.items() if not is_adapter(n)})
+    assert np.abs(np.asarray(base(tokens)) - full).max() > 1e-3
+
+
+def test_spec_and_model_validation():
+    with pytest.raises(ValueError, match="matches no projection"):
+        lora_model("tiny", targets=("attn.q",))
+    with pytest.raises(ValueError, match="rank 33 exceeds"):
+        lora_model("tiny", rank=33)
+    with pytest.raises(ValueError, match="dropout"):
+        LoraSpec(4, 8.0, dropout=1.0)
+    m = lora_model("llama-tiny", targets=("attn.*",))
+    assert {n.split(".")[2] + "." + n.split(".")[3] for n in adapter_names(m)} == {"attn.q", "attn.k", "attn.v",
+                                                                                    "attn.o"}
+
+
+# -- the engines -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_chunked_under_eviction_equals_plain_and_trains_exactly_the_adapters(micro_batches):
+    """fp32, 10 steps, chunks moving every step: losses and tensors equal the plain engine's with
+    the same LoRA model, init and batches; frozen tensors bit-identical; only adapters change."""
+    m = lora_model("tiny")
+    frozen = frozen_for_lora(m, LoraConfig(rank=4))
+    assert frozen == {n for n in m.param_shapes() if not is_adapter(n)}
+    engine, reference = chunked(m, frozen, micro_batches=micro_batches), plain(m, frozen, micro_batches)
+    trained = {s.name for s in engine.layout.slots if not engine.layout.is_frozen(s.chunk)}
+    assert trained == set(adapter_names(m))
+    before = engine.params()
+    la, lb = [], []
+    for step in batches(10, micro_batches):
+        r = engine.step(step)
+        la.append(r.loss)
+        lb.append(reference.step(step).loss)
+        assert r.h2d_bytes == r.predicted_h2d_bytes and r.d2h_bytes == r.predicted_d2h_bytes
+        assert r.h2d_bytes > 0, "the budget must make chunks move every step"
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    pa, pb = engine.params(), reference.params()
+    changed = set()
+    for name in pa:
+        if name in frozen:
+            np.testing.assert_array_equal(pa[name], before[name], err_msg=name)
+            np.testing.assert_array_equal(pb[name], before[name], err_msg=name)
+        else:
+            atol = 64 * EPS32 * max(1.0, float(np.abs(pb[name]).max()))
+            np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
+        if not np.array_equal(pa[name], before[name]):
+            changed.add(name)
+    assert changed == set(adapter_names(m))
+
+
+@needs_8
+def test_zero_over_8_devices_equals_plain():
+    m = lora_model("tiny")
+    frozen = frozen_for_lora(m, LoraConfig(rank=4))
+    engine, reference = chunked(m, frozen, W=8, batch=8), plain(m, frozen, W=8)
+    for step in batches(10, batch=8):
+        r = engine.step(step)
+        np.testing.assert_allclose(r.loss, reference.step(step).loss, rtol=1e-5)
+        assert r.h2d_bytes == r.predicted_h2d_bytes and r.h2d_bytes > 0
+    pa, pb = engine.params(), reference.params()
+    for name in pa:
+        atol = 64 * EPS32 * max(1.0, float(np.abs(pb[name]).max()))
+        np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
+
+
+def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_param():
+    m = lora_model("tiny")
+    frozen = frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="wte,blocks.*.ln1"))
+    assert "wte.embedding" not in frozen and "blocks.1.ln1.bias" not in frozen and "wpe" in frozen
+    assert "blocks.0.attn.qkv.kernel" in frozen and not any(is_adapter(n) for n in frozen)
+    engine = chunked(m, frozen, budget=None, precision="bf16")
+    engine.step(batches(1)[0])
+    layout, store = engine.layout, engine.store
+    for c in range(layout.n_chunks):
+        if layout.is_frozen(c):
+            assert [k for k in (("slot", c), ("master", c), ("opt", c)) if k in store] == []
+            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.chunk_numel
+            assert Space.HOST in store.spaces(("param", c))
+    trained = len(layout.trainable_chunks)
+    assert engine.model_data_bytes == layout.n_chunks * engine.item_bytes + trained * engine.plan.opt_state_bytes
+    with pytest.raises(ConfigError, match="'nope' matches no base tensor"):
+        frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="nope"))
+    with pytest.raises(ConfigError, match="no LoRA adapters"):
+        frozen_for_lora(build_model("tiny"), LoraConfig(rank=4))
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "1e-2", "--chunk-size", "8192",
+         "--model", "tiny", "--lora-rank", "4"]
+
+
+def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
+    import json
+
+    from pstar_jax.train import main
+    metrics = tmp_path / "m.jsonl"
+    assert main([*TRAIN, "--steps", "12", "--metrics-out", str(metrics)]) == 0
+    losses = [json.loads(line)["loss"] for line in open(metrics)]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05, losses
+    assert "frozen" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--lora-targets", "attn.nope"], "matches no projection"),
+    (["--lora-rank", "40"], "exceeds"),
+    (["--lora-modules-to-save", "nope"], "matches no base tensor"),
+    (["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-rank", "0", "--lora-rslora"], "--lora-rslora is set but --lora-rank is 0"),
+])
+def test_bad_lora_flags_are_one_line(capsys, flags, words):
+    from pstar_jax.train import main
+    assert main([*TRAIN, "--steps", "1", *flags]) == 2  # (a repeated flag's last value wins)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
