@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from pstar_jax import cli
 from pstar_jax.config import ConfigError, EngineConfig, ModelConfig, RunConfig, TrainConfig
+from pstar_jax.lora import LoraConfig
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 GiB = 2**30
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_section(p, "engine", skip=("kind", "remat"),
                     defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"},
                     helps=PLAN_HELPS)
+    cli.add_section(p, "lora")
     g = p.add_argument_group("pstar-plan")
     g.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO) (default: 1)")
     g.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's --host-memory "
@@ -72,13 +74,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def model_label(config: ModelConfig, model) -> str:
-    """The model by its actual shape: the preset (or HF directory), what the flags changed, the dimensions."""
+def model_label(config: ModelConfig, model, lora: LoraConfig | None = None) -> str:
+    """The model by its actual shape: the preset (or HF directory), what the flags changed, the
+    dimensions, and a LoRA run's adapters."""
     changed = [f"{k} {v}" for k, v in config.overrides().items() if k != "tie_embeddings"]
     dims = [f"{name} {getattr(model.config, name)}" for name in ("d_model", "n_layer", "n_head", "vocab_size",
                                                                   "seq_len") if hasattr(getattr(model, "config", None), name)]
     name = config.init_from_hf or config.name
-    return name + (f" with {', '.join(changed)}" if changed else "") + (f" ({', '.join(dims)})" if dims else "")
+    adapters = ""
+    if lora is not None and lora.enabled:
+        from pstar_jax.lora import adapter_names
+        n = len(adapter_names(model))
+        adapters = f" + LoRA rank {lora.rank} ({n} adapter tensors" + (
+            f", {lora.modules_to_save} trained in full)" if lora.modules_to_save else ", the base frozen)")
+    return (name + (f" with {', '.join(changed)}" if changed else "") + (f" ({', '.join(dims)})" if dims else "")
+            + adapters)
 
 
 def depth_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
@@ -162,7 +172,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("EngineConfig.device_memory must be a size in bytes here (e.g. 80GiB): pstar-plan plans "
                           "for a device it does not see")
     config = RunConfig(model=cli.build(ModelConfig, args, "model"), engine=engine,
-                       train=cli.build(TrainConfig, args, "train"))
+                       train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"))
     _check(args, config)
     W = args.data_parallel
     host_bytes = engine.host_memory // (args.devices_per_host or min(W, 8))  # the plan is per device
@@ -184,9 +194,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                           "Hugging Face config.json); this model's class cannot be rebuilt from its config")
     mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
     report = plan_report(model, engine, config.train.batch_size, mesh, machine, host_bytes,
-                         label=model_label(config.model, model), model_at=depth_builder(config, model),
+                         label=model_label(config.model, model, config.lora), model_at=depth_builder(config, model),
                          search=not args.no_search and not args.json,
-                         seq_len_at=seq_len_at)
+                         seq_len_at=seq_len_at, lora=config.lora)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model.config) if hasattr(model, "config") else {},
                           **report.to_json()}))

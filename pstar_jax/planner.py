@@ -18,10 +18,12 @@ import functools
 import math
 from typing import Callable
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
 from pstar_jax.freeze import frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.lora import LoraConfig, frozen_for_lora
 from pstar_jax.machine import Machine, describe
 from pstar_jax.model import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planning import Planned, plan_model, resolve_engine_config
@@ -65,6 +67,13 @@ class PlanReport:
     width: str = "this width"
     seq_len_search: Largest | None = None  # tokens per sequence at one sequence per device
     longest: "PlanReport | None" = None  # the plan at that length
+    n_trainable: int | None = None  # trained params (None: all of them)
+
+    @property
+    def model_data_bytes(self) -> int:
+        """14 B per trained param (bf16 param/grad, fp32 master, m, v), 2 B per frozen one."""
+        trained = self.n_params if self.n_trainable is None else self.n_trainable
+        return 14 * trained + 2 * (self.n_params - trained)
 
     @property
     def plan(self):
@@ -84,7 +93,9 @@ class PlanReport:
 
     def to_json(self) -> dict:
         layout = self.planned.layout
-        out = {"label": self.label, "n_params": self.n_params, "chunk_numel": layout.chunk_numel,
+        out = {"label": self.label, "n_params": self.n_params,
+               "n_trainable": self.n_params if self.n_trainable is None else self.n_trainable,
+               "model_data_bytes": self.model_data_bytes, "chunk_numel": layout.chunk_numel,
                "n_chunks": layout.n_chunks, "plan": self.plan.to_json()}
         for name in ("depth", "batch"):
             if getattr(self, name) is not None:
@@ -107,19 +118,20 @@ class PlanReport:
         plan, layout, W = self.plan, self.planned.layout, self.data_parallel
         out = [f"planned for {describe(self.machine)}: device {format_bytes(self.planned.device_budget_bytes)} and "
                f"host {format_bytes(self.host_bytes)} per device, {W} data-parallel device(s)",
-               f"model {self.label}: {self.n_params:,} params ({format_bytes(14 * self.n_params)} of model data at "
-               f"14 B/param), batch {self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), "
-               f"{self.precision}",
+               f"model {self.label}: {self.n_params:,} params ({self._data_words()}), batch "
+               f"{self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), {self.precision}",
                f"chunks: {layout.n_chunks} chunks of {layout.chunk_numel:,} elements "
                f"({100 * layout.numel / layout.padded_numel:.1f}% used)"]
         if plan.fits:
-            n, on_device, streamed = layout.n_chunks, sum(plan.opt_on_device), sum(plan.opt_streamed)
+            n, on_device, streamed = self.planned.shape.n_trainable, sum(plan.opt_on_device), sum(plan.opt_streamed)
+            frozen = layout.n_chunks - n
             step_s, tflops = plan.predicted_step_s, self.model_tflops
             out += [f"fits: peak device {format_bytes(plan.peak_device_bytes)}, peak host "
                     f"{format_bytes(plan.peak_host_bytes)}",
                     f"resident: {100 * plan.resident_fraction:.0f}% of param chunks never leave the device",
                     f"adam: on the device for {on_device} chunks, on the host for {n - on_device - streamed}, "
-                    f"state streamed through the device for {streamed}",
+                    f"state streamed through the device for {streamed}"
+                    + (f" ({frozen} frozen chunks have none)" if frozen else ""),
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host",
                     f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
@@ -145,6 +157,12 @@ class PlanReport:
         if self.seq_len_search is not None:
             out.append(self._longest_line())
         return out
+
+    def _data_words(self) -> str:
+        data = format_bytes(self.model_data_bytes)
+        if self.n_trainable is None or self.n_trainable == self.n_params:
+            return f"{data} of model data at 14 B/param"
+        return (f"{self.n_trainable:,} trained at 14 B/param, the rest frozen at 2 B/param: {data} of model data")
 
     def _longest_line(self) -> str:
         s, longest, W = self.seq_len_search, self.longest, self.data_parallel
@@ -190,13 +208,14 @@ def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> 
 def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
                 search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
-                cache: dict | None = None) -> PlanReport:
+                cache: dict | None = None, lora: LoraConfig | None = None) -> PlanReport:
     """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
     ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
     depth search (no depth search without it). ``seq_len_at(seq_len)`` rebuilds it for another
     sequence length: given, the report also answers the longest sequence that trains at one
-    sequence per device (``longest_seq_len``), whatever ``search`` says. No model data is
-    allocated."""
+    sequence per device (``longest_seq_len``), whatever ``search`` says. ``lora``: a LoRA run
+    (``model`` built with its adapters) trains only them and ``modules_to_save``; the rest is
+    frozen, as ``EngineConfig.freeze`` freezes. No model data is allocated."""
     if batch_size < 1 or batch_size % config.micro_batches:
         raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
                           f"EngineConfig.micro_batches {config.micro_batches}")
@@ -205,7 +224,7 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     if micro % W:
         raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree {W} "
                           "(DistributedConfig.data_parallel)")
-    trainable = trainable_for(model, config)
+    trainable = trainable_for(model, config, lora)
     resolved = resolve_engine_config(config, model, mesh, trainable)
     layout = check_plan_size(model, resolved, mesh, trainable)
     make_tx = default_tx_for_shapes()
@@ -213,23 +232,27 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
                          layout=layout, trace_cache=cache)
     cfg = getattr(model, "config", None)
+    trained = None if trainable is None else sum(math.prod(v) for n, v in model.param_shapes().items()
+                                                 if trainable(n))
     report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
-                        config.micro_batches, model.seq_len, config.precision, flops_per_token(model),
-                        width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width")
+                        config.micro_batches, model.seq_len, config.precision, model_flops_per_token(model, trainable),
+                        width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width",
+                        n_trainable=trained)
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
             report.depth = _largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
-                                          cache, cfg.n_layer)
+                                          cache, cfg.n_layer, lora)
         report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
     if seq_len_at is not None:
         report.seq_len_search, report.longest = longest_seq_len(seq_len_at, resolved, mesh, machine, host_bytes,
-                                                                start=model.seq_len, cache=cache)
+                                                                start=model.seq_len, cache=cache, lora=lora)
     return report
 
 
 def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConfig, mesh: Mesh, machine: Machine,
                     host_bytes: int, *, start: int, cache: dict | None = None,
-                    tolerance: float = SEQ_LEN_TOLERANCE) -> tuple[Largest, PlanReport | None]:
+                    tolerance: float = SEQ_LEN_TOLERANCE, lora: LoraConfig | None = None
+                    ) -> tuple[Largest, PlanReport | None]:
     """The longest sequence (a multiple of SEQ_LEN_GRANULE tokens) that trains at one sequence per
     device, one micro-batch, and the report at that length (None when none fits).
 
@@ -244,7 +267,7 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     W = mesh.devices.size
     make_tx = default_tx_for_shapes()
     first = seq_len_at(start)
-    chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg)).chunk_numel
+    chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg, lora)).chunk_numel
     fitted: dict[int, bool] = {}
 
     def resolved_at(model: StagedModel) -> EngineConfig:
@@ -252,13 +275,13 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
         largest_numel = max(math.prod(v) for v in model.param_shapes().values())
         numel = chunk_numel if largest_numel <= chunk_numel else None
         return resolve_engine_config(dataclasses.replace(cfg, chunk_numel=numel), model, mesh,
-                                     trainable_for(model, cfg))
+                                     trainable_for(model, cfg, lora))
 
     def fits(seq_len: int) -> bool:
         if seq_len not in fitted:
             model = seq_len_at(seq_len)
             resolved = resolved_at(model)
-            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg))
+            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora))
             shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
             fitted[seq_len] = any(make_plan(shape, resolved.device_budget_bytes, host_bytes, machine,
                                             cfg.adam_placement, first_fit=True, mixes=mixes).fits
@@ -268,7 +291,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     def report_at(seq_len: int) -> PlanReport:
         # The full plan (placement search, predicted step) at the answer: its traces are cached.
         model = seq_len_at(seq_len)
-        return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache)
+        return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache,
+                           lora=lora)
 
     length, capped = longest_within(fits, start, SEQ_LEN_GRANULE, tolerance, MAX_SEARCH_SEQ_LEN)
     return Largest(length, capped=capped), report_at(length) if length else None
@@ -314,17 +338,33 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
                       cfg.micro_batches, cache=cache)
 
 
-def trainable_for(model: StagedModel, config: EngineConfig, strict: bool = True) -> Callable[[str], bool] | None:
-    """The run's trainable predicate for ``model`` (None: everything trains): ``config.freeze``'s
-    patterns, as the engine applies them. ``strict`` False lets a pattern match nothing (the depth
-    search's shallower models may lack a layer the pattern names)."""
+def model_flops_per_token(model: StagedModel, trainable: Callable[[str], bool] | None) -> float:
+    """The model's FLOPs per trained token (model.flops_per_token: 6 per matmul parameter, plus
+    attention), less the weight gradient a frozen matmul parameter does not need: 4 FLOPs for it
+    (forward and activation gradient). Lookups (tensors only the first stage reads) count none."""
+    full = flops_per_token(model)
+    if trainable is None:
+        return full
+    stages = list(model.stages(jnp.float32))
+    later = {n for s in stages[1:] for n in s.param_names}
+    shapes = model.param_shapes()
+    return full - 2.0 * sum(math.prod(shapes[n]) for n in later if not trainable(n))
+
+
+def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | None = None,
+                  strict: bool = True) -> Callable[[str], bool] | None:
+    """The run's trainable predicate for ``model`` (None: everything trains), as the engine gets it:
+    ``config.freeze``'s patterns and, for a LoRA run, everything but the adapters and
+    ``modules_to_save``. ``strict`` False lets a pattern match nothing (the depth search's
+    shallower models may lack a layer the pattern names)."""
     patterns = parse_patterns(config.freeze)
-    if not patterns:
+    lora_frozen = frozen_for_lora(model, lora) if lora is not None else frozenset()
+    if not patterns and not lora_frozen:
         return None
     names = list(model.param_shapes())
     if strict:
-        return make_trainable(frozen_names(names, patterns))
-    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)})
+        return make_trainable(frozen_names(names, patterns, lora_frozen))
+    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
@@ -388,7 +428,7 @@ def default_tx_for_shapes():
 
 
 def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
-                   cache: dict, depth0: int) -> Largest:
+                   cache: dict, depth0: int, lora: LoraConfig | None = None) -> Largest:
     from pstar_jax.chunks import build_layout
     from pstar_jax.memory import Placement
     from pstar_jax.optim import ChunkOptimizer
@@ -403,7 +443,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         deeper = model_at(n_layer)
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
-                              trainable=trainable_for(deeper, cfg, strict=False))
+                              trainable=trainable_for(deeper, cfg, lora, strict=False))
         bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
@@ -419,7 +459,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
     item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
 
     def data_bytes(m) -> float:
-        trainable = trainable_for(m, cfg, strict=False)
+        trainable = trainable_for(m, cfg, lora, strict=False)
         trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
         return n_params(m) * item + trained * state
     layer_bytes = data_bytes(one_more) - data_bytes(model)
