@@ -180,14 +180,15 @@ def test_every_documented_pstar_plan_command_parses():
 
 @pytest.mark.slow  # plans each documented model (up to 175B) from shapes: minutes on 2 cores
 def test_every_documented_pstar_plan_command_answers():
-    """As written (searches skipped), each in its own process: --data-parallel 32 needs 32 fake devices."""
+    """As written (searches skipped, --largest-seq-len too), each in its own process: --data-parallel 32
+    needs 32 fake devices."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for doc, argv in _documented_commands():
-        argv = [a for a in argv if a != "--no-search"] + ["--no-search"]
+        argv = [a for a in argv if a not in ("--no-search", "--largest-seq-len")] + ["--no-search"]
         proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=root, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, \
