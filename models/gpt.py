@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path
+from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path, position_seeds, project
 from pstar_jax.attention import causal_attention
 from pstar_jax.loss import linear_cross_entropy_sum
 from pstar_jax.model import NNXStaged, cross_entropy
@@ -111,12 +111,17 @@ def attention_segments(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
     return jnp.where(segment_ids_BxL == 0, own_1xL, segment_ids_BxL)
 
 
-def tiled_mlp(mlp: nnx.Module, x_BxLxD: jax.Array, d_hidden: int, tile_bytes: int) -> jax.Array:
+def tiled_mlp(mlp: nnx.Module, x_BxLxD: jax.Array, d_hidden: int, tile_bytes: int,
+              dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
     """``mlp.plain(x)`` over tiles of positions, so its B x L x d_hidden activations exist one
-    tile at a time (one tile: the plain call); the weights' gradients add up in float32."""
+    tile at a time (one tile: the plain call); the weights' gradients add up in float32. LoRA
+    dropout's per-position seeds are tiled beside x."""
     graph, state = nnx.split(mlp)
     tile = mlp_tile(x_BxLxD.shape[0], x_BxLxD.shape[1], d_hidden, tile_bytes)
-    return tiled_over_sequence(lambda s, x: nnx.merge(graph, s).plain(x), x_BxLxD, tile=tile, params=state)
+    if dropout_seeds_BxL is None:
+        return tiled_over_sequence(lambda s, x: nnx.merge(graph, s).plain(x), x_BxLxD, tile=tile, params=state)
+    return tiled_over_sequence(lambda s, xs: nnx.merge(graph, s).plain(*xs), (x_BxLxD, dropout_seeds_BxL),
+                               tile=tile, params=state)
 
 
 def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
@@ -171,12 +176,13 @@ class LayerNorm(nnx.Module):
 
 
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02, bias: bool = True,
-            lora: LoraSpec | None = None) -> nnx.Linear:
-    """A projection; with ``lora`` (this projection is a target) a LoraLinear, whose base tensors
-    are named and drawn as the plain Linear's."""
+            lora: LoraSpec | None = None, path: str = "") -> nnx.Linear:
+    """A projection; a LoraLinear where ``lora`` targets its block-relative ``path``, whose base
+    tensors are named and drawn as the plain Linear's."""
     kwargs = dict(use_bias=bias, kernel_init=nnx.initializers.normal(std), bias_init=nnx.initializers.zeros_init(),
                   rngs=rngs)
-    return nnx.Linear(d_in, d_out, **kwargs) if lora is None else LoraLinear(d_in, d_out, lora, **kwargs)
+    spec = for_path(lora, path)
+    return nnx.Linear(d_in, d_out, **kwargs) if spec is None else LoraLinear(d_in, d_out, spec, path=path, **kwargs)
 
 
 class Attention(nnx.Module):
@@ -185,15 +191,16 @@ class Attention(nnx.Module):
 
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         d, self.n_head, self.tiling = config.d_model, config.n_head, tiling
-        self.qkv = _linear(d, 3 * d, rngs, lora=for_path(config.lora, "attn.qkv"))
-        self.proj = _linear(d, d, rngs, proj_std, lora=for_path(config.lora, "attn.proj"))
+        self.qkv = _linear(d, 3 * d, rngs, lora=config.lora, path="attn.qkv")
+        self.proj = _linear(d, d, rngs, proj_std, lora=config.lora, path="attn.proj")
 
-    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
-        qkv = self.qkv(x_BxLxD).reshape(B, L, 3, self.n_head, D // self.n_head)
+        qkv = project(self.qkv, x_BxLxD, dropout_seeds_BxL).reshape(B, L, 3, self.n_head, D // self.n_head)
         out_BxLxHxK = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], attention_segments(segment_ids_BxL),
                                        tile_bytes=self.tiling.scores_bytes, float32_scores=True)
-        return self.proj(out_BxLxHxK.reshape(B, L, D))
+        return project(self.proj, out_BxLxHxK.reshape(B, L, D), dropout_seeds_BxL)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         """T new tokens at positions pos..: their keys and values join the cache, their queries
@@ -210,14 +217,15 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.d_hidden, self.tiling = config.mlp_ratio * config.d_model, tiling
-        self.fc = _linear(config.d_model, self.d_hidden, rngs, lora=for_path(config.lora, "mlp.fc"))
-        self.proj = _linear(self.d_hidden, config.d_model, rngs, proj_std, lora=for_path(config.lora, "mlp.proj"))
+        self.fc = _linear(config.d_model, self.d_hidden, rngs, lora=config.lora, path="mlp.fc")
+        self.proj = _linear(self.d_hidden, config.d_model, rngs, proj_std, lora=config.lora, path="mlp.proj")
 
-    def plain(self, x_BxLxD: jax.Array) -> jax.Array:
-        return self.proj(jax.nn.gelu(self.fc(x_BxLxD), approximate=True))
+    def plain(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        h = jax.nn.gelu(project(self.fc, x_BxLxD, dropout_seeds_BxL), approximate=True)
+        return project(self.proj, h, dropout_seeds_BxL)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return tiled_mlp(self, x_BxLxD, self.d_hidden, self.tiling.mlp_bytes)
+    def __call__(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        return tiled_mlp(self, x_BxLxD, self.d_hidden, self.tiling.mlp_bytes, dropout_seeds_BxL)
 
 
 class Block(nnx.Module):
@@ -232,11 +240,13 @@ class Block(nnx.Module):
         self.mlp = MLP(config, proj_std, rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
         """``segment_ids`` [B, L] keep attention within each packed example (None: one per row);
-        ``positions`` are read by the embedding, not here."""
-        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD), segment_ids)
-        return x_BxLxD + self.mlp(self.ln2(x_BxLxD))
+        ``positions`` are read by the embedding, not here; ``dropout_seed`` [B] (this stage's,
+        pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
+        seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
+        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD), segment_ids, seeds)
+        return x_BxLxD + self.mlp(self.ln2(x_BxLxD), seeds)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.ln1(x_BxTxD), cache, pos)
@@ -255,6 +265,7 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget()):
         self.config, self.tiling = config, tiling
+        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.batch
         d, normal = config.d_model, nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(config.vocab_size, d, embedding_init=normal, rngs=rngs)
         self.wpe = nnx.Param(normal(rngs.params(), (config.seq_len, d), jnp.float32))

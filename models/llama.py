@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_models.lora import LoraSpec, check_spec, for_path, init_adapter, is_adapter
+from pstar_models.lora import LoraSpec, check_spec, init_adapter, is_adapter, position_seeds, project
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                visible_TxS, write_cache)
 from pstar_jax.attention import causal_attention
@@ -262,21 +262,21 @@ class Attention(nnx.Module):
         self.config, self.tiling = config, tiling
         D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.d_head
         lora = config.lora
-        self.q = _linear(D, H * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.q"))
-        self.k = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.k"))
-        self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=for_path(lora, "attn.v"))
-        self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=for_path(lora, "attn.o"))
+        self.q = _linear(D, H * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.q")
+        self.k = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.k")
+        self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.v")
+        self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=lora, path="attn.o")
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
-                 positions_BxL: jax.Array | None = None) -> jax.Array:
-        c = self.config
+                 positions_BxL: jax.Array | None = None, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        c, seeds = self.config, dropout_seeds_BxL
         B, L, _ = x_BxLxD.shape
         cos, sin = rope_tables(c, L) if positions_BxL is None else rope_tables_of(c, positions_BxL)
-        q = apply_rope(self.q(x_BxLxD).reshape(B, L, c.n_head, c.d_head), cos, sin)
-        k = apply_rope(self.k(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
-        v = self.v(x_BxLxD).reshape(B, L, c.n_kv_head, c.d_head)
+        q = apply_rope(project(self.q, x_BxLxD, seeds).reshape(B, L, c.n_head, c.d_head), cos, sin)
+        k = apply_rope(project(self.k, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
+        v = project(self.v, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head)
         out = causal_attention(q, k, v, attention_segments(segment_ids_BxL), tile_bytes=self.tiling.scores_bytes)
-        return self.o(out.reshape(B, L, c.n_head * c.d_head))
+        return project(self.o, out.reshape(B, L, c.n_head * c.d_head), seeds)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
@@ -295,15 +295,17 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.d_ff, self.tiling = config.d_ff, tiling
         lora = config.lora
-        self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=for_path(lora, "mlp.gate"))
-        self.up = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=for_path(lora, "mlp.up"))
-        self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False, lora=for_path(lora, "mlp.down"))
+        self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=lora, path="mlp.gate")
+        self.up = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=lora, path="mlp.up")
+        self.down = _linear(config.d_ff, config.d_model, rngs, down_std, bias=False, lora=lora, path="mlp.down")
 
-    def plain(self, x_BxLxD: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))
+    def plain(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        seeds = dropout_seeds_BxL
+        h = jax.nn.silu(project(self.gate, x_BxLxD, seeds)) * project(self.up, x_BxLxD, seeds)
+        return project(self.down, h, seeds)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return tiled_mlp(self, x_BxLxD, self.d_ff, self.tiling.mlp_bytes)
+    def __call__(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        return tiled_mlp(self, x_BxLxD, self.d_ff, self.tiling.mlp_bytes, dropout_seeds_BxL)
 
 
 def _residual_std(config: LlamaConfig) -> float:
@@ -321,10 +323,12 @@ class Block(nnx.Module):
         self.mlp = MLP(config, _residual_std(config), rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1)."""
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids, positions)
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1);
+        ``dropout_seed`` [B] (this stage's, pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
+        seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids, positions, seeds)
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), seeds)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
@@ -345,6 +349,7 @@ class Llama(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget()):
         self.config, self.tiling = config, tiling
+        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.batch
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling)

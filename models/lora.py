@@ -12,7 +12,12 @@ as torch's ``kaiming_uniform_(a=sqrt(5))`` on peft's [rank, in] weight, which is
 1/sqrt(in)), and lora_b at zero, so an untrained adapter adds exactly nothing.
 
 Targets are module paths relative to a block ('attn.q', 'mlp.down') or glob patterns over them;
-none means every projection of the family (``PROJECTIONS`` in models/gpt.py, models/llama.py).
+none means every projection of the family (``projections(config)`` in models/gpt.py and
+models/llama.py).
+
+Dropout: a block called with ``dropout_seed`` [B] (its stage's, see pstar_jax.batch) derives a
+seed per position (``position_seeds``), and each targeted projection salts it with its path, so
+masks differ per layer, projection, row and position and do not depend on tiling or devices.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import zlib
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from pstar_jax.batch import mix_seeds
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -105,21 +114,48 @@ def _peek(rngs: nnx.Rngs) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), 0x10A)
 
 
+def position_seeds(dropout_seed_B: jax.Array, length: int) -> jax.Array:
+    """[B, L] uint32: each row's (stage-mixed) dropout seed mixed with each position's index, so
+    a position's masks do not depend on how the sequence is tiled."""
+    seed_BxL = jnp.broadcast_to(jnp.asarray(dropout_seed_B, jnp.uint32)[:, None], (dropout_seed_B.shape[0], length))
+    return mix_seeds(seed_BxL, jnp.broadcast_to(jnp.arange(length, dtype=jnp.uint32)[None], seed_BxL.shape))
+
+
+def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int, rate: float) -> jax.Array:
+    """Inverted dropout of x (kept values scaled by 1 / (1 - rate), as torch's), each position's
+    mask drawn by jax.random from its seed mixed with ``salt`` (the projection's)."""
+    B, T, D = x_BxTxD.shape
+    seeds = mix_seeds(seeds_BxT, jnp.full(seeds_BxT.shape, salt, jnp.uint32)).reshape(-1)
+    keep = jax.vmap(lambda s: jax.random.bernoulli(jax.random.key(s), 1.0 - rate, (D,)))(seeds).reshape(B, T, D)
+    return jnp.where(keep, x_BxTxD / (1.0 - rate), jnp.zeros((), x_BxTxD.dtype)).astype(x_BxTxD.dtype)
+
+
 class LoraLinear(nnx.Linear):
     """``nnx.Linear`` plus ``scale * lora(dropout(x))``, the adapter an ``nnx.LoRA`` at ``self.lora``.
 
-    Dropout (rate ``spec.dropout``) needs a key set by ``set_dropout_key`` before the call; without
-    one (evaluation, decoding) the adapter sees x unchanged."""
+    Dropout (rate ``spec.dropout``) needs ``dropout_seeds`` [B, T] (``position_seeds``); without
+    them (evaluation, decoding) the adapter sees x unchanged. ``path`` (block-relative) salts
+    the masks, so each projection draws its own."""
 
-    def __init__(self, d_in: int, d_out: int, spec: LoraSpec, *, rngs: nnx.Rngs, **linear: Any):
+    def __init__(self, d_in: int, d_out: int, spec: LoraSpec, *, rngs: nnx.Rngs, path: str = "", **linear: Any):
         super().__init__(d_in, d_out, rngs=rngs, **linear)
         self.lora = nnx.LoRA(d_in, spec.rank, d_out, a_initializer=peft_a_init, rngs=nnx.Rngs(_peek(rngs)))
         self.lora_scale = spec.scale
         self.lora_dropout = float(spec.dropout)
+        self.lora_salt = int(np.uint32(zlib.crc32(path.encode())))
 
-    def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, out_sharding: Any = None, dropout_seeds: jax.Array | None = None) -> jax.Array:
         y = super().__call__(x, out_sharding=out_sharding)
+        if dropout_seeds is not None and self.lora_dropout > 0:
+            x = dropout(x, dropout_seeds, self.lora_salt, self.lora_dropout)
         return y + (self.lora_scale * self.lora(x)).astype(y.dtype)
+
+
+def project(layer: nnx.Module, x: jax.Array, dropout_seeds: jax.Array | None = None) -> jax.Array:
+    """A projection's output: a LoraLinear gets the dropout seeds, a plain Linear only x."""
+    if isinstance(layer, LoraLinear):
+        return layer(x, dropout_seeds=dropout_seeds)
+    return layer(x)
 
 
 def adapter_names(names: Sequence[str]) -> list[str]:

@@ -11,6 +11,12 @@ row: segment k >= 1 is the k-th example, 0 is padding. ``from_rows`` derives the
 [B, L + 1] row arrays; a model whose attention ignores segment ids would mix the examples of a
 row, so it is refused for such data (``check_batches``).
 
+LoRA dropout (models/lora.py) draws its masks from ``dropout_seed``, one uint32 per row, set by
+the engines (``with_dropout_seeds``) from the run's seed, the step, the micro-batch and the row's
+global index, so masks do not depend on how rows are spread over devices; each stage mixes in
+its own index (``stage_seeds``), so layers differ, and a stage's recomputed forward in the
+backward draws the same masks. None (the default, and always in evaluation) means no dropout.
+
 The loss is normalised once over the whole step: the last stage returns the sum of its masked
 token losses, and the engine divides by the global count of trained tokens (``loss_mask``
 summed over every micro-batch and device), never averaging per-micro-batch means.
@@ -33,10 +39,35 @@ class Batch(NamedTuple):
     loss_mask: Any  # [B, L] float32: 1.0 where the target is trained
     segment_ids: Any  # [B, L] int32: example k >= 1 within the row, 0 = padding
     positions: Any  # [B, L] int32: index within its example (restarting at 0 each example)
+    dropout_seed: Any = None  # [B] uint32: each row's dropout seed (None: no dropout)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(np.shape(self.tokens))
+
+
+PER_POSITION = Batch._fields[:5]  # the [B, L] fields (what an abstract batch for tracing holds)
+
+
+def mix_seeds(a: Any, b: Any) -> Any:
+    """uint32 arrays (numpy or jax) -> a uint32 hash of the pair (murmur3's finaliser over a
+    golden-ratio combination): distinct pairs give unrelated seeds."""
+    u = np.uint32  # (numpy scalars: a Python int above 2**31 is no uint32 to jax)
+    x = a ^ (b * u(0x9E3779B9) + u(0x7F4A7C15))
+    x = (x ^ (x >> u(16))) * u(0x85EBCA6B)
+    x = (x ^ (x >> u(13))) * u(0xC2B2AE35)
+    return x ^ (x >> u(16))
+
+
+def with_dropout_seeds(batch: Batch, seed: int, step: int, micro: int, first_row: int) -> Batch:
+    """The batch with each row's dropout seed: a hash of (seed, step, micro-batch, global row),
+    ``first_row`` being the global index of this process's first row."""
+    rows = np.arange(first_row, first_row + batch.shape[0], dtype=np.uint32)
+    with np.errstate(over="ignore"):  # uint32 arithmetic wraps by design
+        x = np.full_like(rows, np.uint32(seed & 0xFFFFFFFF))
+        for part in (step, micro):
+            x = mix_seeds(x, np.full_like(rows, np.uint32(part & 0xFFFFFFFF)))
+        return batch._replace(dropout_seed=mix_seeds(x, rows).astype(np.uint32))
 
 
 def plain(tokens_BxL: np.ndarray, targets_BxL: np.ndarray) -> Batch:
@@ -82,7 +113,7 @@ def positions_in_segments(segment_ids_BxL: np.ndarray) -> np.ndarray:
 
 def stack(micro_batches: Sequence[Batch]) -> Batch:
     """[M, B, L] per field (the plain engine's scanned micro-batches)."""
-    return Batch(*(np.stack(field) for field in zip(*micro_batches)))
+    return Batch(*(None if field[0] is None else np.stack(field) for field in zip(*micro_batches)))
 
 
 def row_counts(micro_batches: Sequence[Batch]) -> np.ndarray:

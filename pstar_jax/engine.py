@@ -22,7 +22,7 @@ class StepResult:
     step_s: float
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    device_chunk_peak_bytes: int = 0
+    device_chunk_peak_bytes: int = 0  # the chunk store's device peak: chunks, device optimizer state, stage inputs
     predicted_h2d_bytes: int = 0
     predicted_d2h_bytes: int = 0
     skipped: bool = False  # a non-finite loss or gradient: no update was applied

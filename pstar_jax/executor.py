@@ -2,7 +2,9 @@
 
 Per micro-batch: forward through the stages, keeping only each stage's input (activation
 checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
-every stage); the last stage computes its loss sum, scaled by 1 / the step's global count of
+every stage). A stage input is an item of the store beside the chunks (key ("act", stage,
+micro-batch)): the plan keeps it on the device or sends it to pinned host memory after its
+forward and fetches it back ahead of its backward, and the store counts its bytes. The last stage computes its loss sum, scaled by 1 / the step's global count of
 trained tokens, and its gradient in one call;
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
@@ -33,64 +35,83 @@ goes back up); stages differentiate only their trainable tensors.
 ``evaluate`` runs a forward-only pass (held-out loss) between steps by a plan of its own
 (plan.plan_forward): the pending update applied first, no gradients, no optimizer work, and the
 slots put back where the training plan starts a step.
+
+The engine receives its plan finished (planning.chunked_engine plans, then builds it) and asks
+planning for more only through its ``Replanner``: the plan of a new batch shape, and the
+forward-only plan of an evaluation. It never imports the planner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count
+from pstar_jax.batch import Batch, as_batch, check_batches, row_counts, trained_count, with_dropout_seeds
 from pstar_jax.chunks import ChunkLayout, pack_chunk, unpack
-from pstar_jax.config import ConfigError, EngineConfig, format_bytes
+from pstar_jax.config import EngineConfig, format_bytes
 from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.machine import Machine
-from pstar_jax.memory import ChunkStore, Placement, Space, available_host_bytes
+from pstar_jax.memory import ChunkStore, Placement, Space
 from pstar_jax.model import StagedModel
 from pstar_jax.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
                              zeros_chunk)
-from pstar_jax.plan import Plan, PlanMoment, plan_forward
-from pstar_jax.planning import Planned, plan_model, require_fit
+from pstar_jax.plan import Plan
+from pstar_jax.replay import PlanMoment
 from pstar_jax.schedule import Access, staged_after
-from pstar_jax.trace import trace_forward
 from pstar_jax.zero import replicated_value, to_numpy
+
+if TYPE_CHECKING:  # a type only: planning builds engines, the engine never calls into it
+    from pstar_jax.planning import Planned
+
+
+class Replanner(Protocol):
+    """The narrow way back to planning for a built engine (planning.EnginePlanner)."""
+    machine: Machine
+    host_bytes: int  # per device
+
+    def for_batch(self, batch_shape: tuple[int, int]) -> "Planned":
+        """The plan for another global micro-batch shape, with the engine's layout, stage functions
+        and optimizer placement; ConfigError when it does not fit."""
+        ...
+
+    def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        """The forward-only plan of an evaluation that starts and ends where ``training`` starts a
+        step; ConfigError when it does not fit."""
+        ...
 
 
 class ChunkedEngine:
     """Model data in chunks placed by the plan; one step runs stage by stage (the Engine protocol)."""
     kind = "chunked"
 
-    def __init__(self, model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
-                 batch_shape: tuple[int, int], machine: Machine, seed: int = 0,
-                 clip_norm: float | None = 1.0, host_bytes: int | None = None,
-                 layout: ChunkLayout | None = None, init_params: Any = None, skip_nonfinite: bool = False,
-                 trainable: Callable[[str], bool] | None = None):
-        """``cfg.device_budget_bytes`` is all the device memory the engine may use per device,
-        chunks and working memory together; ``batch_shape`` is the global (micro-batch, seq_len).
-        ``trainable(name)`` false freezes a tensor (default: all trainable).
-        Raises ConfigError, before allocating model data, when the plan does not fit."""
+    def __init__(self, model: StagedModel, cfg: EngineConfig, planned: "Planned", replanner: Replanner,
+                 make_tx: TxFactory, seed: int = 0, clip_norm: float | None = 1.0, init_params: Any = None,
+                 skip_nonfinite: bool = False):
+        """Carry out ``planned`` (a fitting plan for ``model`` under ``cfg``: its layout, stage
+        functions and placement); ``replanner`` answers for other batch shapes and evaluations.
+        ``cfg.device_budget_bytes`` is all the device memory the engine may use per device, chunks
+        and working memory together. Build one with planning.chunked_engine."""
+        if not planned.plan.fits:
+            raise ValueError(f"an engine needs a plan that fits: {planned.plan.problem}")
         self.cfg = cfg
         self.clip_norm = clip_norm
-        self.machine = machine
-        self.placement = Placement(mesh)
+        self.replanner = replanner
+        self.machine, self.host_bytes = replanner.machine, replanner.host_bytes
+        self.placement = Placement(planned.fns.mesh)
         self.n_devices = self.placement.n_devices
         self.param_dtype = cfg.compute_dtype
         self.make_tx = make_tx
         self.model = model
-        self.host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
-        planned = plan_model(model, cfg, mesh, batch_shape, machine, self.host_bytes, make_tx, layout,
-                             trainable=trainable)
-        require_fit(planned, self.host_bytes)
         self.layout, self.bound, self.fns = planned.layout, planned.bound, planned.fns
         self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
-        self._plans: dict[tuple[int, int], Planned] = {tuple(batch_shape): planned}
+        self._plans: dict[tuple[int, int], Planned] = {tuple(planned.batch_shape): planned}
         self.plan = planned.plan
         self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
@@ -104,10 +125,11 @@ class ChunkedEngine:
         self._staged: set[int] = set()  # chunks whose streamed state is on the device
         # Host updates under way (begun when the last step's norm was known): chunk -> its result.
         self._begun: dict[int, PendingUpdate] = {}
+        self.seed = seed  # also the dropout masks' (with the step, micro-batch and row)
         self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
                           else init_params.__getitem__)
         # Replicated exactly as in the trace, so the step reuses the trace's compilations.
-        self._offsets = [self.placement.put(np.asarray(b.offsets, np.int32), Space.DEVICE, replicated=True)
+        self._offsets = [self.placement.put(np.asarray(b.offset_data, np.int32), Space.DEVICE, replicated=True)
                          for b in self.bound]
         self.step_count = 0
         # (batch shape, micro-batches) -> (the training plan it starts from, the forward-only plan)
@@ -136,11 +158,7 @@ class ChunkedEngine:
     def plan_for(self, batch_shape: tuple[int, int]) -> Planned:
         """The plan for a micro-batch shape (cached: a new shape makes a new plan)."""
         if batch_shape not in self._plans:
-            planned = plan_model(self.model, self.cfg, self.placement.mesh, batch_shape, self.machine,
-                                 self.host_bytes, self.make_tx, self.layout, self.fns,
-                                 adam=(self.plan.opt_on_device, self.plan.opt_streamed))
-            require_fit(planned, self.host_bytes)
-            self._plans[batch_shape] = planned
+            self._plans[batch_shape] = self.replanner.for_batch(batch_shape)
         return self._plans[batch_shape]
 
     def summary(self) -> str:
@@ -157,7 +175,8 @@ class ChunkedEngine:
             f"plan: {100 * p.resident_fraction:.0f}% of param chunks stay on the device; Adam on the device for "
             f"{on_device} chunks, on the host for {n - on_device - streamed}, streamed through the device for "
             f"{streamed}; per step {format_bytes(p.h2d_bytes)} h2d, "
-            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}"])
+            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}",
+            f"plan: {p.stage_inputs_line()}"])
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
         """Master and optimizer state where the plan keeps them; params in the slots, placed as at
@@ -194,6 +213,9 @@ class ChunkedEngine:
         micro_batches = [as_batch(b) for b in micro_batches]
         check_batches(micro_batches, self.model)
         rows, seq_len = micro_batches[0].shape  # this process's rows of the global micro-batch
+        if getattr(self.model, "dropout_seeded", False):  # seeds by global row: any device count
+            micro_batches = [with_dropout_seeds(b, self.seed, self.step_count, m, jax.process_index() * rows)
+                             for m, b in enumerate(micro_batches)]
         planned = self.plan_for((rows * jax.process_count(), seq_len))
         plan, accesses = planned.plan, planned.accesses
         start = time.perf_counter()
@@ -252,14 +274,7 @@ class ChunkedEngine:
         key = (tuple(batch_shape), micro_batches)
         cached = self._eval_plans.get(key)
         if cached is None or cached[0] is not self.plan:
-            shape = trace_forward(self.bound, self.fns, self.placement, self.layout.chunk_numel, self.param_dtype,
-                                  *batch_shape, micro_batches)
-            plan = plan_forward(shape, self.plan, self.host_bytes, self.machine)
-            if not plan.fits:
-                raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "
-                                  f"{format_bytes(self.device_budget_bytes)}); lower TrainConfig.batch_size or raise "
-                                  f"EngineConfig.device_memory")
-            self._eval_plans[key] = cached = (self.plan, plan)
+            self._eval_plans[key] = cached = (self.plan, self.replanner.for_evaluation(self.plan, key[0], micro_batches))
         return cached[1]
 
     def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
@@ -352,24 +367,30 @@ class ChunkedEngine:
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
         i = a.index
         if not a.needs:  # a backward below the lowest trainable stage: no gradient is wanted
-            run.stash.pop()
             return
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
+        key = ("act", i, a.micro)  # the stage's input, when it is not the batch's tokens
         if a.phase == "fwd":
             if i == 0:  # the micro-batch's side inputs stay live until its first stage's backward
                 run.batch = self._put_batch(micro_batches[a.micro])
                 run.x = run.batch.tokens
-            run.stash.append(run.x)
-            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], run.x, run.batch)
+            else:  # the forward below made it: the store owns it from now on (run.x lets go of it)
+                self.store.put(key, run.x)
+                run.x = None
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
+            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
             return
         grads = self._grads(i)
         if a.phase == "head":
+            self.store.put(key, run.x)
+            run.x = None
             loss, run.g, grads = self.fns.head(self.bound[i])(
-                params, self._offsets[i], run.x, run.batch, grads, run.scale)
+                params, self._offsets[i], self.store.get(key, Space.DEVICE), run.batch, grads, run.scale)
             run.losses.append(loss)
         else:
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets[i], run.stash.pop(), run.batch, run.g, grads)
+                params, self._offsets[i], x, run.batch, run.g, grads)
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)
@@ -384,7 +405,8 @@ class ChunkedEngine:
     def _put_batch(self, batch: Batch) -> Batch:
         """This process's rows of the global micro-batch, every field sharded over the data axis."""
         sharding = self.placement.sharding(Space.DEVICE)
-        return Batch(*(jax.make_array_from_process_local_data(sharding, np.asarray(field)) for field in batch))
+        return Batch(*(None if field is None else jax.make_array_from_process_local_data(sharding, np.asarray(field))
+                       for field in batch))
 
     def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
         """[M, B] trained targets per row, rows sharded: the device sums them to the global count."""
@@ -559,6 +581,5 @@ class _StepState:
     x: Any = None
     g: Any = None
     batch: Any = None
-    stash: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     sumsq: list = dataclasses.field(default_factory=list)

@@ -59,10 +59,8 @@ class LoraConfig:
             raise ConfigError(f"LoraConfig.alpha must be a positive number, got {self.alpha!r}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             raise ConfigError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dropout > 0:
-            raise ConfigError("LoraConfig.dropout above 0 is not supported yet; train with LoraConfig.dropout 0")
         if not self.rank:
-            given = [f for f in ("targets", "modules_to_save") if getattr(self, f)] + (["rslora"] if self.rslora else [])
+            given = [f for f in ("targets", "modules_to_save", "rslora", "dropout") if getattr(self, f)]
             if given or self.alpha != DEFAULT_ALPHA:
                 raise ConfigError(f"LoraConfig.{(given or ['alpha'])[0]} is set but LoraConfig.rank is 0 (no LoRA); "
                                   "give LoraConfig.rank too")

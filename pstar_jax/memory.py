@@ -5,7 +5,8 @@ code) and lives in ``device`` or ``pinned_host`` memory. Moves are ``jax.device_
 same sharding with another memory kind: host<->device DMA, never a trip through numpy or the
 CPU backend (those are 7-50x slower, see DESIGN.md).
 
-The store is the one stateful object of the engine. It keeps up to two copies of a chunk: a
+The store is the one stateful object of the engine. It keeps up to two copies of a chunk (or of
+a stage input, which it holds and counts the same way): a
 device copy and a host copy. A fetched parameter chunk keeps its host copy, so evicting it
 again while it is unchanged is free; a changed chunk (a gradient, new parameters) has one copy.
 It counts per-device bytes in each space and refuses to let device-resident chunk bytes exceed
@@ -26,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pstar_jax.config import format_bytes
 
 # (chunk list, chunk id). Lists: "param" (bf16 params a stage reads), "slot" (the chunk's bf16
-# slot: its grad, or its params between steps), "master" (fp32), "opt" (optimizer state).
-Key = tuple[str, int]
+# slot: its grad, or its params between steps), "master" (fp32), "opt" (optimizer state); and
+# ("act", stage, micro-batch): a stage input kept for its backward, placed by the plan like a chunk.
+Key = tuple[str, int] | tuple[str, int, int]
 
 
 class Space(str, enum.Enum):
@@ -185,6 +187,10 @@ class ChunkStore:
         if len(entry.copies) > 1 and space in entry.copies:
             del entry.copies[space]
             self._add_bytes(space, -entry.nbytes)
+
+    def resident_bytes(self, kind: str, space: Space = Space.DEVICE) -> int:
+        """Per-device bytes of one list's copies in ``space`` (e.g. the stage inputs on the device)."""
+        return sum(e.nbytes for k, e in self._entries.items() if k[0] == kind and space in e.copies)
 
     def device_resident(self, kinds: Iterable[str]) -> list[Key]:
         kinds = set(kinds)

@@ -7,8 +7,9 @@ pstar_jax never imports a model. A model hands over (``StagedModel``):
     chunk at a time);
   * ``stages(compute_dtype)``: the chain. Every stage is ``apply(params, x, batch)``, ``batch``
     the micro-batch's ``Batch`` (pstar_jax.batch: tokens, targets, loss_mask, segment_ids,
-    positions, all [B, L]). The first stage gets x = batch.tokens and returns h_BxLxD, middle
-    stages map h to h, the last maps h to the scalar SUM of its masked token losses (the engine
+    positions, all [B, L]; a [B] dropout seed or None, mixed with the stage's index by the
+    engine, see ``stage_seeds``). The first stage gets x = batch.tokens and returns h_BxLxD,
+    middle stages map h to h, the last maps h to the scalar SUM of its masked token losses (the engine
     divides once by the step's global count of trained tokens);
   * ``seq_len`` and ``vocab_size``.
 Optional, with defaults here: ``decays(name)`` (whether weight decay applies; default: tensors
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pstar_jax.batch import Batch
+from pstar_jax.batch import PER_POSITION, Batch, mix_seeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +115,22 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
 
         def take(stage: Stage) -> tuple[jax.Array, ...]:
             return tuple(params[n] for n in stage.param_names)
-        h = stages[0].apply(take(stages[0]), batch.tokens, batch)
-        for stage in stages[1:-1]:
+        h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
+        for i, stage in enumerate(stages[1:-1], 1):
             apply = remat_block(stage.apply) if remat_block else stage.apply
-            h = apply(take(stage), h, batch)
+            h = apply(take(stage), h, stage_seeds(batch, i))
         count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
-        return stages[-1].apply(take(stages[-1]), h, batch) / count
+        return stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)) / count
     return loss_fn
+
+
+def stage_seeds(batch: Batch, stage_index: Any) -> Batch:
+    """The batch a stage sees: each row's dropout seed mixed with the stage's index (data, so
+    identical blocks still share one compiled function), so every layer draws its own masks."""
+    if batch.dropout_seed is None:
+        return batch
+    index = jnp.full(jnp.shape(batch.dropout_seed), stage_index, jnp.uint32)
+    return batch._replace(dropout_seed=mix_seeds(jnp.asarray(batch.dropout_seed, jnp.uint32), index))
 
 
 def cast_params(params: Mapping[str, jax.Array], dtype: Any) -> dict[str, jax.Array]:
@@ -219,16 +229,20 @@ class NNXStaged:
         self._outer_zeros = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in outer_flat.values())
         # Only for tracing which tensors are read: a batch of one row of two positions.
         fake = Batch(*(jax.ShapeDtypeStruct((1, 2), jnp.float32 if f == "loss_mask" else jnp.int32)
-                       for f in Batch._fields))
+                       for f in PER_POSITION))
+        # A module that draws dropout masks (LoRA dropout) says so; the engines then give each
+        # row a dropout seed (Batch.dropout_seed), which its blocks get as ``dropout_seed=``.
+        self.dropout_seeded = bool(getattr(outer, "dropout_seeded", False))
 
         def embed_call(module: nnx.Module, tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
             method = getattr(module, embed)
             return method(tokens_BxL, positions=batch.positions) if packing else method(tokens_BxL)
 
         def block_call(block_module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            seeded = {} if batch.dropout_seed is None else {"dropout_seed": batch.dropout_seed}
             if packing:
-                return block_module(h_BxLxD, segment_ids=batch.segment_ids, positions=batch.positions)
-            return block_module(h_BxLxD)
+                return block_module(h_BxLxD, segment_ids=batch.segment_ids, positions=batch.positions, **seeded)
+            return block_module(h_BxLxD, **seeded)
         self._embed_call = embed_call
 
         def head_call(module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:

@@ -37,11 +37,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.batch import Batch, as_batch, check_batches, stack, trained_count
+from pstar_jax.batch import PER_POSITION, Batch, as_batch, check_batches, stack, trained_count, with_dropout_seeds
 from pstar_jax.config import ConfigError
 from pstar_jax.engine import NonFiniteLoss, StepResult
 from pstar_jax.optim import TxFactory, clip_factor, clip_scale
-from pstar_jax.model import Stage, StagedModel, decays
+from pstar_jax.model import Stage, StagedModel, decays, stage_seeds
 from pstar_jax.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -165,6 +165,7 @@ class PlainEngine:
         self.model = model
         self.compute_dtype, self.precision = compute_dtype, precision
         self.skip_nonfinite = skip_nonfinite
+        self.seed = seed
 
         def step(params, opt_state, batch_MxBxL):
             if opt_on_host:
@@ -226,15 +227,21 @@ class PlainEngine:
 
             def take(stage: Stage) -> tuple[jax.Array, ...]:
                 return tuple(named[n] for n in stage.param_names)
-            h = segs[0].stages[0].apply(take(segs[0].stages[0]), batch.tokens, batch)
+            h = segs[0].stages[0].apply(take(segs[0].stages[0]), batch.tokens, stage_seeds(batch, 0))
+            index = 1  # each stage's place in the chain, mixed into its rows' dropout seeds
             for seg in segs[1:-1]:
                 apply = _remat(seg.stages[0].apply, policy, seg.scanned)
                 if seg.scanned:
-                    h, _ = jax.lax.scan(lambda h, layer: (apply(layer, h, batch), None), h, next(stacks))
+                    def body(h, layer_and_index, apply=apply):
+                        layer, i = layer_and_index
+                        return apply(layer, h, stage_seeds(batch, i)), None
+                    stages_at = jnp.arange(index, index + len(seg.stages), dtype=jnp.int32)
+                    h, _ = jax.lax.scan(body, h, (next(stacks), stages_at))
                 else:
-                    h = apply(take(seg.stages[0]), h, batch)
+                    h = apply(take(seg.stages[0]), h, stage_seeds(batch, index))
+                index += len(seg.stages)
             last = segs[-1].stages[0]
-            return last.apply(take(last), h, batch)
+            return last.apply(take(last), h, stage_seeds(batch, index))
         return loss_fn
 
     def step(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> StepResult:
@@ -243,6 +250,10 @@ class PlainEngine:
         outside the vocabulary."""
         micro_batches = [as_batch(b) for b in micro_batches]
         check_batches(micro_batches, self.model)
+        if getattr(self.model, "dropout_seeded", False):  # as the chunked engine: by global row
+            first = jax.process_index() * micro_batches[0].shape[0]
+            micro_batches = [with_dropout_seeds(b, self.seed, self.step_count, m, first)
+                             for m, b in enumerate(micro_batches)]
         if self._params is None:
             self._allocate()
         start = time.perf_counter()
@@ -274,7 +285,8 @@ class PlainEngine:
     def _put_rows(self, batch_MxBxL: Batch) -> Batch:
         """This process's rows of each micro-batch, every field sharded over the data axis."""
         rows = NamedSharding(self.mesh, P(None, "data"))
-        return Batch(*(jax.make_array_from_process_local_data(rows, np.asarray(x)) for x in batch_MxBxL))
+        return Batch(*(None if x is None else jax.make_array_from_process_local_data(rows, np.asarray(x))
+                       for x in batch_MxBxL))
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
@@ -290,7 +302,7 @@ class PlainEngine:
         rows = NamedSharding(self.mesh, P(None, "data"))
         shape = (self.micro_batches, micro_batch, seq_len)
         batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.float32 if f == "loss_mask" else jnp.int32, sharding=rows)
-                        for f in Batch._fields))
+                        for f in PER_POSITION))
         return self._abstract_params, self._abstract_opt, batch
 
     def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:

@@ -8,7 +8,8 @@ evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy
 valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
 
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
-update is explained), the eviction rule from eviction.py, the step time from predict.py.
+update and the stage inputs are explained), the replay of a step from replay.py, the eviction
+rule from eviction.py, the step time from predict.py.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -16,6 +17,11 @@ A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which 
 their host copy: fetching it costs its bytes up, evicting it costs nothing, it has no optimizer
 state, and it may stay on the device across the step boundary (its first use in the next step
 then fetches nothing).
+
+A stage input is an item like a chunk's, of its own size: made dirty on the device by its
+forward, read again by its backward, then dropped. When the device is short, the replay may evict
+it like any item (Belady: its next use, the backward, is often the furthest), sending it to pinned
+host memory, and fetch it back for its backward; it never outlives the step.
 
 A moment's fetches and evictions may run during the previous moment (prefetch distance 1)
 when both moments' chunks fit beside the larger of their non-model data; otherwise they run
@@ -32,10 +38,11 @@ import math
 from typing import Callable, Sequence
 
 from pstar_jax.config import format_bytes
-from pstar_jax.eviction import EvictionPolicy, policy_for
+from pstar_jax.eviction import policy_for
 from pstar_jax.machine import Machine
 from pstar_jax.predict import predict_step_s, state_leads
-from pstar_jax.schedule import Access, Item, StepShape, forward_accesses, step_accesses
+from pstar_jax.replay import Infeasible, PlanMoment, ReplayState, moment_name, simulate
+from pstar_jax.schedule import Item, StepShape, forward_accesses, step_accesses
 
 
 def shortfall(n_bytes: int) -> str:
@@ -47,20 +54,6 @@ def shortfall(n_bytes: int) -> str:
         return text
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
     return f"{math.ceil(n_bytes * 100 / scale) / 100:.2f} {unit}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanMoment:
-    phase: str
-    index: int
-    micro: int
-    evict: tuple[Item, ...]
-    fetch: tuple[Item, ...]
-    prefetch: bool  # evict/fetch run during the previous moment
-    capacity_bytes: int  # device memory for chunks during the moment (beside non-model data)
-    chunk_bytes: int  # chunk bytes on the device during the moment, optimizer state included
-    h2d_bytes: int
-    d2h_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +73,20 @@ class Plan:
     predicted_step_s: float
     fits: bool
     problem: str | None
+    input_bytes: int = 0  # all stage inputs a step keeps for its backward, per device
+    input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def stage_inputs_line(self) -> str:
+        """Where the stage inputs kept for the backward live, in a sentence (pstar-plan, summaries)."""
+        if not self.input_bytes:
+            return "stage inputs: none kept for the backward"
+        where = ("all stay on the device" if not self.input_offload_bytes else
+                 f"{format_bytes(self.input_offload_bytes)} of them go to pinned host memory after their forward "
+                 "and come back before their backward")
+        return f"stage inputs: {format_bytes(self.input_bytes)} per step kept for the backward; {where}"
 
     @property
     def resident_fraction(self) -> float:
@@ -90,107 +94,6 @@ class Plan:
         n = len(self.opt_on_device)
         moved = {item for m in self.moments for item in m.evict + m.fetch if item[0] == "param"}
         return sum(("param", c) not in moved for c in range(n)) / max(n, 1)
-
-
-class Infeasible(Exception):
-    def __init__(self, message: str, shortfall: int):
-        super().__init__(message)
-        self.shortfall = shortfall
-
-
-class _State:
-    def __init__(self, device: dict[Item, bool], host: set[Item]):
-        self.device = dict(device)  # item -> dirty (no valid host copy)
-        self.host = set(host)  # items with a valid host copy
-        self.peak_host_items = len(self.host)
-
-    def key(self) -> tuple:
-        return tuple(sorted(self.device.items())), tuple(sorted(self.host))
-
-
-def simulate(accesses: Sequence[Access], capacity: Sequence[int], item_bytes: int, state: _State,
-             victim: EvictionPolicy, prefetch: bool = True) -> tuple[list[PlanMoment], _State]:
-    """Replay one step from ``state``; returns the moments' actions and the end state.
-
-    ``capacity[t]`` is the device memory for chunk items at moment t. Raises Infeasible when a
-    moment's own items do not fit."""
-    moments: list[PlanMoment] = []
-    state.peak_host_items = len(state.host)
-    for t, a in enumerate(accesses):
-        fetched, evicted, early = None, None, False
-        if prefetch and t > 0:
-            prev = accesses[t - 1]
-            try:
-                evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
-                                            min(capacity[t], capacity[t - 1]), item_bytes, t, state, victim,
-                                            extra=set(prev.drops) | set(prev.to_host))
-                early = True
-            except Infeasible:
-                pass
-        if not early:
-            evicted, fetched = _actions(a, set(a.needs), capacity[t], item_bytes, t, state, victim)
-        h2d, d2h = _apply(a, evicted, fetched, state, item_bytes)
-        h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
-        moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
-                                  capacity[t], len(state.device) * item_bytes, h2d, d2h))
-        for item in a.to_host:  # a final grad for host Adam goes up to the host (unless its host copy is valid)
-            if state.device.pop(item, False):
-                d2h += item_bytes
-                moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
-            state.host.add(item)
-        for item in a.consumes + a.drops:
-            state.device.pop(item, None)
-            state.host.discard(item)
-        for item in a.creates_host:
-            state.host.add(item)
-        for item in a.creates_device:
-            state.device[item] = True
-            state.host.discard(item)
-        state.peak_host_items = max(state.peak_host_items, len(state.host))
-    return moments, state
-
-
-def _actions(a: Access, protect: set[Item], capacity: int, item_bytes: int, t: int, state: _State,
-             victim: EvictionPolicy, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
-    """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
-
-    Items created at this moment (grads at first use) count as needed but are not fetched.
-    ``extra`` are items still occupying memory (dropped or sent to the host after the previous moment runs)."""
-    missing = [it for it in a.needs if it not in state.device]
-    need_bytes = (len(state.device) + len(missing) + len([e for e in extra if e not in state.device])) * item_bytes
-    if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
-        return [], [it for it in missing if it in state.host]
-    resident = dict(state.device)
-    evicted = []
-    while need_bytes > capacity:
-        candidates = [it for it in resident if it not in protect and it not in extra]
-        if not candidates:
-            raise Infeasible(_where(a), need_bytes - capacity)
-        out = victim(candidates, t, resident)
-        del resident[out]
-        evicted.append(out)
-        need_bytes -= item_bytes
-    return evicted, [it for it in missing if it in state.host]
-
-
-def _where(a: Access) -> str:
-    return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
-
-
-def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: _State, item_bytes: int
-           ) -> tuple[int, int]:
-    d2h = 0
-    for it in evicted:
-        if state.device.pop(it):
-            d2h += item_bytes
-            state.host.add(it)
-    for it in fetched:
-        state.device[it] = False
-    for it in a.needs:  # grads are created at their first use and written at every use
-        if it[0] == "slot":
-            state.device[it] = True
-            state.host.discard(it)
-    return len(fetched) * item_bytes, d2h
 
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
@@ -223,16 +126,17 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                   if hide_state and any(streamed) else [1] * shape.n_chunks)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
+    state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
-            if len(a.needs) * shape.item_bytes > room:
-                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(moment_name(a), own - room)
         victim = policy_for(victim_rule, accesses)
         for _ in range(8):  # to the fixed point: the step ends where it started
-            start = _State(state.device, state.host)
-            moments, state = simulate(accesses, capacity, shape.item_bytes, state, victim)
+            start = ReplayState(state.device, state.host)
+            moments, state = simulate(accesses, capacity, shape.item_size, state, victim)
             if state.key() == start.key():
                 break
         else:
@@ -242,15 +146,18 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                    else str(err))
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
-    peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
+    peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
+                      for m, a in zip(moments, accesses))
     host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
-    peak_host = state.peak_host_items * shape.item_bytes + host_opt
+    peak_host = state.peak_host_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
+    offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
-                predict_step_s(moments, accesses, shape, machine), problem is None, problem)
+                predict_step_s(moments, accesses, shape, machine), problem is None, problem,
+                shape.input_bytes_per_step, offloaded)
 
 
 def _host_items(shape: StepShape) -> list[Item]:
@@ -277,7 +184,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     host_opt = (shape.n_trainable - n_opt_device) * training.opt_state_bytes
     accesses = forward_accesses(shape, tuple(start))
     capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = _State(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
+    state = ReplayState(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
 
     def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
         return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
@@ -286,20 +193,21 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
                     sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
     try:
         for a, room in zip(accesses, capacity):
-            if len(a.needs) * shape.item_bytes > room:
-                raise Infeasible(_where(a), len(a.needs) * shape.item_bytes - room)
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(moment_name(a), own - room)
         # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
-        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_bytes, state,
+        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_size, state,
                                   policy_for(victim_rule, accesses))
     except Infeasible as err:
         return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
     evict = tuple(sorted(it for it in state.device if it not in start))
     fetch = tuple(sorted(it for it in start if it not in state.device))
     written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
-    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes,
+    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes, 0,
                               len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
-    peak_host = state.peak_host_items * shape.item_bytes + host_opt
+    peak_host = state.peak_host_bytes + host_opt
     problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
                if peak_host > host_bytes else None)
     return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))

@@ -134,6 +134,7 @@ class PlanReport:
                     + (f" ({frozen} frozen chunks have none)" if frozen else ""),
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host",
+                    plan.stage_inputs_line(),
                     f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
                     "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
         if self.depth is not None:
@@ -331,7 +332,7 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     from pstar_jax.stages import StageFunctions, bind
     from pstar_jax.trace import trace_step
     placement = Placement(mesh)
-    bound = [bind(stage, layout) for stage in model.stages(cfg.compute_dtype)]
+    bound = [bind(stage, layout, i) for i, stage in enumerate(model.stages(cfg.compute_dtype))]
     fns = StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(layout.chunk_numel)
     return trace_step(bound, fns, placement, layout.chunk_numel, cfg.compute_dtype, *batch_shape, opt_state_bytes,
@@ -411,7 +412,7 @@ def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, c
     def fits(device_bytes: int) -> bool:
         return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
     # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
-    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_non_model_bytes)
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
     low = planned.device_budget_bytes
     if low >= high or not fits(high):
         return None
@@ -444,7 +445,7 @@ def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, h
         deeper = model_at(n_layer)
         layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
                               trainable=trainable_for(deeper, cfg, lora, strict=False))
-        bound = [bind(stage, layout) for stage in deeper.stages(cfg.compute_dtype)]
+        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
         traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache)
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,

@@ -2,8 +2,10 @@
 
 The automatic choices (chunk size, device budget, host budget, machine rates), then layout,
 warm-up trace and placement plan without allocating model data (what pstar-plan and the engine
-share), the fit check, and ``build_engine``: a ChunkedEngine or a PlainEngine behind one
-protocol.
+share), the fit check, ``chunked_engine`` (plan first, then build the engine that carries the
+finished plan out; ``EnginePlanner`` is the engine's one way back here, for a new batch shape or
+an evaluation) and ``build_engine``: a ChunkedEngine or a PlainEngine behind one protocol. Data
+flows one way: config -> plan -> executor.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from jax.sharding import Mesh
 from pstar_jax.chunks import ChunkLayout, auto_chunk_numel, build_layout
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
 from pstar_jax.engine import Engine
+from pstar_jax.executor import ChunkedEngine
 from pstar_jax.freeze import Frozen, frozen_names, parse_patterns, trainable as make_trainable
 from pstar_jax.machine import Machine
-from pstar_jax.memory import Placement, device_total_bytes, host_budget_bytes
+from pstar_jax.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
 from pstar_jax.model import StagedModel, decays, validate_stages
 from pstar_jax.optim import ChunkOptimizer, TxFactory, default_tx
-from pstar_jax.plan import Plan, make_plan, plan_step
+from pstar_jax.plan import Plan, make_plan, plan_forward, plan_step
 from pstar_jax.schedule import Access, StepShape, step_accesses
 from pstar_jax.stages import BoundStage, StageFunctions, bind
-from pstar_jax.trace import trace_step
+from pstar_jax.trace import trace_forward, trace_step
 
 log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
 
@@ -71,7 +74,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
     layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel,
                                     trainable=trainable)
-    bound = [bind(s, layout) for s in stages]
+    bound = [bind(s, layout, i) for i, s in enumerate(stages)]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
@@ -80,7 +83,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
-        working = shape.busiest_non_model_bytes
+        working = shape.busiest_working_bytes  # stage inputs kept on the device
         model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
         budget = working + max(model_data // 2, 2 * stage_bytes)
     log.info("planning where each chunk lives at each moment of the step")
@@ -101,6 +104,52 @@ def require_fit(planned: Planned, host_bytes: int) -> None:
             f"the model does not fit: {planned.plan.problem} (device memory "
             f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
             f"EngineConfig.device_memory or EngineConfig.host_memory, or lower EngineConfig.chunk_numel or the batch")
+
+
+class EnginePlanner:
+    """What a built chunked engine may ask planning for (executor.Replanner): the plan of another
+    batch shape, with the layout, stage functions and optimizer placement of the engine's first
+    plan (an engine places its optimizer state once), and the forward-only plan of an
+    evaluation. Both raise ConfigError when they do not fit."""
+
+    def __init__(self, model: StagedModel, cfg: EngineConfig, machine: Machine, host_bytes: int,
+                 make_tx: TxFactory, first: Planned):
+        self.model, self.cfg, self.machine, self.host_bytes, self.make_tx = model, cfg, machine, host_bytes, make_tx
+        self.first = first
+
+    def for_batch(self, batch_shape: tuple[int, int]) -> Planned:
+        first = self.first
+        planned = plan_model(self.model, self.cfg, first.fns.mesh, batch_shape, self.machine, self.host_bytes,
+                             self.make_tx, first.layout, first.fns,
+                             adam=(first.plan.opt_on_device, first.plan.opt_streamed))
+        require_fit(planned, self.host_bytes)
+        return planned
+
+    def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        first = self.first
+        shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.chunk_numel,
+                              self.cfg.compute_dtype, *batch_shape, micro_batches)
+        plan = plan_forward(shape, training, self.host_bytes, self.machine)
+        if not plan.fits:
+            raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "
+                              f"{format_bytes(first.device_budget_bytes)}); lower TrainConfig.batch_size or raise "
+                              f"EngineConfig.device_memory")
+        return plan
+
+
+def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
+                   batch_shape: tuple[int, int], machine: Machine, seed: int = 0, clip_norm: float | None = 1.0,
+                   host_bytes: int | None = None, layout: ChunkLayout | None = None, init_params: Any = None,
+                   skip_nonfinite: bool = False, trainable: Callable[[str], bool] | None = None):
+    """Plan ``model`` for ``batch_shape`` (global micro-batch rows, seq_len) and build the chunked
+    engine that carries the plan out. ``cfg`` resolved (resolve_engine_config); ``host_bytes`` per
+    device (default: what the machine has available); ``trainable(name)`` false freezes a tensor.
+    Raises ConfigError, before allocating model data, when the plan does not fit."""
+    host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
+    planned = plan_model(model, cfg, mesh, batch_shape, machine, host_bytes, make_tx, layout, trainable=trainable)
+    require_fit(planned, host_bytes)
+    return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
+                         make_tx, seed, clip_norm, init_params, skip_nonfinite)
 
 
 def default_mesh(data_parallel: int | None = None) -> Mesh:
@@ -154,7 +203,6 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     ``resolve_machine``. The plain engine only (baselines): ``scan_layers=False`` unrolls the
     blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory. ``frozen`` (tensor
     names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns."""
-    from pstar_jax.executor import ChunkedEngine
     from pstar_jax.plain import PlainEngine
 
     mesh = mesh if mesh is not None else default_mesh()
@@ -171,9 +219,9 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
     machine = machine or resolve_machine(resolved, mesh, make_tx)
-    return ChunkedEngine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
-                         host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
-                         trainable=make_trainable(frozen))
+    return chunked_engine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
+                          host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
+                          trainable=make_trainable(frozen))
 
 
 def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:
@@ -186,5 +234,5 @@ def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: M
     return micro, seq_len
 
 
-__all__ = ["Planned", "plan_model", "require_fit", "resolve_engine_config", "resolve_machine", "build_engine",
-           "default_mesh", "micro_batch_shape"]
+__all__ = ["Planned", "plan_model", "require_fit", "EnginePlanner", "chunked_engine", "resolve_engine_config",
+           "resolve_machine", "build_engine", "default_mesh", "micro_batch_shape"]

@@ -6,13 +6,18 @@ down far enough ahead (``state_leads``) that its copy hides under the compute of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from pstar_jax.machine import Machine
 from pstar_jax.schedule import Access, StepShape, staged_after
 
-if TYPE_CHECKING:  # plan.py imports this module
-    from pstar_jax.plan import PlanMoment
+
+class MomentCopies(Protocol):
+    """What the prediction reads of a planned moment (replay.PlanMoment): when its copies are issued
+    and how many bytes they move. plan.py imports this module, never the other way round."""
+    prefetch: bool
+    h2d_bytes: int
+    d2h_bytes: int
 
 
 def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
@@ -43,7 +48,7 @@ def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) 
     return leads
 
 
-def predict_step_s(moments: Sequence[PlanMoment], accesses: Sequence[Access], shape: StepShape,
+def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], shape: StepShape,
                    machine: Machine) -> float:
     """Replay the step on the device's compute stream and its copy engines, in the executor's order.
 

@@ -3,8 +3,15 @@
 A *moment* is one stage call: each stage's forward, the head (forward and backward in one), each
 stage's backward, and one optimizer update per chunk. ``StepShape`` is what the warm-up trace
 learns of a step (which chunks each stage reads, its non-model bytes and FLOPs); ``step_accesses``
-lays the step out in the executor's order, saying for each moment which chunk items (a chunk's
-bf16 params or its grad) must be on the device, and which it drops, consumes or creates.
+lays the step out in the executor's order, saying for each moment which items (a chunk's bf16
+params or its grad, or a stage input) must be on the device, and which it drops, consumes or creates.
+
+A *stage input* (item ("act", stage, micro-batch)) is what a stage reads from the stage below,
+kept from its forward to its backward (activation checkpointing at stage boundaries; the first
+stage's input is the micro-batch's tokens, part of the batch, not an item). Its times of use are
+exact: made by the forward below it, read by the stage's forward, then read once more by its
+backward, in reverse order, and dropped. It is an item beside the chunks, so the plan decides
+whether it stays on the device or goes to pinned host memory and comes back before its backward.
 
 A step's optimizer update is deferred into the next step's forward: the update of chunk c runs
 right before the first forward stage that reads c. The update needs the global gradient norm,
@@ -25,8 +32,8 @@ import dataclasses
 from typing import Sequence
 
 # ("param" | "slot", chunk id): bf16 params a stage reads, or the chunk's slot (its grad, or its
-# params between steps)
-Item = tuple[str, int]
+# params between steps); ("act", stage, micro-batch): a stage's input kept for its backward
+Item = tuple[str, int] | tuple[str, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,10 @@ class StepShape:
     opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
     micro_batches: int = 1
     frozen: tuple[bool, ...] = ()  # per chunk: frozen (params only: no grad, no update); () none is
+    # Per stage: the bytes of its input kept for its backward, per device (0 for the first stage,
+    # whose input is the batch); () when the shape has no stage-input items. The non-model bytes
+    # above do not count them: the plan places them.
+    input_bytes: tuple[int, ...] = ()
 
     def is_frozen(self, chunk: int) -> bool:
         return bool(self.frozen) and self.frozen[chunk]
@@ -72,10 +83,31 @@ class StepShape:
         """Chunks with a grad, a master and optimizer state."""
         return self.n_chunks - sum(self.frozen)
 
+    def item_size(self, item: Item) -> int:
+        """Per-device bytes of an item: a chunk's bf16 params or grad, or a stage input."""
+        return self.input_bytes[item[1]] if item[0] == "act" else self.item_bytes
+
+    def has_input(self, stage: int) -> bool:
+        return bool(self.input_bytes) and self.input_bytes[stage] > 0
+
     @property
     def busiest_non_model_bytes(self) -> int:
         """The non-model bytes of the step's busiest moment: where the device holds the fewest chunks."""
         return max((*self.fwd_non_model, self.head_non_model, *self.bwd_non_model))
+
+    @property
+    def busiest_working_bytes(self) -> int:
+        """The busiest moment's non-model bytes with every stage input kept on the device (from its
+        forward to its backward): the working memory of a step that offloads no activations."""
+        kept = [sum(self.input_bytes[:i + 1]) for i in range(len(self.stage_chunks))] if self.input_bytes else \
+            [0] * len(self.stage_chunks)
+        return max((*(n + k for n, k in zip(self.fwd_non_model, kept)), self.head_non_model + kept[-1],
+                    *(n + k for n, k in zip(self.bwd_non_model, kept))))
+
+    @property
+    def input_bytes_per_step(self) -> int:
+        """All stage inputs one step keeps for its backward, per device."""
+        return sum(self.input_bytes) * self.micro_batches
 
 
 def scale_batch(shape: StepShape, factor: float) -> StepShape:
@@ -88,7 +120,7 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
 
     def f(values):
         return tuple(v * factor for v in values)
-    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model),
+    return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model), input_bytes=s(shape.input_bytes),
                                head_non_model=int(shape.head_non_model * factor), bwd_non_model=s(shape.bwd_non_model),
                                fwd_flops=f(shape.fwd_flops), head_flops=shape.head_flops * factor,
                                bwd_flops=f(shape.bwd_flops))
@@ -111,7 +143,12 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     A frozen chunk has one item, ("param", c): read by its stages' forwards and backwards, never
     dropped, written or updated, so it always has a valid host copy (evicting it is free). A
     stage's backward runs only while some stage at or below it has trainable chunks: below the
-    lowest one no gradient is wanted, and those moments need nothing (the executor skips them)."""
+    lowest one no gradient is wanted, and those moments need nothing (the executor skips them).
+
+    A stage input ("act", i, m) is needed by stage i's forward (which creates it: the forward
+    below made it) and by its backward (the head's own, for the last stage), and dropped after the
+    backward; below the lowest trainable stage no backward reads it, so it is dropped after the
+    forward."""
     streamed = streamed or [False] * shape.n_chunks
     leads = leads or [1] * shape.n_chunks
     head = len(shape.stage_chunks) - 1
@@ -140,6 +177,9 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     def up(i, last):  # final grads bound for host Adam
         return last_up[i] if last else ()
 
+    def inputs(i, m):  # the stage input of stage i, micro-batch m, as an item
+        return (("act", i, m),) if shape.has_input(i) else ()
+
     def updates(i):
         for c in updated_at.get(i, ()):
             g, p = ("slot", c), ("param", c)
@@ -156,14 +196,16 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
         for i in range(head):
             if m == 0:
                 out.extend(updates(i))
-            out.append(Access("fwd", i, m, params[i], shape.fwd_non_model[i], shape.fwd_flops[i]))
+            out.append(Access("fwd", i, m, params[i] + inputs(i, m), shape.fwd_non_model[i], shape.fwd_flops[i],
+                              drops=inputs(i, m) if i < lowest else ()))
         if m == 0:
             out.extend(updates(head))
-        out.append(Access("head", head, m, both[head], shape.head_non_model,
-                          shape.head_flops, drops(head, last), up(head, last)))
+        out.append(Access("head", head, m, both[head] + inputs(head, m), shape.head_non_model,
+                          shape.head_flops, drops(head, last) + inputs(head, m), up(head, last)))
         for i in reversed(range(head)):
-            out.append(Access("bwd", i, m, both[i], shape.bwd_non_model[i],
-                              shape.bwd_flops[i] if i >= lowest else 0.0, drops(i, last), up(i, last)))
+            read = inputs(i, m) if i >= lowest else ()
+            out.append(Access("bwd", i, m, both[i] + read, shape.bwd_non_model[i],
+                              shape.bwd_flops[i] if i >= lowest else 0.0, drops(i, last) + read, up(i, last)))
     if not any(streamed):
         return out
     extra = [0] * len(out)  # streamed state on the device beside other moments' own data

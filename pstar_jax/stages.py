@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.model import Stage
+from pstar_jax.model import Stage, stage_seeds
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -35,6 +35,13 @@ class BoundStage:
     pattern: tuple[tuple[int, tuple[int, ...]], ...]  # per tensor: (index into chunks, shape)
     offsets: tuple[int, ...]  # per tensor: element offset in its chunk
     frozen: tuple[bool, ...] = ()  # per chunk of ``chunks``: frozen (no grad chunk); () none is
+    index: int = 0  # the stage's place in the chain (mixed into its rows' dropout seeds)
+
+    @property
+    def offset_data(self) -> tuple[int, ...]:
+        """The int32 data a stage function takes as ``offsets``: each tensor's offset, then the
+        stage's index (data, not static, so identical blocks share one compiled function)."""
+        return (*self.offsets, self.index)
 
     @property
     def grad_chunks(self) -> tuple[int, ...]:
@@ -42,12 +49,13 @@ class BoundStage:
         return tuple(c for j, c in enumerate(self.chunks) if not (self.frozen and self.frozen[j]))
 
 
-def bind(stage: Stage, layout) -> BoundStage:
+def bind(stage: Stage, layout, index: int = 0) -> BoundStage:
+    """``stage`` (the ``index``-th of its chain) bound to ``layout``."""
     chunks = layout.chunks_of(stage.param_names)
     slots = [layout.slot(n) for n in stage.param_names]
     pattern = tuple((chunks.index(s.chunk), s.shape) for s in slots)
     frozen = tuple(layout.is_frozen(c) for c in chunks) if any(layout.frozen) else ()
-    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots), frozen)
+    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots), frozen, index)
 
 
 def _trainable_pattern(bound: BoundStage) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
@@ -131,7 +139,7 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, x, batch):
-            return apply(_views(_gather(chunks), offsets, pattern), x, batch)
+            return apply(_views(_gather(chunks), offsets, pattern), x, stage_seeds(batch, offsets[-1]))
         return self._get("fwd", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P("data"))))
 
@@ -147,6 +155,7 @@ class StageFunctions:
 
         def local(chunks, offsets, x, batch, gy, grad_chunks):
             params = _views(_gather(chunks), offsets, pattern)
+            batch = stage_seeds(batch, offsets[-1])  # the forward's masks again
             trained = tuple(params[i] for i in tensors)
             if first:
                 _, vjp = jax.vjp(lambda p: apply(_with(params, tensors, p), x, batch), trained)
@@ -176,6 +185,7 @@ class StageFunctions:
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
             params = _views(_gather(chunks), offsets, pattern)
+            batch = stage_seeds(batch, offsets[-1])
 
             def scaled_loss(trained, h):
                 return apply(_with(params, tensors, trained), h, batch) * scale
@@ -196,6 +206,7 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, h, batch):
-            return jax.lax.psum(apply(_views(_gather(chunks), offsets, pattern), h, batch), "data")
+            return jax.lax.psum(apply(_views(_gather(chunks), offsets, pattern), h, stage_seeds(batch, offsets[-1])),
+                                "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P())))

@@ -95,17 +95,18 @@ def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any) -> Any:
     return jax.lax.map(lambda x: one(wide, x), xs)
 
 
-def tiled_over_sequence(fn: Callable[..., jax.Array], x_BxLxD: jax.Array, *, tile: int,
+def tiled_over_sequence(fn: Callable[..., jax.Array], x_BxLxD: Any, *, tile: int,
                         params: Any = None) -> jax.Array:
     """``fn`` applied to tiles of ``tile`` positions of x_BxLxD, concatenated: equal to
     ``fn(x_BxLxD)`` for a position-wise fn (an MLP), whose tokens x d_ff intermediate then
     exists one tile at a time. With ``params`` (a pytree of the weights fn reads) fn is called
     ``fn(params, x_tile)`` and their gradients add up in float32 across tiles; weights fn
     closes over instead add up in their own dtype. L need not be a multiple of tile (the last
-    tile is zero-padded; fn must be finite on zeros)."""
-    B, L = x_BxLxD.shape[:2]
+    tile is zero-padded; fn must be finite on zeros). x may be a pytree of [B, L, ...] arrays
+    (per-position side inputs beside the activations), tiled alike."""
+    B, L = jax.tree.leaves(x_BxLxD)[0].shape[:2]
     n_tiles, size = split_tiles(L, min(tile, L))
-    xs = to_tiles(x_BxLxD, 1, n_tiles, size)
+    xs = jax.tree.map(lambda x: to_tiles(x, 1, n_tiles, size), x_BxLxD)
     if params is None:
         ys = map_tiles(lambda _, x: fn(x), (), xs)
     else:

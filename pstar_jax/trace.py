@@ -4,12 +4,15 @@ A *moment* is one stage call: each stage's forward, the head (forward and backwa
 stage's backward, then the optimizer per chunk; a forward-only pass (held-out loss) has only the
 forwards and a head that computes the loss (``trace_forward``). The trace is taken before any
 model data exists: every distinct stage function is lowered and compiled on abstract arguments,
-and ``memory_analysis()`` gives its temporaries and outputs, ``pstar_jax.flops`` its FLOPs. The
-non-model memory of a moment is what the stage call needs beside the chunks: the micro-batch
-(its ``Batch``: tokens and side inputs, live from the first forward to the first stage's
-backward), the stage inputs stashed for the backward so far, the call's activation inputs and
-outputs, and its temporaries (which on a CPU include the copies XLA makes of static slices of
-chunks).
+and ``memory_analysis()`` gives its temporaries and outputs, ``pstar_jax.flops`` its FLOPs (every
+loop iteration counted: XLA's cost analysis counts a loop body once). The
+non-model memory of a moment is what the stage call needs beside the chunks and the stage inputs:
+the micro-batch (its ``Batch``: tokens and side inputs, live from the first forward to the first
+stage's backward), the gradient flowing down (in a backward), the call's outputs and its
+temporaries (which on a CPU include the copies XLA makes of static slices of chunks). The stage
+inputs kept for the backward (``StepShape.input_bytes``: micro-batch x sequence x d_model in the
+compute dtype for a decoder, per device) are items the plan places, so a moment's non-model
+bytes do not count them; a stage's own input is one of them (schedule.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pstar_jax.batch import Batch
+from pstar_jax.batch import PER_POSITION, Batch
 from pstar_jax.flops import call_flops
 from pstar_jax.memory import Placement, Space
 from pstar_jax.schedule import StepShape
@@ -55,7 +58,7 @@ class _Tracer:
         self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
         self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
         self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
-                             for f in Batch._fields))
+                             for f in PER_POSITION))
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
         self.xs = [self.batch.tokens]
         for b in bound[:-1]:
@@ -66,11 +69,11 @@ class _Tracer:
             y = self.cache[key]
             self.xs.append(_abstract(y.shape, y.dtype, self.dev))
         # Per device. The first stage's input is the batch itself (its tokens among it).
-        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in self.batch) // self.W
+        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
         self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
-        return _abstract((len(b.offsets),), jnp.int32, self.rep)
+        return _abstract((len(b.offset_data),), jnp.int32, self.rep)
 
     def chunks(self, b: BoundStage):
         return tuple(self.chunk for _ in b.chunks)
@@ -106,23 +109,24 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
     for i, b in enumerate(bound[:-1]):
         temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
-        fwd_nm.append(sum(act[:i + 1]) + temp + out)  # the batch, stashed inputs so far, the call's temps and output
+        fwd_nm.append(act[0] + temp + out)  # the batch, the call's temps and output (its input is an item)
         fwd_fl.append(flops)
     b = bound[head]
     scale = _abstract((), jnp.float32, tr.rep)
     temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, tr.grads(b),
                                   scale)
-    head_nm = sum(act) + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
+    head_nm = act[0] + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
     for i in reversed(range(head)):
         b = bound[i]
         temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
                                     tr.batch, xs[i + 1], tr.grads(b))
-        bwd_nm[i] = sum(act[:i + 2]) + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)
+        # the batch, the gradient from above (shaped as stage i + 1's input), temps, outputs but grads
+        bwd_nm[i] = act[0] + act[i + 1] + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
                      shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
-                     micro_batches=micro_batches, frozen=_frozen(bound))
+                     micro_batches=micro_batches, frozen=_frozen(bound), input_bytes=(0, *act[1:]))
 
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,

@@ -44,5 +44,5 @@ def sft_steps(n_steps, micro_batches=1, batch=4, seq=64, seed=0):
 
 def merge(step):
     """One micro-batch holding every row of a step's micro-batches."""
-    return [Batch(*(np.concatenate(f) for f in zip(*step)))]
+    return [Batch(*(None if f[0] is None else np.concatenate(f) for f in zip(*step)))]
 

@@ -3,10 +3,11 @@
 from pstar_jax.schedule import StepShape
 
 
-def gpt_like_shape(n_blocks, chunks_per_block, micro_batches=1, non_model=(100, 300)):
+def gpt_like_shape(n_blocks, chunks_per_block, micro_batches=1, non_model=(100, 300), input_bytes=0):
     """embed in chunk 0, blocks in consecutive chunks (sharing an edge chunk), head reads 0 and the last.
 
-    Items are 100 bytes, a chunk's optimizer state 600 bytes, a chunk 1000 elements."""
+    Items are 100 bytes, a chunk's optimizer state 600 bytes, a chunk 1000 elements; every stage
+    but the first keeps an input of ``input_bytes`` for its backward (0: none)."""
     stage_chunks = [(0,)]
     c = 0
     for _ in range(n_blocks):
@@ -17,4 +18,5 @@ def gpt_like_shape(n_blocks, chunks_per_block, micro_batches=1, non_model=(100, 
     S = len(stage_chunks)
     lo, hi = non_model
     return StepShape(tuple(stage_chunks), tuple([lo] * (S - 1)), hi, tuple([hi] * (S - 1)),
-                     tuple([1e9] * (S - 1)), 1e9, tuple([2e9] * (S - 1)), n, 1000, 100, 600, micro_batches)
+                     tuple([1e9] * (S - 1)), 1e9, tuple([2e9] * (S - 1)), n, 1000, 100, 600, micro_batches,
+                     input_bytes=(0,) + (input_bytes,) * (S - 1) if input_bytes else ())

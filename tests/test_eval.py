@@ -12,7 +12,7 @@ import pstar_jax as ps
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.data import Batches, eval_batches, held_out_split, write_tokens
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.machine import H200
 from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
@@ -57,7 +57,7 @@ def engines(W=1, budget="tight"):
     m = small_model()
     memory = tight_budget(m, W) if budget == "tight" else budget
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=memory, precision="fp32")
-    chunked = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (BATCH * W, SEQ), H200, clip_norm=OPTIM.clip_norm)
+    chunked = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (BATCH * W, SEQ), H200, clip_norm=OPTIM.clip_norm)
     plain = PlainEngine(m, "fp32", default_tx(OPTIM), 1, clip_norm=OPTIM.clip_norm, mesh=mesh(W))
     return chunked, plain
 

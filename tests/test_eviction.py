@@ -5,7 +5,7 @@ import itertools
 from hypothesis import given, settings, strategies as st
 
 from pstar_jax.eviction import policy_for
-from pstar_jax.plan import _State, simulate
+from pstar_jax.replay import ReplayState, simulate
 from pstar_jax.schedule import Access
 
 
@@ -24,8 +24,8 @@ def traces(draw, max_items=6, max_len=10):
 
 
 def fetched_bytes(accesses, n_items, capacity, rule):
-    state = _State({}, {("param", c) for c in range(n_items)})
-    moments, _ = simulate(accesses, [capacity] * len(accesses), 1, state, policy_for(rule, accesses),
+    state = ReplayState({}, {("param", c) for c in range(n_items)})
+    moments, _ = simulate(accesses, [capacity] * len(accesses), lambda item: 1, state, policy_for(rule, accesses),
                           prefetch=False)
     resident = set()
     for a, m in zip(accesses, moments):

@@ -15,6 +15,7 @@ from pstar_jax.data import DataError
 from pstar_jax.model import compose_loss
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
 from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.machine import H200
 from pstar_jax.memory import Space
 from pstar_jax.optim import default_tx
@@ -37,7 +38,7 @@ def chunked(m, budget=None, precision="fp32", micro_batches=1, optim=OPTIM, adam
     """budget None: half the model data beside the traced working memory, so chunks move."""
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=budget, precision=precision,
                        micro_batches=micro_batches, adam_placement=adam)
-    return ChunkedEngine(m, cfg, default_tx(optim), mesh1(), (batch, 64), H200, clip_norm=optim.clip_norm)
+    return chunked_engine(m, cfg, default_tx(optim), mesh1(), (batch, 64), H200, clip_norm=optim.clip_norm)
 
 
 def plain(m, precision="fp32", micro_batches=1, optim=OPTIM):
@@ -372,3 +373,91 @@ def test_out_of_range_targets_are_refused_before_the_step():
                 with pytest.raises(DataError, match=message):
                     call([(tokens, bad)])
         assert engine.step_count == 0
+
+
+def deep(n_layer=8):
+    """Eight tiny blocks: at a batch of 8 their stage inputs outweigh a few chunks."""
+    return model(n_layer=n_layer)
+
+
+def record_input_bytes(engine, monkeypatch):
+    """Per moment of each step: the stage-input bytes the store holds on the device once the
+    moment has run (before the next moment's placement), as the plan's ``input_bytes`` counts them."""
+    seen = []
+    for name in ("_run", "_adam"):
+        real = getattr(engine, name)
+
+        def recorded(*args, real=real):
+            real(*args)
+            seen.append(engine.store.resident_bytes("act"))
+        monkeypatch.setattr(engine, name, recorded)
+    return seen
+
+
+def test_stage_inputs_offloaded_as_planned_train_exactly_as_kept_on_the_device(monkeypatch):
+    """A budget below the working memory of a step that keeps every stage input on the device (the
+    old engine's least): the plan sends stage inputs to pinned host memory after their forward and
+    fetches them back for their backward, the store holds exactly the planned stage-input bytes at
+    every moment, traffic equals the plan's, and losses and params equal those of an engine that
+    keeps everything on the device, bit for bit."""
+    m = deep()
+    probe = chunked(m, batch=8)
+    planned = probe.plan_for((8, 64))
+    shape, accesses = planned.shape, planned.accesses
+    least = max(a.non_model_bytes + sum(map(shape.item_size, a.needs)) for a in accesses)
+    budget = least + 2 * shape.item_bytes
+    assert budget < shape.busiest_working_bytes, "keeping the stage inputs on the device cannot fit this budget"
+    del probe
+    engine, reference = chunked(m, budget=budget, batch=8), chunked(m, budget=10**8, batch=8)
+    plan = engine.plan
+    assert plan.fits and plan.input_offload_bytes > 0 and plan.input_bytes == shape.input_bytes_per_step
+    assert reference.plan.input_offload_bytes == 0
+    seen = record_input_bytes(engine, monkeypatch)
+    for step in batches(3, batch=8):
+        seen.clear()
+        r, ref = engine.step(step), reference.step(step)
+        assert r.loss == ref.loss
+        assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
+        assert seen == [mo.input_bytes for mo in plan.moments]
+        assert r.device_chunk_peak_bytes <= plan.peak_device_bytes - min(a.non_model_bytes for a in accesses)
+        assert engine.store.resident_bytes("act") == engine.store.resident_bytes("act", Space.HOST) == 0
+    for name, value in engine.params().items():
+        np.testing.assert_array_equal(value, reference.params()[name], err_msg=name)
+
+
+def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_its_replanner():
+    """Data flows config -> plan -> executor: importing the executor loads neither the planning
+    module nor the trace (and predict.py does not load plan.py); an engine built from a plan made
+    beforehand trains as planned, and a new batch shape or an evaluation is asked of its
+    replanner, once each."""
+    import subprocess
+    import sys
+    code = ("import sys; import pstar_jax.predict; assert 'pstar_jax.plan' not in sys.modules; "
+            "import pstar_jax.executor; loaded = [m for m in ('pstar_jax.planning', 'pstar_jax.planner', "
+            "'pstar_jax.trace') if m in sys.modules]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
+
+    from pstar_jax.planning import EnginePlanner, plan_model
+
+    class Recording(EnginePlanner):
+        asked: list = []
+
+        def for_batch(self, batch_shape):
+            self.asked.append(("batch", batch_shape))
+            return super().for_batch(batch_shape)
+
+        def for_evaluation(self, training, batch_shape, micro_batches):
+            self.asked.append(("eval", batch_shape))
+            return super().for_evaluation(training, batch_shape, micro_batches)
+    m, tx = model(), default_tx(OPTIM)
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None, precision="fp32")
+    planned = plan_model(m, cfg, mesh1(), (4, 64), H200, 10**10, tx)
+    engine = ChunkedEngine(m, cfg, planned, Recording(m, cfg, H200, 10**10, tx, planned), tx, clip_norm=None)
+    assert engine.plan is planned.plan
+    for i, step in enumerate(batches(2) + batches(2, batch=2)):
+        r = engine.step(step)
+        if i != 2:  # the first step of a new shape also moves the slots to where its plan starts
+            assert (r.h2d_bytes, r.d2h_bytes) == (r.predicted_h2d_bytes, r.predicted_d2h_bytes)
+    engine.evaluate(batches(1)[0])
+    engine.evaluate(batches(1)[0])
+    assert Recording.asked == [("batch", (2, 64)), ("eval", (4, 64))]

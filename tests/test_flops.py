@@ -42,7 +42,7 @@ def traced(tiling: TileBudget, trace=trace_step, *extra):
     model = StagedLlama(LLAMA, tiling)
     layout = build_layout(model.param_shapes(), model.decays, 4096)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    bound = [bind(s, layout) for s in model.stages(jnp.float32)]
+    bound = [bind(s, layout, i) for i, s in enumerate(model.stages(jnp.float32))]
     return trace(bound, StageFunctions(mesh), Placement(mesh), layout.chunk_numel, jnp.float32, B, L, *extra)
 
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.chunks import ChunkLayout, build_layout
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.freeze import frozen_names, trainable
 from pstar_jax.machine import H200
 from pstar_jax.memory import ChunkStore, Space
@@ -45,7 +45,7 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
     stage reads, so chunks move every step (the tiny model's working memory dwarfs its chunks)."""
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
                        micro_batches=micro_batches)
-    engine = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
                            trainable=trainable(frozen))
     if budget != "tight":
         return engine
@@ -109,7 +109,7 @@ def test_fp32_equals_plain_under_eviction_and_frozen_stay_bit_identical(monkeypa
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     frozen_chunks = {c for c in range(engine.layout.n_chunks) if engine.layout.is_frozen(c)}
     assert bool(spy.keys) == (engine.plan.d2h_bytes > 0)
-    assert not [k for k in spy.keys if k[1] in frozen_chunks]
+    assert not [k for k in spy.keys if k[0] != "act" and k[1] in frozen_chunks]  # stage inputs may go up
     pa, pb = engine.params(), reference.params()
     for name in pa:
         if name in frozen:

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.hf import HFCheckpoint, HFCheckpointError, export_hf, read_hf_config
 from pstar_jax.machine import H200
 from pstar_jax.optim import default_tx
@@ -91,7 +91,7 @@ def read_all(directory):
 def engine_from(model, source, chunk_numel=8192, precision="bf16"):
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     cfg = EngineConfig(chunk_numel=chunk_numel, device_memory=None, precision=precision)
-    return ChunkedEngine(model, cfg, default_tx(OptimConfig()), mesh, (2, model.config.seq_len), H200,
+    return chunked_engine(model, cfg, default_tx(OptimConfig()), mesh, (2, model.config.seq_len), H200,
                          init_params=source)
 
 

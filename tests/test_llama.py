@@ -13,7 +13,7 @@ import pstar_models
 from pstar_models.llama import (PRESETS, Llama, Llama3RopeScaling, LlamaConfig, StagedLlama, apply_rope,
                           causal_attention, llama_from_params, preset, rms_norm, rope_inv_freq, rope_tables)
 from pstar_jax.config import EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.machine import H200
 from pstar_jax.optim import default_tx
 from pstar_jax.plain import PlainEngine
@@ -234,7 +234,7 @@ def test_chunked_engine_equals_plain_engine_fp32(config):
     """Odd sizes, a chunk that is no multiple of the vocabulary, chunks moving: equal losses and params."""
     model = StagedLlama(config)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    engine = ChunkedEngine(model, EngineConfig(chunk_numel=4000, device_memory=None, precision="fp32"),
+    engine = chunked_engine(model, EngineConfig(chunk_numel=4000, device_memory=None, precision="fp32"),
                            default_tx(OPTIM), mesh, (4, config.seq_len), H200, clip_norm=OPTIM.clip_norm)
     reference = PlainEngine(model, "fp32", default_tx(OPTIM), clip_norm=OPTIM.clip_norm)
     moved, la, lb = 0, [], []

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from pstar_models import build_model
 from pstar_models.lora import LoraLinear, LoraSpec
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.freeze import trainable
 from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
 from pstar_jax.machine import H200
@@ -46,7 +46,7 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
     stage reads, so chunks move every step (as tests/test_frozen.py)."""
     cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
                        micro_batches=micro_batches)
-    engine = ChunkedEngine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
                            trainable=trainable(frozen))
     if budget != "tight":
         return engine
@@ -144,6 +144,36 @@ def test_decoding_applies_the_adapter(name):
     assert np.abs(np.asarray(base(tokens)) - full).max() > 1e-3
 
 
+def test_dropout_masks_are_inverted_per_projection_and_position_and_tiling_free():
+    from pstar_models.lora import dropout, position_seeds
+    from pstar_jax.batch import plain as plain_batch, with_dropout_seeds
+    from pstar_jax.model import compose_loss, stage_seeds
+    from pstar_jax.tiling import TileBudget
+    seeds = position_seeds(jnp.asarray([7, 8], jnp.uint32), 64)
+    x = jnp.ones((2, 64, 32))
+    y = np.asarray(dropout(x, seeds, 1, 0.25))
+    assert set(np.unique(y)) == {0.0, np.float32(1 / 0.75)}
+    assert abs((y == 0).mean() - 0.25) < 0.03
+    assert not np.array_equal(y, np.asarray(dropout(x, seeds, 2, 0.25))), "each projection its own mask"
+    assert not np.array_equal(y[0], y[1]) and not np.array_equal(y[:, 0], y[:, 1]), "rows and positions differ"
+    b = stage_seeds(with_dropout_seeds(plain_batch(np.zeros((2, 4)), np.zeros((2, 4))), 0, 0, 0, 0), 1)
+    assert not np.array_equal(np.asarray(b.dropout_seed), np.asarray(stage_seeds(b, 2).dropout_seed))
+    # The MLP cut into 8-position tiles draws the masks of the whole sequence.
+    spec = LoraSpec(rank=4, alpha=16.0, dropout=0.3)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 64))
+    batch = with_dropout_seeds(plain_batch(tokens, tokens), 0, 3, 0, 0)
+    losses = []
+    for budget in (TileBudget(), TileBudget(mlp_bytes=8 * 4 * 2 * 128)):
+        from pstar_models.gpt import StagedGPT, preset
+        m = StagedGPT(dataclasses.replace(preset("tiny"), lora=spec), tiling=budget)
+        params = m.init_params(0)
+        params = {n: (v + 0.05 if n.endswith("lora_b") else v) for n, v in params.items()}
+        losses.append(float(compose_loss(m.stages(jnp.float32))(params, batch)))
+        clean = float(compose_loss(m.stages(jnp.float32))(params, batch._replace(dropout_seed=None)))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert abs(losses[0] - clean) > 1e-4, "dropout changes the loss"
+
+
 def test_spec_and_model_validation():
     with pytest.raises(ValueError, match="matches no projection"):
         lora_model("tiny", targets=("attn.q",))
@@ -158,11 +188,14 @@ def test_spec_and_model_validation():
 
 # -- the engines -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_chunked_under_eviction_equals_plain_and_trains_exactly_the_adapters(micro_batches):
+@pytest.mark.parametrize("micro_batches,dropout", [(1, 0.0), (2, 0.0), pytest.param(2, 0.1, marks=pytest.mark.slow)])
+def test_chunked_under_eviction_equals_plain_and_trains_exactly_the_adapters(micro_batches, dropout):
     """fp32, 10 steps, chunks moving every step: losses and tensors equal the plain engine's with
-    the same LoRA model, init and batches; frozen tensors bit-identical; only adapters change."""
-    m = lora_model("tiny")
+    the same LoRA model, init and batches; frozen tensors bit-identical; only adapters change.
+    With dropout the masks are the same in both engines and in the chunked engine's recomputed
+    forward (else its grads, and so its tensors, would differ from plain's)."""
+    m = lora_model("tiny", dropout=dropout)
+    assert m.dropout_seeded == (dropout > 0)
     frozen = frozen_for_lora(m, LoraConfig(rank=4))
     assert frozen == {n for n in m.param_shapes() if not is_adapter(n)}
     engine, reference = chunked(m, frozen, micro_batches=micro_batches), plain(m, frozen, micro_batches)
@@ -191,11 +224,13 @@ def test_chunked_under_eviction_equals_plain_and_trains_exactly_the_adapters(mic
     assert changed == set(adapter_names(m))
 
 
+@pytest.mark.slow
 @needs_8
-def test_zero_over_8_devices_equals_plain():
-    m = lora_model("tiny")
-    frozen = frozen_for_lora(m, LoraConfig(rank=4))
-    engine, reference = chunked(m, frozen, W=8, batch=8), plain(m, frozen, W=8)
+def test_zero_over_8_devices_equals_plain_on_one_with_the_same_dropout_masks():
+    """Dropout seeds follow the global row, not the device: 8 devices equal 1."""
+    m = lora_model("tiny", dropout=0.1)
+    frozen = frozen_for_lora(m, LoraConfig(rank=4, dropout=0.1))
+    engine, reference = chunked(m, frozen, W=8, batch=8), plain(m, frozen, W=1)
     for step in batches(10, batch=8):
         r = engine.step(step)
         np.testing.assert_allclose(r.loss, reference.step(step).loss, rtol=1e-5)
@@ -248,11 +283,63 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     (["--lora-targets", "attn.nope"], "matches no projection"),
     (["--lora-rank", "40"], "exceeds"),
     (["--lora-modules-to-save", "nope"], "matches no base tensor"),
-    (["--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "0", "--lora-rslora"], "--lora-rslora is set but --lora-rank is 0"),
+    (["--init-from-flax", "x"], "--lora-rank and --init-from-flax conflict"),
 ])
 def test_bad_lora_flags_are_one_line(capsys, flags, words):
     from pstar_jax.train import main
     assert main([*TRAIN, "--steps", "1", *flags]) == 2  # (a repeated flag's last value wins)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.slow
+def test_a_lora_run_from_a_hugging_face_checkpoint_starts_at_the_base_loss(tmp_path):
+    """--init-from-hf with --lora-rank: the base comes from the checkpoint (which has no adapters),
+    the adapters from peft's init, and the first step's loss is the base model's."""
+    import pstar_jax as ps
+    from pstar_models.llama import LlamaConfig, StagedLlama
+    from test_hf import write_family_checkpoint
+    model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
+                                    seq_len=32, max_position_embeddings=32))
+    src = str(tmp_path / "src")
+    write_family_checkpoint(src, model)
+    tokens = np.random.default_rng(0).integers(0, 300, 4000).astype(np.uint16)
+    first = {}
+    for rank in (0, 4):
+        config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(steps=1, batch_size=4),
+                              engine=ps.EngineConfig(precision="fp32", chunk_numel=16384, machine="h200"),
+                              distributed=ps.DistributedConfig(data_parallel=1), output=ps.OutputConfig(quiet=True),
+                              lora=ps.LoraConfig(rank=rank))
+        with ps.Run(config, tokens=tokens, verbose=False) as run:
+            params = run.engine.params()
+            assert set(params) == set(run.model.param_shapes())
+            if rank:
+                assert {n for n in params if is_adapter(n)} == set(adapter_names(run.model))
+                assert run.engine.layout.trainable_chunks and all(
+                    run.engine.layout.is_frozen(s.chunk) != is_adapter(s.name) for s in run.engine.layout.slots)
+            first[rank] = next(iter(run.fit()))["loss"]
+            base = {n: v for n, v in params.items() if not is_adapter(n)}
+            first[f"params{rank}"] = base
+    for n, v in first["params0"].items():
+        np.testing.assert_array_equal(first["params4"][n], v, err_msg=n)
+    np.testing.assert_allclose(first[4], first[0], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_dropout_stops_and_resumes_exactly(tmp_path):
+    """Six straight steps equal three, a checkpoint, and three resumed: the adapters' state and
+    the dropout masks (seeded by the step) come back the same."""
+    import json
+
+    from pstar_jax.train import main
+    flags = [*TRAIN, "--lora-dropout", "0.1", "--steps", "6"]
+    straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
+    assert main([*flags, "--metrics-out", str(straight)]) == 0
+    assert main([*flags, "--stop-after", "3", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+    assert main([*flags, "--resume", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+
+    def losses(path):
+        return [json.loads(line)["loss"] for line in open(path)]
+    assert losses(split) == losses(straight) and len(losses(straight)) == 6

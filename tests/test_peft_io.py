@@ -117,10 +117,17 @@ def test_peft_loads_our_adapter_with_our_merged_logits(tmp_path, case):
     assert files == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
     peft_model, result = load_peft(base_dir, out)
-    assert not result.missing_keys and not result.unexpected_keys, result
+    # transformers 5.x: peft 0.21 finds no tied modules in a from_pretrained model, so the head's
+    # copy that peft itself writes beside a saved tied embedding (and loads cleanly on 4.x) is
+    # reported unexpected there, for peft's own adapters as well; the logits below still check that
+    # the saved embedding serves as the head.
+    import transformers
+    v5_tied = model.config.tie_embeddings and "embed" in modules and int(transformers.__version__.split(".")[0]) >= 5
+    ignored = {"base_model.model.lm_head.weight"} if v5_tied else set()
+    assert not result.missing_keys and set(result.unexpected_keys) == ignored, result
     written = load_file(os.path.join(out, ADAPTER_WEIGHTS))
     state = peft_model.state_dict()
-    for key in written:  # every tensor written landed in a module of the peft model
+    for key in set(written) - ignored:  # every tensor written landed in a module of the peft model
         module, tensor = key.rsplit(".", 1)
         loaded = f"{module}.default.{tensor}" if ".lora_" in key else f"{module}.modules_to_save.default.{tensor}"
         assert loaded in state, key

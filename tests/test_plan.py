@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from pstar_jax.machine import H200
 from pstar_jax.eviction import policy_for
-from pstar_jax.plan import _State, choose, host_needed_bytes, make_plan, plan_step, simulate
+from pstar_jax.plan import choose, host_needed_bytes, make_plan, plan_step
+from pstar_jax.replay import ReplayState, simulate
 from pstar_jax.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
@@ -44,9 +45,9 @@ def test_plan_is_periodic_and_counts_traffic():
     plan = make_plan(shape, 300 + 900, 10**9, H200)
     assert plan.fits and plan.h2d_bytes > 0
     accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads)
-    start = _State(dict(plan.initial_device),
+    start = ReplayState(dict(plan.initial_device),
                    {("slot", c) for c in range(shape.n_chunks)} - {i for i, d in plan.initial_device if d})
-    moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_bytes, start,
+    moments, end = simulate(accesses, [m.capacity_bytes for m in plan.moments], shape.item_size, start,
                             policy_for("belady", accesses))
     assert sum(m.h2d_bytes for m in moments) == plan.h2d_bytes
     assert tuple(sorted(end.device.items())) == plan.initial_device
@@ -217,3 +218,63 @@ def test_frozen_chunks_are_read_only_and_free_to_evict(n_blocks, per_block, micr
     assert set(dirty) == {item for item, _ in plan.initial_device}
     bound = host_needed_bytes(shape, device, plan.opt_on_device, plan.opt_streamed)
     assert bound <= plan.peak_host_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.integers(0, 4000), st.integers(0, 40),
+       st.sampled_from([30, 100, 250]))
+def test_stage_inputs_are_placed_within_capacity_and_never_outlive_the_step(n_blocks, per_block, micro, extra, k,
+                                                                          input_bytes):
+    """With stage inputs as items of their own size: at every moment chunks + stage inputs +
+    optimizer state + non-model data <= device, each moment's inputs are on the device when it runs,
+    the moment's input_bytes are those resident, the step starts and ends with none, every input
+    sent to the host comes back exactly once (before its backward), and what goes up is counted in
+    the plan's d2h bytes and its input_offload_bytes."""
+    shape = gpt_like_shape(n_blocks, per_block, micro, input_bytes=input_bytes)
+    device = 300 + 2 * (per_block + 1) * 100 + input_bytes + extra
+    opt = [c < k for c in range(shape.n_chunks)]
+    plan = plan_step(shape, device, 10**9, H200, opt)
+    if not plan.fits:
+        assert "runs out" in plan.problem
+        return
+    accesses = step_accesses(shape, opt)
+    size = shape.item_size
+    resident = {item for item, _ in plan.initial_device}
+    assert not any(item[0] == "act" for item in resident)
+    went_up, came_down = [], []
+    for m, a in zip(plan.moments, accesses):
+        resident = (resident - set(m.evict)) | set(m.fetch)
+        went_up += [it for it in m.evict if it[0] == "act"]
+        came_down += [it for it in m.fetch if it[0] == "act"]
+        resident |= set(a.needs)
+        acts = sum(size(it) for it in resident if it[0] == "act")
+        assert m.input_bytes == acts and m.chunk_bytes == sum(size(it) for it in resident) - acts
+        assert m.chunk_bytes + m.input_bytes + a.non_model_bytes + sum(opt) * 600 <= device
+        resident -= set(a.to_host) | set(a.consumes) | set(a.drops)
+        resident |= set(a.creates_device)
+    assert not any(item[0] == "act" for item in resident)
+    assert sorted(went_up) == sorted(came_down) and len(set(went_up)) == len(went_up)
+    assert plan.input_offload_bytes == sum(map(size, went_up)) <= plan.d2h_bytes
+    assert plan.input_bytes == shape.input_bytes_per_step
+
+
+def test_offloading_stage_inputs_fits_a_step_that_keeping_them_cannot_and_costs_their_copies():
+    """Stage inputs far larger than the chunks: a device below the working memory of a step that
+    keeps them all (``busiest_working_bytes``) fits by sending them to the host, with their bytes
+    moved both ways and in the predicted time (a slower link predicts a slower step); a host too
+    small for them is the limit, said as host memory running out."""
+    shape = gpt_like_shape(6, 1, input_bytes=400)
+    device = 2000
+    assert device < shape.busiest_working_bytes
+    plan = make_plan(shape, device, 10**9, H200)
+    assert plan.fits and plan.input_offload_bytes >= 400 and plan.peak_device_bytes <= device
+    assert plan.h2d_bytes >= plan.input_offload_bytes and plan.d2h_bytes >= plan.input_offload_bytes
+    slow = dc.replace(H200, h2d_bytes_per_s=H200.h2d_bytes_per_s / 1e4, d2h_bytes_per_s=H200.d2h_bytes_per_s / 1e4)
+    slowed = plan_step(shape, device, 10**9, slow, plan.opt_on_device, streamed=plan.opt_streamed)
+    assert slowed.input_offload_bytes == plan.input_offload_bytes
+    assert slowed.predicted_step_s >= slowed.h2d_bytes / slow.h2d_bytes_per_s  # one copy engine down, in series
+    host_for_chunks = plan.peak_host_bytes - plan.input_offload_bytes // 2
+    short = plan_step(shape, device, host_for_chunks, H200, plan.opt_on_device, streamed=plan.opt_streamed)
+    assert not short.fits and short.problem.startswith("host memory runs out")
+    roomy = make_plan(shape, 10**6, 10**9, H200)
+    assert roomy.input_offload_bytes == 0 and roomy.h2d_bytes == roomy.d2h_bytes == 0

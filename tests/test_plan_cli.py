@@ -18,7 +18,7 @@ def test_tiny_fits_and_reports_everything(capsys):
     assert main([*TINY, "--device-memory", "4MiB", "--host-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     for words in ("fits: peak device", "resident:", "adam: on the device for", "moved per step:",
-                  "predicted:", "largest depth that fits", "largest batch that fits"):
+                  "stage inputs: ", "predicted:", "largest depth that fits", "largest batch that fits"):
         assert words in out, words
 
 
@@ -33,6 +33,7 @@ def test_json_is_the_plan(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["fits"] is True and data["n_chunks"] >= 2
     assert len(data["plan"]["moments"]) > 0 and "h2d_bytes" in data["plan"]
+    assert data["plan"]["input_bytes"] > 0 and 0 <= data["plan"]["input_offload_bytes"] <= data["plan"]["d2h_bytes"]
 
 
 def test_plot_writes_a_png(tmp_path):

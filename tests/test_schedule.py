@@ -72,3 +72,32 @@ def test_scale_batch_scales_activations_and_flops_only():
     assert double.head_flops == 2 * shape.head_flops and double.stage_chunks == shape.stage_chunks
     assert (double.item_bytes, double.opt_state_bytes, double.n_chunks) == (shape.item_bytes, shape.opt_state_bytes,
                                                                             shape.n_chunks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**8 - 1))
+def test_stage_inputs_are_read_by_their_forward_and_their_backward_only(n_blocks, per_block, micro, mask):
+    """Each stage input ("act", i, m), every stage but the first: needed by stage i's forward (the
+    head's one moment, for the last stage) and by its backward in micro-batch m, nothing else, and
+    dropped after the backward; below the lowest trainable stage no backward runs, so it is dropped
+    after its forward. The step ends with none."""
+    import dataclasses as dc
+    base = gpt_like_shape(n_blocks, per_block, micro, input_bytes=50)
+    frozen = tuple(bool(mask >> c & 1) for c in range(base.n_chunks))
+    shape = dc.replace(base, frozen=frozen if not all(frozen) else (False,) + frozen[1:])
+    accesses = step_accesses(shape, [True] * shape.n_chunks)
+    head = len(shape.stage_chunks) - 1
+    lowest = min(i for i, cs in enumerate(shape.stage_chunks) if any(not shape.is_frozen(c) for c in cs))
+    for m in range(micro):
+        for i in range(1, head + 1):
+            item = ("act", i, m)
+            readers = [(a.phase, a.index, a.micro) for a in accesses if item in a.needs]
+            droppers = [(a.phase, a.index, a.micro) for a in accesses if item in a.drops]
+            if i == head:
+                assert readers == droppers == [("head", head, m)]
+            elif i >= lowest:
+                assert readers == [("fwd", i, m), ("bwd", i, m)] and droppers == [("bwd", i, m)]
+            else:
+                assert readers == droppers == [("fwd", i, m)]
+    assert not any(it[0] == "act" for a in accesses for it in a.consumes + a.to_host + a.creates_device)
+    assert shape.item_size(("act", 1, 0)) == 50 and shape.item_size(("slot", 0)) == shape.item_bytes

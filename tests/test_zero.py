@@ -1,5 +1,6 @@
 """ZeRO: sharded chunks over 8 fake devices and over 2 processes equal single-device training."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
+from pstar_jax.planning import chunked_engine
 from pstar_jax.machine import H200
 from pstar_jax.optim import default_tx
 from pstar_jax.zero import data_mesh
@@ -23,11 +24,11 @@ OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, clip_norm=1.0)
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
 
 
-def engine(W, adam="auto", budget=None):
+def engine(W, adam="auto", budget=None, n_layer=2):
     mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
     cfg = EngineConfig(8192, budget, "fp32", adam_placement=adam)
-    return ChunkedEngine(StagedGPT(preset("tiny")), cfg, default_tx(OPTIM), mesh, (8, 64), H200,
-                         clip_norm=OPTIM.clip_norm)
+    return chunked_engine(StagedGPT(dataclasses.replace(preset("tiny"), n_layer=n_layer)), cfg, default_tx(OPTIM), mesh,
+                          (8, 64), H200, clip_norm=OPTIM.clip_norm)
 
 
 def train(e, steps=3):
@@ -148,7 +149,7 @@ def test_sft_zero_over_8_devices_equals_one_device_both_engines():
 
     def chunked(W):
         mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
-        return ChunkedEngine(StagedGPT(preset("tiny")), cfg, tx, mesh, (8, 64), H200, clip_norm=0.05)
+        return chunked_engine(StagedGPT(preset("tiny")), cfg, tx, mesh, (8, 64), H200, clip_norm=0.05)
 
     def plain(W):
         mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
@@ -161,3 +162,19 @@ def test_sft_zero_over_8_devices_equals_one_device_both_engines():
         pa, pb = single.params(), sharded.params()
         for name in pa:
             np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=1e-6, err_msg=f"{make.__name__} {name}")
+
+
+@needs_8
+def test_stage_inputs_sharded_over_8_devices_go_to_the_host_and_back_as_planned():
+    """Stage inputs are sharded over the data axis like the batch: each device's item is 1/8 of
+    one device's, and a budget that makes the plan offload them moves exactly the planned bytes,
+    with the losses of the same 8 devices keeping everything on the device, bit for bit."""
+    roomy = engine(8, "device", 10**8, n_layer=8)
+    planned = roomy.plan_for((8, 64))
+    shape, accesses = planned.shape, planned.accesses
+    assert shape.input_bytes[1] == 8 * 64 * 32 * 4 // 8  # fp32 rows of d_model 32, an eighth per device
+    least = max(a.non_model_bytes + sum(map(shape.item_size, a.needs)) for a in accesses)
+    tight = engine(8, "auto", least + 2 * shape.item_bytes, n_layer=8)
+    assert tight.plan.input_offload_bytes > 0
+    for a, b in zip(train(tight), train(roomy)):
+        assert a.loss == b.loss and (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
