@@ -47,12 +47,13 @@ class Machine:
 
 
 # One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, Adam on the device and with
-# compute_on('device_host') over 16 cores. The compute rate is in FLOPs as XLA's cost analysis
-# counts them (what the trace records, recompute included): plain GPT 1.3B with full remat took
-# 0.426 s/step there, and its compiled step counts 1.692e14 FLOPs (scripts/calibrate_flops.py),
-# so 397e12/s. Not measured there: the fixed cost per call (0) and whether the two copy
-# directions overlap (assumed not).
-H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 397e12, 119e9, 0.88e9)
+# compute_on('device_host') over 16 cores. The compute rate is in FLOPs as the trace counts them
+# (pstar_jax.flops: XLA's cost analysis with every loop iteration, recompute included): plain GPT
+# 1.3B with full remat took 0.426 s/step there, and its compiled step counts 1.739e14 FLOPs
+# (scripts/calibrate_flops.py; the chunked trace of the same step counts the same), so 408e12/s.
+# Not measured there: the fixed cost per call (0) and whether the two copy directions overlap
+# (assumed not).
+H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 408e12, 119e9, 0.88e9)
 
 
 # The same if the two copy directions overlap fully (scripts/bandwidth.py says whether they do).

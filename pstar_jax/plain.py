@@ -290,11 +290,20 @@ class PlainEngine:
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
+        return self._step.lower(*self._abstract_step_args(micro_batch, seq_len)).compile()
+
+    def counted_flops(self, micro_batch: int, seq_len: int) -> float:
+        """One step's FLOPs per device as the chunked trace counts them (pstar_jax.flops: XLA's count
+        with every iteration of the layer and micro-batch scans), the units of Machine.flops_per_s."""
+        from pstar_jax.flops import call_flops
+        return call_flops(self._step, *self._abstract_step_args(micro_batch, seq_len))[1]
+
+    def _abstract_step_args(self, micro_batch: int, seq_len: int) -> tuple:
         rows = NamedSharding(self.mesh, P(None, "data"))
         shape = (self.micro_batches, micro_batch, seq_len)
         batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.float32 if f == "loss_mask" else jnp.int32, sharding=rows)
                         for f in PER_POSITION))
-        return self._step.lower(self._abstract_params, self._abstract_opt, batch).compile()
+        return self._abstract_params, self._abstract_opt, batch
 
     def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""

@@ -1,7 +1,8 @@
 """pstar-plan: will this model train here, and how? Answers from the trace alone, no model data.
 
 Prints whether it fits, the chunk size, how many chunks stay on the device, where Adam runs,
-the bytes moved per step, a predicted step time, and the largest depth and batch that fit.
+the bytes moved per step, a predicted step time, and the largest depth and batch that fit
+(``--largest-seq-len``: also the longest sequence that trains at batch 1).
 The model is a preset (``pstar-plan GPT3_12B`` or ``--model GPT3_12B``) or a Hugging Face
 checkpoint's config.json (``--init-from-hf DIR``); the machine is one H200 unless the flags say
 otherwise, and the first line says what was planned for. Exit 0 when it fits, 1 when it does not
@@ -20,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from pstar_jax import cli
 from pstar_jax.config import ConfigError, EngineConfig, ModelConfig, RunConfig, TrainConfig
+from pstar_jax.lora import LoraConfig
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 GiB = 2**30
@@ -47,11 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_section(p, "engine", skip=("kind", "remat"),
                     defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"},
                     helps=PLAN_HELPS)
+    cli.add_section(p, "lora")
     g = p.add_argument_group("pstar-plan")
     g.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO) (default: 1)")
     g.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's --host-memory "
                    "(default: W up to 8)")
     g.add_argument("--no-search", action="store_true", help="skip the largest depth and batch searches")
+    g.add_argument("--largest-seq-len", action="store_true", help="also search the longest sequence that trains "
+                   "at batch 1 (one sequence per device; traces each length tried: a minute or more for a large "
+                   "model)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw the memory timeline (.png, .pdf, .svg)")
     return p
@@ -68,23 +74,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def model_label(config: ModelConfig, model) -> str:
-    """The model by its actual shape: the preset (or HF directory), what the flags changed, the dimensions."""
+def model_label(config: ModelConfig, model, lora: LoraConfig | None = None) -> str:
+    """The model by its actual shape: the preset (or HF directory), what the flags changed, the
+    dimensions, and a LoRA run's adapters."""
     changed = [f"{k} {v}" for k, v in config.overrides().items() if k != "tie_embeddings"]
     dims = [f"{name} {getattr(model.config, name)}" for name in ("d_model", "n_layer", "n_head", "vocab_size",
                                                                   "seq_len") if hasattr(getattr(model, "config", None), name)]
     name = config.init_from_hf or config.name
-    return name + (f" with {', '.join(changed)}" if changed else "") + (f" ({', '.join(dims)})" if dims else "")
+    adapters = ""
+    if lora is not None and lora.enabled:
+        from pstar_jax.lora import adapter_names
+        n = len(adapter_names(model))
+        adapters = f" + LoRA rank {lora.rank} ({n} adapter tensors" + (
+            f", {lora.modules_to_save} trained in full)" if lora.modules_to_save else ", the base frozen)")
+    return (name + (f" with {', '.join(changed)}" if changed else "") + (f" ({', '.join(dims)})" if dims else "")
+            + adapters)
 
 
 def depth_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
-    """How the depth search rebuilds the model at another depth: the preset with --n-layer, or, for
-    an imported checkpoint (whose config.json fixes the depth), its own shape with another n_layer;
-    None (no depth search) for a model whose shape pstar-plan cannot vary."""
+    """How the depth search rebuilds the model at another depth (see ``shape_builder``)."""
+    build = shape_builder(config, model)
+    return None if build is None else (lambda n_layer: build(n_layer=n_layer))
+
+
+def seq_len_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
+    """How the longest-sequence search rebuilds the model for another sequence length."""
+    build = shape_builder(config, model)
+    return None if build is None else (lambda seq_len: build(seq_len=seq_len))
+
+
+def shape_builder(config: RunConfig, model) -> Callable[..., Any] | None:
+    """``build(**changes)``: the model with other shape fields (n_layer, seq_len): the preset with
+    those flags, or, for an imported checkpoint (whose config.json fixes the shape), its own shape
+    with those fields replaced; None for a model whose shape pstar-plan cannot vary."""
     from pstar_jax.loop import load_model
     if not config.model.init_from_hf:
-        return lambda n_layer: load_model(dataclasses.replace(
-            config, model=dataclasses.replace(config.model, n_layer=n_layer)))
+        return lambda **changes: load_model(dataclasses.replace(
+            config, model=dataclasses.replace(config.model, **changes)))
     shape = getattr(model, "config", None)
     if not (dataclasses.is_dataclass(shape) and hasattr(shape, "n_layer")):
         return None
@@ -92,7 +118,7 @@ def depth_builder(config: RunConfig, model) -> Callable[[int], Any] | None:
         type(model)(shape)
     except (TypeError, ValueError):
         return None
-    return lambda n_layer: type(model)(dataclasses.replace(shape, n_layer=n_layer))
+    return lambda **changes: type(model)(dataclasses.replace(shape, **changes))
 
 
 def _check(args, config: RunConfig) -> None:
@@ -146,7 +172,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("EngineConfig.device_memory must be a size in bytes here (e.g. 80GiB): pstar-plan plans "
                           "for a device it does not see")
     config = RunConfig(model=cli.build(ModelConfig, args, "model"), engine=engine,
-                       train=cli.build(TrainConfig, args, "train"))
+                       train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"))
     _check(args, config)
     W = args.data_parallel
     host_bytes = engine.host_memory // (args.devices_per_host or min(W, 8))  # the plan is per device
@@ -162,10 +188,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     machine = load_machine(engine.machine)
     model = load_model(config)
 
+    seq_len_at = seq_len_builder(config, model) if args.largest_seq_len else None
+    if args.largest_seq_len and seq_len_at is None:
+        raise ConfigError("--largest-seq-len needs a model whose sequence length pstar-plan can vary (a preset or a "
+                          "Hugging Face config.json); this model's class cannot be rebuilt from its config")
     mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
     report = plan_report(model, engine, config.train.batch_size, mesh, machine, host_bytes,
-                         label=model_label(config.model, model), model_at=depth_builder(config, model),
-                         search=not args.no_search and not args.json)
+                         label=model_label(config.model, model, config.lora), model_at=depth_builder(config, model),
+                         search=not args.no_search and not args.json,
+                         seq_len_at=seq_len_at, lora=config.lora)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model.config) if hasattr(model, "config") else {},
                           **report.to_json()}))

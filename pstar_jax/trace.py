@@ -4,7 +4,8 @@ A *moment* is one stage call: each stage's forward, the head (forward and backwa
 stage's backward, then the optimizer per chunk; a forward-only pass (held-out loss) has only the
 forwards and a head that computes the loss (``trace_forward``). The trace is taken before any
 model data exists: every distinct stage function is lowered and compiled on abstract arguments,
-and ``memory_analysis()`` gives its temporaries and outputs, ``cost_analysis()`` its FLOPs. The
+and ``memory_analysis()`` gives its temporaries and outputs, ``pstar_jax.flops`` its FLOPs (every
+loop iteration counted: XLA's cost analysis counts a loop body once). The
 non-model memory of a moment is what the stage call needs beside the chunks and the stage inputs:
 the micro-batch (its ``Batch``: tokens and side inputs, live from the first forward to the first
 stage's backward; with LoRA dropout, ``dropout_seeded``, its rows' seeds too, so the masks are
@@ -24,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pstar_jax import compat
 from pstar_jax.batch import PER_POSITION, Batch
+from pstar_jax.flops import call_flops
 from pstar_jax.memory import Placement, Space
 from pstar_jax.schedule import StepShape
 from pstar_jax.stages import BoundStage, StageFunctions
@@ -36,12 +37,13 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 
 
 def _analyse(fn, *args) -> tuple[int, int, float]:
-    """(temp bytes, output bytes, flops) of one compiled call, per device."""
-    compiled = fn.lower(*args).compile()
+    """(temp bytes, output bytes, flops) of one compiled call, per device; the FLOPs count every
+    iteration of the call's loops (pstar_jax.flops: XLA's own count has each loop body once)."""
+    compiled, flops = call_flops(fn, *args)
     mem = compiled.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
     out = int(getattr(mem, "output_size_in_bytes", 0)) if mem is not None else 0
-    return temp, out, compat.cost_flops(compiled)
+    return temp, out, flops
 
 
 class _Tracer:

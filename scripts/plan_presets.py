@@ -1,14 +1,16 @@
-"""Full fine-tuning of each Llama-family preset on one machine: pstar-plan's answers as one table.
+"""Full fine-tuning (or LoRA) of each Llama-family preset on one machine: pstar-plan's answers as one table.
 
     python scripts/plan_presets.py --device-memory 132GiB --host-memory 106GiB         # one H200
     python scripts/plan_presets.py --device-memory 22GiB --host-memory 54GiB           # a 24 GiB GPU
     python scripts/plan_presets.py --presets llama-3.2-1b,qwen2.5-0.5b --json
+    python scripts/plan_presets.py --lora-rank 16 --host-memory 125GiB                # LoRA, base frozen
 
 Each row is ``pstar_jax.plan_report`` for the preset at ``--seq-len`` (what ``pstar-plan --model
 PRESET --seq-len ... --no-search --json`` answers, without a process per preset): whether it fits
 or which memory runs out and by how much, the share of param chunks that never leave the device,
 where Adam runs (chunks with state on the device / on the host / streamed through the device),
-bytes moved per step, and the predicted step time and model TFLOPS. A row that does not fit also
+bytes moved per step, and the predicted step time and model TFLOPS. With ``--lora-rank`` only the
+adapters train (14 B/param) and the base is frozen chunks (2 B/param). A row that does not fit also
 gives a bound that holds for every placement: the model data beside what the device can hold at its
 busiest moment plus the host. Predictions come from the
 machine's rates (``--machine``, the H200's by default), not from a run; plans are traced on the
@@ -49,16 +51,18 @@ def plan_preset(name: str, args: argparse.Namespace) -> ps.PlanReport:
     engine = ps.EngineConfig(device_memory=ps.parse_bytes(args.device_memory, "--device-memory"),
                              host_memory=ps.parse_bytes(args.host_memory, "--host-memory"),
                              micro_batches=args.micro_batches, precision=args.precision, machine=args.machine)
+    lora = ps.LoraConfig(rank=args.lora_rank)
     config = ps.RunConfig(model=ps.ModelConfig(name=name, module=args.model_module, seq_len=args.seq_len),
-                          engine=engine, train=ps.TrainConfig(batch_size=args.batch_size))
+                          engine=engine, train=ps.TrainConfig(batch_size=args.batch_size), lora=lora)
     return ps.plan_report(ps.load_model(config), engine, args.batch_size, default_mesh(1), load_machine(args.machine),
-                          engine.host_memory, label=name, search=False)
+                          engine.host_memory, label=name, search=False, lora=lora)
 
 
 def row(report: ps.PlanReport) -> dict:
     """One table row as data (bytes in bytes, times in seconds; None where it does not fit)."""
     plan, shape, n = report.plan, report.planned.shape, report.planned.layout.n_chunks
-    model_data = n * (shape.item_bytes + shape.opt_state_bytes)  # per device: a param or grad, master and Adam
+    # per device: a param or grad, master and Adam; a frozen chunk its param alone
+    model_data = n * shape.item_bytes + shape.n_trainable * shape.opt_state_bytes
     busiest = shape.busiest_non_model_bytes
     out = {"preset": report.label, "n_params": report.n_params, "n_chunks": n,
            "chunk_numel": report.planned.layout.chunk_numel, "model_data_bytes": model_data, "fits": plan.fits,
@@ -70,7 +74,7 @@ def row(report: ps.PlanReport) -> dict:
     if plan.fits:
         on_device, streamed = sum(plan.opt_on_device), sum(plan.opt_streamed)
         out.update(resident_fraction=plan.resident_fraction, adam_chunks_device=on_device,
-                   adam_chunks_host=n - on_device - streamed, adam_chunks_streamed=streamed,
+                   adam_chunks_host=shape.n_trainable - on_device - streamed, adam_chunks_streamed=streamed,
                    h2d_bytes=plan.h2d_bytes, d2h_bytes=plan.d2h_bytes, peak_device_bytes=plan.peak_device_bytes,
                    peak_host_bytes=plan.peak_host_bytes, predicted_step_s=plan.predicted_step_s,
                    model_tflops=report.model_tflops)
@@ -105,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--machine", default="h200", help="rates to predict with: h200, h200-duplex or a JSON file")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection, the "
+                   "base frozen (0: full fine-tuning)")
     p.add_argument("--json", action="store_true", help="one JSON object per preset instead of the table")
     args = p.parse_args(argv)
     try:
@@ -114,11 +120,12 @@ def main(argv=None) -> int:
             rows.append(row(plan_preset(name, args)))
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
-    except ps.ConfigError as err:
+    except ps.ConfigError as err:  # LoraConfig's checks too
         print(f"plan_presets: {err}", file=sys.stderr)
         return 2
     if not args.json:
-        print(f"full fine-tuning, batch {args.batch_size}x{args.seq_len} in {args.micro_batches} micro-batches, "
+        what = f"LoRA rank {args.lora_rank} (base frozen)" if args.lora_rank else "full fine-tuning"
+        print(f"{what}, batch {args.batch_size}x{args.seq_len} in {args.micro_batches} micro-batches, "
               f"{args.precision}; device {args.device_memory}, host {args.host_memory}; predicted with {args.machine} "
               "rates, not measured")
         print("\n".join(markdown(rows)))

@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import re
 
+import numpy as np
 import pytest
 
 from pstar_jax.machine import H200, save_machine
@@ -179,14 +181,15 @@ def test_every_documented_pstar_plan_command_parses():
 
 @pytest.mark.slow  # plans each documented model (up to 175B) from shapes: minutes on 2 cores
 def test_every_documented_pstar_plan_command_answers():
-    """As written (searches skipped), each in its own process: --data-parallel 32 needs 32 fake devices."""
+    """As written (searches skipped, --largest-seq-len too), each in its own process: --data-parallel 32
+    needs 32 fake devices."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for doc, argv in _documented_commands():
-        argv = [a for a in argv if a != "--no-search"] + ["--no-search"]
+        argv = [a for a in argv if a not in ("--no-search", "--largest-seq-len")] + ["--no-search"]
         proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=root, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, \
@@ -269,3 +272,36 @@ def test_does_not_fit_suggests_a_device_memory_that_fits(capsys, flags):
     follow = [*flags]
     follow[1] = suggested
     assert main([*TINY, "--no-search", *follow]) == 0, capsys.readouterr().err
+
+
+LORA_FLAGS = ["llama-tiny", "--batch-size", "4", "--device-memory", "8MiB", "--host-memory", "8MiB"]
+
+
+def test_lora_plans_adapters_trained_and_the_base_frozen(capsys):
+    """--lora-rank: the model gets its adapters, only they train (14 B/param), the base is frozen
+    chunks (2 B/param)."""
+    from pstar_jax.config import ModelConfig, RunConfig
+    from pstar_jax.lora import LoraConfig, adapter_names
+    from pstar_jax.loop import load_model
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    model = load_model(RunConfig(model=ModelConfig(name="llama-tiny"), lora=LoraConfig(rank=4)))
+    shapes = model.param_shapes()
+    adapters = sum(int(np.prod(shapes[n])) for n in adapter_names(model))
+    assert adapters > 0 and data["n_trainable"] == adapters and data["n_params"] == model.n_params()
+    assert data["model_data_bytes"] == 14 * adapters + 2 * (model.n_params() - adapters)
+    assert data["plan"]["d2h_bytes"] == 0  # everything fits on the device; frozen chunks are never written back
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--no-search"]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA rank 4" in text and f"{adapters:,} trained at 14 B/param" in text and "frozen chunks have none" in text
+
+
+@pytest.mark.slow  # two depth searches of up to 512 chunks: a minute or more on 2 cores
+def test_lora_depth_search_rebuilds_adapters_and_goes_deeper(capsys):
+    """The depth search's deeper models have adapters and the same frozen base, so LoRA reaches
+    deeper than full training in the same memory."""
+    def depth(flags):
+        assert main(flags) == 0
+        text = capsys.readouterr().out
+        return int(re.search(r"largest depth that fits with this batch: (?:at least )?(\d+)", text).group(1))
+    assert depth([*LORA_FLAGS, "--lora-rank", "4"]) > depth(LORA_FLAGS)

@@ -1,7 +1,10 @@
 """The planner as a library: pstar-plan's answers as a PlanReport, for any staged model."""
 
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 import pstar_jax as ps
@@ -58,3 +61,61 @@ def test_no_placement_fits_when_the_two_memories_cannot_hold_the_model_data():
     assert could_fit(shape, 300 + data, 0) and not could_fit(shape, 300 + data - 1, 0)
     assert could_fit(shape, 300, data) and not could_fit(shape, 300, data - 1)
     assert not make_plan(shape, 300, data - 1, H200, first_fit=True).fits
+
+
+def test_depth_search_plans_with_the_runs_frozen_set():
+    """With EngineConfig.freeze, the depth search's deeper models freeze what the run would (2 B
+    per frozen parameter, no optimizer state): its answer is the depth at which the frozen plan
+    still fits and one more layer does not, deeper than full training reaches."""
+    def report(n_layer, freeze, search=True):
+        cfg = ps.EngineConfig(device_memory=3 * MiB, chunk_numel=8192, freeze=freeze)
+        return ps.plan_report(build_model("tiny", n_layer=n_layer), cfg, 4, mesh(), H200, 2 * MiB, search=search,
+                              model_at=lambda n: build_model("tiny", n_layer=n))
+    full, frozen = report(2, None).depth.value, report(2, "blocks.*").depth.value
+    assert frozen > full > 2
+    assert report(frozen, "blocks.*", search=False).fits and not report(frozen + 1, "blocks.*", search=False).fits
+
+
+def test_longest_within_brackets_the_answer_and_probes_few_lengths():
+    """The longest-sequence search's bisection: its answer fits, a length within the tolerance (or
+    one granule) above does not, every probe is a granule multiple, and it asks about
+    log2(answer / start) + log2(1 / tolerance) lengths."""
+    import math
+    from pstar_jax.planner import longest_within
+    g, tol, cap = 64, 0.03, 1 << 23
+    for answer in (0, 63, 64, 100, 1000, 4096, 77_777, 540_000, 1 << 23):
+        for start in (64, 4096, 131072):
+            asked = []
+
+            def fits(n, answer=answer):
+                asked.append(n)
+                return n <= answer
+            n, capped = longest_within(fits, start, g, tol, cap)
+            assert all(a % g == 0 for a in asked) and n % g == 0 and fits(n) or n == 0
+            assert capped == (answer >= cap)
+            if not capped:
+                step = math.ceil((n + max(g, tol * n)) / g) * g
+                assert not fits(max(step, g)), (answer, start, n)
+                assert n >= answer // g * g / (1 + tol) - g, (answer, start, n)
+            distinct = len(set(asked))
+            assert distinct <= abs(math.log2(max(answer, g) / start)) + math.log2(1 / tol) + 4, (answer, start, asked)
+
+
+@pytest.mark.slow  # about ten traces of a tiny Llama (seven compiles each): a minute or more on 2 cores
+def test_longest_seq_len_trains_and_a_little_longer_does_not():
+    from pstar_models.llama import LlamaConfig, StagedLlama
+    from pstar_jax.planner import SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE
+    base = LlamaConfig(vocab_size=128, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, seq_len=256)
+
+    def at(seq_len):
+        return StagedLlama(dataclasses.replace(base, seq_len=seq_len))
+    cfg = ps.EngineConfig(device_memory=24 * MiB)
+    report = ps.plan_report(at(256), cfg, 1, mesh(), H200, 2**30, search=False, seq_len_at=at)
+    n = report.seq_len_search.value
+    assert n > 256 and report.longest.fits and report.longest.seq_len == n
+    longer = -(-int(n + max(SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE * n)) // SEQ_LEN_GRANULE) * SEQ_LEN_GRANULE
+    cfg_at = dataclasses.replace(cfg, chunk_numel=report.longest.planned.layout.chunk_numel)
+    assert not ps.plan_report(at(longer), cfg_at, 1, mesh(), H200, 2**30, search=False).fits
+    data = report.to_json()["largest_seq_len"]
+    assert data["value"] == n and data["plan"]["fits"] and data["tokens_per_s"] > 0
+    assert "longest sequence that trains at 1 sequence:" in "\n".join(report.lines())

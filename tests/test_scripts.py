@@ -85,6 +85,26 @@ def test_plan_presets_answers_as_pstar_plan():
     assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_plan_presets_lora_rows_answer_as_pstar_plan(capsys):
+    """--lora-rank: the row counts frozen chunks at 2 B/param (no optimizer state) and answers as
+    pstar-plan --lora-rank does (in process: both trace on this CPU backend)."""
+    import json
+    from scripts import plan_presets
+    from pstar_jax.plan_cli import main as plan_main
+    flags = ["--seq-len", "128", "--batch-size", "2", "--micro-batches", "2", "--device-memory", "6GiB",
+             "--host-memory", "8GiB"]
+    assert plan_presets.main(["--presets", "qwen2.5-0.5b", *flags, "--lora-rank", "4", "--json"]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert plan_main(["--model", "qwen2.5-0.5b", *flags, "--lora-rank", "4", "--no-search", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert mine["fits"] and (mine["h2d_bytes"], mine["d2h_bytes"]) == (cli["plan"]["h2d_bytes"], cli["plan"]["d2h_bytes"])
+    assert mine["predicted_step_s"] == cli["plan"]["predicted_step_s"] and mine["n_chunks"] == cli["n_chunks"]
+    trained_chunks = mine["adam_chunks_device"] + mine["adam_chunks_host"] + mine["adam_chunks_streamed"]
+    assert 1 <= trained_chunks < mine["n_chunks"]  # the adapters' chunks; the base's are frozen
+    item, state = cli["plan"]["item_bytes"], cli["plan"]["opt_state_bytes"]
+    assert mine["model_data_bytes"] == mine["n_chunks"] * item + trained_chunks * state
+
+
 def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():
     import pstar_models
 
