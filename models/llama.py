@@ -33,10 +33,10 @@ from flax import nnx
 
 from pstar_models.lora import LoraSpec, check_spec, init_adapter, is_adapter, position_seeds, project
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
-                               visible_TxS, write_cache)
+                               tiled_modules, visible_TxS, write_cache)
 from pstar_jax.attention import causal_attention
 from pstar_jax.model import NNXStaged, cross_entropy
-from pstar_jax.tiling import TileBudget, mlp_tile, tiled_over_sequence
+from pstar_jax.tiling import TileBudget, mlp_tile
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
 
@@ -325,13 +325,6 @@ def _residual_std(config: LlamaConfig) -> float:
     return 0.02 / math.sqrt(2 * config.n_layer)
 
 
-def _tiled(modules: tuple[nnx.Module, ...], fn: Any, config: Any, xs: tuple, tile: int) -> Any:
-    """``fn(modules, config, *x_tile)`` over sequence tiles of ``xs`` (pstar_jax.tiling): the
-    modules' weights go in as the loop's parameters, so their gradients add up in float32."""
-    graph, state = nnx.split(modules)
-    return tiled_over_sequence(lambda s, x: fn(nnx.merge(graph, s), config, *x), xs, tile=tile, params=state)
-
-
 def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions_BxT: jax.Array,
               seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """attn_norm, then q, k, v with RoPE (Attention.qkv's numerics) on one tile of positions."""
@@ -344,7 +337,7 @@ def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions
     return q, k, project(v_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head)
 
 
-def _out_tile(modules: tuple, _: None, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
+def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
               seeds_BxT: jax.Array | None) -> jax.Array:
     """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.))."""
     o_proj, norm, mlp = modules
@@ -377,10 +370,11 @@ class Block(nnx.Module):
         if positions is None:  # the same float32 RoPE angles as rope_tables, tileable
             positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         tile = mlp_tile(B, L, self.mlp.d_ff, self.mlp.tiling.mlp_bytes)
-        q, k, v = _tiled((self.attn_norm, self.attn.q, self.attn.k, self.attn.v), _qkv_tile, self.attn.config,
-                         (x_BxLxD, positions, seeds), tile)
+        config = self.attn.config
+        q, k, v = tiled_modules((self.attn_norm, self.attn.q, self.attn.k, self.attn.v),
+                                lambda m, *x: _qkv_tile(m, config, *x), (x_BxLxD, positions, seeds), tile)
         out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
-        return _tiled((self.attn.o, self.mlp_norm, self.mlp), _out_tile, None, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        return tiled_modules((self.attn.o, self.mlp_norm, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
@@ -420,7 +414,11 @@ class Llama(nnx.Module):
         (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
         tied = self.config.tie_embeddings
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
-        return head_loss_sum(self.norm(h_BxLxD), head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
+        # The final norm over sequence tiles too: whole, its float32 intermediates would be the
+        # head's largest buffers (4 x L x D x 4 bytes).
+        B, L, D = h_BxLxD.shape
+        normed = tiled_modules((self.norm,), lambda m, x: m[0](x), (h_BxLxD,), mlp_tile(B, L, D, self.tiling.mlp_bytes))
+        return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The first stage: token embeddings (positions enter through RoPE in the blocks)."""
