@@ -124,6 +124,26 @@ def tiled_mlp(mlp: nnx.Module, x_BxLxD: jax.Array, d_hidden: int, tile_bytes: in
                                tile=tile, params=state)
 
 
+def tiled_modules(modules: tuple[nnx.Module, ...], fn: Any, xs: tuple, tile: int) -> Any:
+    """``fn(modules, *x_tile)`` over sequence tiles of ``xs`` (pstar_jax.tiling): the modules'
+    weights go in as the loop's parameters, so their gradients add up in float32."""
+    graph, state = nnx.split(modules)
+    return tiled_over_sequence(lambda s, x: fn(nnx.merge(graph, s), *x), xs, tile=tile, params=state)
+
+
+def _qkv_tile(modules: tuple, x_BxTxD: jax.Array, seeds_BxT: jax.Array | None) -> jax.Array:
+    ln, qkv = modules
+    return project(qkv, ln(x_BxTxD), seeds_BxT)
+
+
+def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array, seeds_BxT: jax.Array | None) -> jax.Array:
+    """The rest of the block on one tile: x + proj(out), then + mlp(ln2(.))."""
+    proj, ln, mlp = modules
+    B, T = out_BxTxHxK.shape[:2]
+    h_BxTxD = x_BxTxD + project(proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    return h_BxTxD + mlp.plain(ln(h_BxTxD), seeds_BxT)
+
+
 def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     """Tied: head is wte_VxD; untied: head is the kernel_DxV."""
     return h_BxLxD @ (head.T if tied else head)
@@ -194,12 +214,17 @@ class Attention(nnx.Module):
         self.qkv = _linear(d, 3 * d, rngs, lora=config.lora, path="attn.qkv")
         self.proj = _linear(d, d, rngs, proj_std, lora=config.lora, path="attn.proj")
 
+    def attend(self, q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+               segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The attention output before the output projection, [B, L, H, K]."""
+        return causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, attention_segments(segment_ids_BxL),
+                                tile_bytes=self.tiling.scores_bytes, float32_scores=True)
+
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
                  dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         qkv = project(self.qkv, x_BxLxD, dropout_seeds_BxL).reshape(B, L, 3, self.n_head, D // self.n_head)
-        out_BxLxHxK = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], attention_segments(segment_ids_BxL),
-                                       tile_bytes=self.tiling.scores_bytes, float32_scores=True)
+        out_BxLxHxK = self.attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], segment_ids_BxL)
         return project(self.proj, out_BxLxHxK.reshape(B, L, D), dropout_seeds_BxL)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -245,8 +270,14 @@ class Block(nnx.Module):
         ``positions`` are read by the embedding, not here; ``dropout_seed`` [B] (this stage's,
         pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
         seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
-        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD), segment_ids, seeds)
-        return x_BxLxD + self.mlp(self.ln2(x_BxLxD), seeds)
+        B, L, D = x_BxLxD.shape
+        # As models/llama.py's block: the position-wise parts over sequence tiles (checkpointed),
+        # attention over query tiles between them, so the backward keeps no whole float32 norms.
+        tile = mlp_tile(B, L, self.mlp.d_hidden, self.mlp.tiling.mlp_bytes)
+        qkv = tiled_modules((self.ln1, self.attn.qkv), _qkv_tile, (x_BxLxD, seeds), tile)
+        qkv = qkv.reshape(B, L, 3, self.attn.n_head, D // self.attn.n_head)
+        out_BxLxHxK = self.attn.attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], segment_ids)
+        return tiled_modules((self.attn.proj, self.ln2, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.ln1(x_BxTxD), cache, pos)
@@ -288,7 +319,10 @@ class GPT(nnx.Module):
         (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
         tied = self.config.tie_embeddings
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
-        return head_loss_sum(self.ln_f(h_BxLxD), head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
+        B, L, D = h_BxLxD.shape  # ln_f over sequence tiles: whole, its float32 intermediates would dominate
+        tile = mlp_tile(B, L, D, self.tiling.mlp_bytes)
+        normed = tiled_modules((self.ln_f,), lambda m, x: m[0](x), (h_BxLxD,), tile)
+        return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
 
     def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:

@@ -33,10 +33,10 @@ from flax import nnx
 
 from pstar_models.lora import LoraSpec, check_spec, init_adapter, is_adapter, position_seeds, project
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
-                               visible_TxS, write_cache)
+                               tiled_modules, visible_TxS, write_cache)
 from pstar_jax.attention import causal_attention
 from pstar_jax.model import NNXStaged, cross_entropy
-from pstar_jax.tiling import TileBudget
+from pstar_jax.tiling import TileBudget, mlp_tile
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
 
@@ -267,16 +267,28 @@ class Attention(nnx.Module):
         self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.v")
         self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=lora, path="attn.o")
 
-    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
-                 positions_BxL: jax.Array | None = None, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+    def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
+            dropout_seeds_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k (both rotated) and v of x: position-wise, so the block runs it a tile at a time."""
         c, seeds = self.config, dropout_seeds_BxL
         B, L, _ = x_BxLxD.shape
         cos, sin = rope_tables(c, L) if positions_BxL is None else rope_tables_of(c, positions_BxL)
         q = apply_rope(project(self.q, x_BxLxD, seeds).reshape(B, L, c.n_head, c.d_head), cos, sin)
         k = apply_rope(project(self.k, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
-        v = project(self.v, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head)
-        out = causal_attention(q, k, v, attention_segments(segment_ids_BxL), tile_bytes=self.tiling.scores_bytes)
-        return project(self.o, out.reshape(B, L, c.n_head * c.d_head), seeds)
+        return q, k, project(self.v, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head)
+
+    def attend(self, q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
+               segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The attention output before the o projection, [B, L, H, K] (query tiles, or cuDNN)."""
+        return causal_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, attention_segments(segment_ids_BxL),
+                                tile_bytes=self.tiling.scores_bytes)
+
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        B, L, _ = x_BxLxD.shape
+        out = self.attend(*self.qkv(x_BxLxD, positions_BxL, dropout_seeds_BxL), segment_ids_BxL)
+        return project(self.o, out.reshape(B, L, c.n_head * c.d_head), dropout_seeds_BxL)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
@@ -313,6 +325,27 @@ def _residual_std(config: LlamaConfig) -> float:
     return 0.02 / math.sqrt(2 * config.n_layer)
 
 
+def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions_BxT: jax.Array,
+              seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """attn_norm, then q, k, v with RoPE (Attention.qkv's numerics) on one tile of positions."""
+    norm, q_proj, k_proj, v_proj = modules
+    B, T, _ = x_BxTxD.shape
+    x_BxTxD = norm(x_BxTxD)
+    cos, sin = rope_tables_of(config, positions_BxT)
+    q = apply_rope(project(q_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_head, config.d_head), cos, sin)
+    k = apply_rope(project(k_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head), cos, sin)
+    return q, k, project(v_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head)
+
+
+def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
+              seeds_BxT: jax.Array | None) -> jax.Array:
+    """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.))."""
+    o_proj, norm, mlp = modules
+    B, T = out_BxTxHxK.shape[:2]
+    h_BxTxD = x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    return h_BxTxD + mlp.plain(norm(h_BxTxD), seeds_BxT)
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
 
@@ -325,10 +358,23 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
         """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1);
-        ``dropout_seed`` [B] (this stage's, pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
-        seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), segment_ids, positions, seeds)
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), seeds)
+        ``dropout_seed`` [B] (this stage's, pstar_jax.batch) draws LoRA dropout's masks (None: none).
+
+        Three passes, so that only a few [B, L, D]-sized arrays are ever whole: the position-wise
+        parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles
+        under jax.checkpoint (pstar_jax.tiling), between them attention over query tiles. The
+        backward then keeps x, q, k, v and the attention output, and one tile's intermediates
+        (float32 norms, the MLP's hidden, matmul copies) at a time."""
+        B, L, _ = x_BxLxD.shape
+        seeds = None if dropout_seed is None else position_seeds(dropout_seed, L)
+        if positions is None:  # the same float32 RoPE angles as rope_tables, tileable
+            positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        tile = mlp_tile(B, L, self.mlp.d_ff, self.mlp.tiling.mlp_bytes)
+        config = self.attn.config
+        q, k, v = tiled_modules((self.attn_norm, self.attn.q, self.attn.k, self.attn.v),
+                                lambda m, *x: _qkv_tile(m, config, *x), (x_BxLxD, positions, seeds), tile)
+        out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
+        return tiled_modules((self.attn.o, self.mlp_norm, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
@@ -368,7 +414,11 @@ class Llama(nnx.Module):
         (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
         tied = self.config.tie_embeddings
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
-        return head_loss_sum(self.norm(h_BxLxD), head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
+        # The final norm over sequence tiles too: whole, its float32 intermediates would be the
+        # head's largest buffers (4 x L x D x 4 bytes).
+        B, L, D = h_BxLxD.shape
+        normed = tiled_modules((self.norm,), lambda m, x: m[0](x), (h_BxLxD,), mlp_tile(B, L, D, self.tiling.mlp_bytes))
+        return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The first stage: token embeddings (positions enter through RoPE in the blocks)."""

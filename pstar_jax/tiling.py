@@ -95,15 +95,15 @@ def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any) -> Any:
     return jax.lax.map(lambda x: one(wide, x), xs)
 
 
-def tiled_over_sequence(fn: Callable[..., jax.Array], x_BxLxD: Any, *, tile: int,
-                        params: Any = None) -> jax.Array:
+def tiled_over_sequence(fn: Callable[..., Any], x_BxLxD: Any, *, tile: int, params: Any = None) -> Any:
     """``fn`` applied to tiles of ``tile`` positions of x_BxLxD, concatenated: equal to
     ``fn(x_BxLxD)`` for a position-wise fn (an MLP), whose tokens x d_ff intermediate then
     exists one tile at a time. With ``params`` (a pytree of the weights fn reads) fn is called
     ``fn(params, x_tile)`` and their gradients add up in float32 across tiles; weights fn
     closes over instead add up in their own dtype. L need not be a multiple of tile (the last
     tile is zero-padded; fn must be finite on zeros). x may be a pytree of [B, L, ...] arrays
-    (per-position side inputs beside the activations), tiled alike."""
+    (per-position side inputs beside the activations), tiled alike, and fn may return a pytree
+    of [B, tile, ...] arrays (several per-position outputs), each put back to [B, L, ...]."""
     B, L = jax.tree.leaves(x_BxLxD)[0].shape[:2]
     n_tiles, size = split_tiles(L, min(tile, L))
     xs = jax.tree.map(lambda x: to_tiles(x, 1, n_tiles, size), x_BxLxD)
@@ -111,7 +111,7 @@ def tiled_over_sequence(fn: Callable[..., jax.Array], x_BxLxD: Any, *, tile: int
         ys = map_tiles(lambda _, x: fn(x), (), xs)
     else:
         ys = map_tiles(fn, params, xs)
-    return from_tiles(ys, 1, L)
+    return jax.tree.map(lambda y: from_tiles(y, 1, L), ys)
 
 
 def mlp_tile(batch: int, length: int, d_hidden: int, tile_bytes: int) -> int:

@@ -146,3 +146,32 @@ def test_head_backward_memory_stays_flat_in_length_where_whole_logits_grew_with_
     # most eight float32 L x D buffers, an eighth of one L x V copy at V = 64 D.
     assert new_8k - new_1k <= 8 * 4 * (8192 - 1024) * config.d_model, (new_1k, new_8k, old_1k, old_8k)
     assert new_8k <= 8 * tile_bytes
+
+
+def block_backward_temp_bytes(model: NNXStaged, length: int, dtype=jnp.bfloat16) -> int:
+    """Temp bytes of one block stage's compiled vjp (recomputed forward and backward), batch 1."""
+    stage = model.stages(dtype)[1]
+    shapes = model.param_shapes()
+    params = tuple(jax.ShapeDtypeStruct(shapes[n], dtype) for n in stage.param_names)
+    h = jax.ShapeDtypeStruct((1, length, model.config.d_model), dtype)
+    i32 = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    batch = Batch(i32, i32, jax.ShapeDtypeStruct((1, length), jnp.float32), i32, i32)
+
+    def backward(p, x, gy, b):
+        _, vjp = jax.vjp(lambda p, x: stage.apply(p, x, b), p, x)
+        return vjp(gy)
+    return int(jax.jit(backward).lower(params, h, h, batch).compile().memory_analysis().temp_size_in_bytes)
+
+
+def test_block_backward_memory_grows_by_a_few_activations_per_token():
+    # Llama 3.1 8B's proportions (GQA 4:1, d_ff 3.5 d) at d_model 128; tiles of fixed bytes, so
+    # what grows with L is what the backward keeps per position, not one tile's intermediates.
+    config = LlamaConfig(vocab_size=256, d_model=128, n_layer=1, n_head=8, n_kv_head=2, d_ff=448, seq_len=8192)
+    budget = TileBudget(scores_bytes=4 * 8 * 4096 * 16, mlp_bytes=4 * 448 * 64)
+    model = StagedLlama(config, budget)
+    short, long = (block_backward_temp_bytes(model, n) for n in (2048, 4096))
+    per_token = (long - short) / 2048
+    # x, the gradient, q, k, v, the attention output and their gradients in bf16, k/v's float32
+    # gradient sums, plus the float32 copies the CPU makes of bf16 loop outputs: 26 bytes per
+    # d_model (73 when the norms, q/k/v projections and RoPE tables were whole and float32).
+    assert per_token <= 36 * config.d_model, per_token / config.d_model
