@@ -129,6 +129,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     train_args = [a for a in args.train_args if a != "--"]
     port = free_port()
     log_dir = args.log_dir or os.getcwd()
+    if args.num_processes > 1:  # processes 1.. write their logs there before any trainer starts
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            probe = os.path.join(log_dir, "pstar_process_1.log")
+            open(probe, "a").close()
+        except OSError as err:
+            raise ConfigError(f"--log-dir {log_dir}: cannot write the processes' logs there "
+                              f"({err.strerror or err}); give a writable directory") from None
     signalled: list[int] = []
 
     def forward(signum, frame) -> None:  # no KeyboardInterrupt: the trainers save, the launcher waits

@@ -35,3 +35,30 @@ def test_runs_two_processes_and_reports_failures(tmp_path):
     assert "done: 2 of 2 steps" in r.stdout
     bad = launch("-n", "2", "--log-dir", str(tmp_path), "--timeout", "200", "--", "--model", "nope")
     assert bad.returncode == 2 and "pstar-launch: process" in bad.stderr and "exited with code 2" in bad.stderr
+
+
+@pytest.mark.slow  # two launches of pstar-train on 2 cores
+def test_lora_over_two_processes_equals_one_process_of_two_devices(tmp_path):
+    """ZeRO of a LoRA run across processes (frozen base chunks and adapter chunks sharded over the
+    data axis of two jax.distributed processes) gives the losses of the same mesh in one process."""
+    import json
+    import numpy as np
+    flags = ["--steps", "3", "--quiet", "--batch-size", "4", "--precision", "fp32", "--model", "tiny",
+             "--lora-rank", "4", "--lr", "1e-2", "--chunk-size", "8192"]
+    losses = {}
+    for n, local in ((2, 1), (1, 2)):
+        metrics = tmp_path / f"m{n}.jsonl"
+        r = launch("-n", str(n), "--local-devices", str(local), "--log-dir", str(tmp_path / f"logs{n}"),
+                   "--timeout", "250", "--", *flags, "--metrics-out", str(metrics), "--checkpoint-dir",
+                   str(tmp_path / f"ck{n}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[n] = np.array([json.loads(line)["loss"] for line in open(metrics)])
+    assert len(losses[2]) == 3
+    # fp32 sums of the same terms in another order across processes: a few ulps at the loss's scale
+    np.testing.assert_allclose(losses[2], losses[1], rtol=0, atol=64 * np.finfo(np.float32).eps * losses[1].max())
+
+
+def test_a_log_dir_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    bad = launch("-n", "2", "--log-dir", str(tmp_path / "file" / "logs"), "--", "--steps", "1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--log-dir" in bad.stderr, bad.stderr
