@@ -25,11 +25,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
-from pstar_jax.paths import check_output_dir, new_dir, os_error_cause, replace_dir
+from pstar_jax.paths import check_output_dir, staged_dir
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
@@ -345,11 +345,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
         raise ConfigError(f"{tokenizer_from} is not a directory; pass the HF directory holding the tokenizer")
     check_export_target(directory, what)
     np_dtype, torch_name = EXPORT_DTYPES[dtype]
-    parent, base = os.path.split(directory)
-    staging = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        staging = new_dir(parent, f".{base}.partial-")
+    with staged_dir(directory, what) as staging:
         writer = _ShardWriter(staging, max_shard_bytes)
         seen: set[str] = set()
         for name, value in named_tensors:
@@ -382,14 +378,4 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
                 shutil.copytree(source, os.path.join(staging, name))
             else:
                 shutil.copyfile(source, os.path.join(staging, name))
-        replace_dir(staging, directory)
-    except (OSError, SafetensorError) as err:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise ConfigError(f"{what} {directory} could not be written ({os_error_cause(err)}); nothing was "
-                          "changed there: free space or choose a writable place") from None
-    except BaseException:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
     return sorted(os.listdir(directory))

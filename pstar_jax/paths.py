@@ -4,11 +4,13 @@ system, so writability is tried with a probe file."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import shutil
 import tempfile
+from typing import Iterator
 
 from pstar_jax.config import ConfigError
 
@@ -98,3 +100,27 @@ def replace_dir(staging: str, directory: str) -> None:
     os.rename(staging, directory)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(directory: str, what: str) -> Iterator[str]:
+    """A fresh directory beside ``directory`` to write an export into, put in its place
+    (``replace_dir``) when the block ends; on any error it is removed and the target is left as it
+    was, and a file-system error is one ConfigError naming ``what`` and the cause."""
+    from safetensors import SafetensorError
+    parent, base = os.path.split(os.path.abspath(directory))
+    staging = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = new_dir(parent, f".{base}.partial-")
+        yield staging
+        replace_dir(staging, directory)
+    except (OSError, SafetensorError) as err:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"{what} {directory} could not be written ({os_error_cause(err)}); nothing was "
+                          "changed there: free space or choose a writable place") from None
+    except BaseException:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise

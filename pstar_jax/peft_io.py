@@ -21,11 +21,10 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
@@ -33,7 +32,7 @@ from pstar_jax.hf import EXPORT_DTYPES, sort_metadata
 from pstar_jax.lora import is_adapter
 from pstar_jax.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, adapter_config, lora_settings,
                                    read_config, target_modules, targeted, write_config)
-from pstar_jax.paths import check_output_dir, new_dir, os_error_cause, replace_dir
+from pstar_jax.paths import check_output_dir, os_error_cause, staged_dir
 from pstar_models.hf import SUPPORTED, hf_tensor
 
 PREFIX = "base_model.model."
@@ -275,26 +274,12 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
                             target_modules=target_modules(projections, block_modules), modules_to_save=saved_modules,
                             fan_in_fan_out=family == "gpt2", tie_embeddings=tie_embeddings,
                             base_model_name_or_path=base_model_name_or_path)
-    parent, base = os.path.split(directory)
-    staging = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        staging = new_dir(parent, f".{base}.partial-")
+    with staged_dir(directory, what) as staging:
         path = os.path.join(staging, ADAPTER_WEIGHTS)
         save_file(peft_tensors, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
         sort_metadata(path)
         write_config(os.path.join(staging, ADAPTER_CONFIG), config)
         os.chmod(path, os.stat(os.path.join(staging, ADAPTER_CONFIG)).st_mode & 0o777)  # safetensors' is private
-        replace_dir(staging, directory)
-    except (OSError, SafetensorError) as err:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise ConfigError(f"{what} {directory} could not be written ({os_error_cause(err)}); nothing was "
-                          "changed there: free space or choose a writable place") from None
-    except BaseException:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
     return sorted(os.listdir(directory))
 
 

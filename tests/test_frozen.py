@@ -7,22 +7,17 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.chunks import ChunkLayout, build_layout
-from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
+from pstar_jax.config import ConfigError, EngineConfig
 from pstar_jax.freeze import frozen_names, trainable
 from pstar_jax.machine import H200
 from pstar_jax.memory import ChunkStore, Space
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine
 from pstar_jax.planning import build_engine
+from frozen_engines import CHUNK, OPTIM, chunked, mesh, plain
 from sft_batches import batches
 
-OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
-CHUNK = 8192
 EPS32 = float(np.finfo(np.float32).eps)
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
 
@@ -34,30 +29,6 @@ def model():
 def base_frozen(m):
     """A LoRA-like split: embeddings and every block's matrices frozen; norms and biases train."""
     return frozen_names(list(m.param_shapes()), ["wte.*", "wpe", "blocks.*.kernel"])
-
-
-def mesh(W=1):
-    return Mesh(np.array(jax.devices()[:W]), ("data",))
-
-
-def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4):
-    """budget "tight": room beside the busiest moment's working memory for one chunk more than a
-    stage reads, so chunks move every step (the tiny model's working memory dwarfs its chunks)."""
-    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
-                       micro_batches=micro_batches)
-    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
-                           trainable=trainable(frozen))
-    if budget != "tight":
-        return engine
-    shape = engine.plan_for((batch, 64)).shape
-    reads = max(len(cs) for cs in shape.stage_chunks)
-    budget = shape.busiest_non_model_bytes + (2 * reads + 1) * shape.item_bytes
-    return chunked(m, frozen, budget, precision, micro_batches, W, batch)
-
-
-def plain(m, frozen, micro_batches=1, W=1):
-    return PlainEngine(m, "fp32", default_tx(OPTIM), micro_batches, clip_norm=OPTIM.clip_norm, mesh=mesh(W),
-                       frozen=frozen)
 
 
 class WriteBacks:

@@ -1,0 +1,40 @@
+"""Engines over a partly frozen model, for tests/test_frozen.py and tests/test_lora.py: a chunked
+engine whose chunks move every step and the plain engine it must equal."""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from pstar_jax.config import EngineConfig, OptimConfig
+from pstar_jax.freeze import trainable
+from pstar_jax.machine import H200
+from pstar_jax.optim import default_tx
+from pstar_jax.plain import PlainEngine
+from pstar_jax.planning import chunked_engine
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
+CHUNK = 8192
+
+
+def mesh(W=1):
+    return Mesh(np.array(jax.devices()[:W]), ("data",))
+
+
+def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4):
+    """budget "tight": room beside the busiest moment's working memory for one chunk more than a
+    stage reads, so chunks move every step (the tiny model's working memory dwarfs its chunks)."""
+    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
+                       micro_batches=micro_batches)
+    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
+                            trainable=trainable(frozen))
+    if budget != "tight":
+        return engine
+    shape = engine.plan_for((batch, 64)).shape
+    reads = max(len(cs) for cs in shape.stage_chunks)
+    budget = shape.busiest_non_model_bytes + (2 * reads + 1) * shape.item_bytes
+    return chunked(m, frozen, budget, precision, micro_batches, W, batch)
+
+
+def plain(m, frozen, micro_batches=1, W=1):
+    return PlainEngine(m, "fp32", default_tx(OPTIM), micro_batches, clip_norm=OPTIM.clip_norm, mesh=mesh(W),
+                       frozen=frozen)
