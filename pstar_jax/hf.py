@@ -50,7 +50,16 @@ EXPORT_DTYPES = {"bf16": (ml_dtypes.bfloat16, "bfloat16"), "fp16": (np.float16, 
 # saved, and lm_head.weight when the head is tied to the embedding (the map then leaves it out).
 _BUFFER = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$|^lm_head\.weight$")
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_EXPORT_MARK = "pstar_jax"  # in the safetensors metadata of the files we write
+EXPORT_MARK = "pstar_jax"  # in the safetensors metadata of the files we write
+
+
+def written_by_us(path: str) -> bool:
+    """Whether a safetensors file carries our export mark (an unreadable file is not ours)."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return EXPORT_MARK in (f.metadata() or {})
+    except Exception:  # SafetensorError, OSError
+        return False
 
 
 class HFCheckpointError(ConfigError):
@@ -253,11 +262,7 @@ def _is_earlier_export(directory: str) -> bool:
     weights = SINGLE if SINGLE in names else next((n for n in sorted(names) if _SHARD.match(n)), None)
     if CONFIG not in names or weights is None:
         return False
-    try:
-        with safe_open(os.path.join(directory, weights), framework="numpy") as f:
-            return _EXPORT_MARK in (f.metadata() or {})
-    except Exception:  # an unreadable file: not ours
-        return False
+    return written_by_us(os.path.join(directory, weights))
 
 
 def check_export_target(directory: str, what: str = "CheckpointConfig.export_hf") -> None:
@@ -292,7 +297,7 @@ class _ShardWriter:
     def _flush(self) -> None:
         filename = f"shard-{len(self.files)}.safetensors"
         path = os.path.join(self.directory, filename)
-        save_file(self._shard, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
+        save_file(self._shard, path, metadata={"format": "pt", EXPORT_MARK: "1"})
         sort_metadata(path)
         self.files.append(filename)
         self.weight_map.update((name, filename) for name in self._shard)

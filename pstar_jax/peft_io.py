@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config import ConfigError
-from pstar_jax.hf import EXPORT_DTYPES, sort_metadata
+from pstar_jax.hf import EXPORT_DTYPES, EXPORT_MARK, sort_metadata, written_by_us
 from pstar_jax.lora import is_adapter
 from pstar_jax.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, adapter_config, lora_settings,
                                    read_config, target_modules, targeted, write_config)
@@ -38,7 +38,6 @@ from pstar_models.hf import SUPPORTED, hf_tensor
 PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora.lora_a", ".lora.lora_b"
 _PEFT_A, _PEFT_B = ".lora_A.weight", ".lora_B.weight"
-_EXPORT_MARK = "pstar_jax"  # in the safetensors metadata of the files we write
 _EMBEDDING = {"gpt2": "wte.embedding", "llama": "embed.embedding", "qwen2": "embed.embedding",
               "mistral": "embed.embedding"}
 _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding the head is tied to
@@ -186,11 +185,7 @@ def _is_earlier_adapter(directory: str) -> bool:
     if names != {ADAPTER_CONFIG, ADAPTER_WEIGHTS} or not all(
             os.path.isfile(os.path.join(directory, n)) for n in names):
         return False
-    try:
-        with safe_open(os.path.join(directory, ADAPTER_WEIGHTS), framework="numpy") as f:
-            return _EXPORT_MARK in (f.metadata() or {})
-    except Exception:  # an unreadable file: not ours
-        return False
+    return written_by_us(os.path.join(directory, ADAPTER_WEIGHTS))
 
 
 def check_adapter_target(directory: str, what: str = "--export-lora") -> None:
@@ -276,7 +271,7 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
                             base_model_name_or_path=base_model_name_or_path)
     with staged_dir(directory, what) as staging:
         path = os.path.join(staging, ADAPTER_WEIGHTS)
-        save_file(peft_tensors, path, metadata={"format": "pt", _EXPORT_MARK: "1"})
+        save_file(peft_tensors, path, metadata={"format": "pt", EXPORT_MARK: "1"})
         sort_metadata(path)
         write_config(os.path.join(staging, ADAPTER_CONFIG), config)
         os.chmod(path, os.stat(os.path.join(staging, ADAPTER_CONFIG)).st_mode & 0o777)  # safetensors' is private
