@@ -203,10 +203,11 @@ class PlainEngine:
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
             sums = jax.lax.map(lambda batch: forward_loss(compute, batch), batch_MxBxL)
             return jnp.sum(sums) / jnp.maximum(jnp.sum(batch_MxBxL.loss_mask), 1.0)
-        self._eval = jax.jit(eval_loss, out_shardings=replicated)
+        options = compat.compiler_options(self.mesh.devices.flat[0].platform)
+        self._eval = jax.jit(eval_loss, out_shardings=replicated, compiler_options=options)
 
         # Donated: the new params and state are written over the old (XLA aliases them).
-        self._step = jax.jit(step, donate_argnums=(0, 1),
+        self._step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options,
                              out_shardings=(replicated, opt_sharding, replicated, replicated, replicated))
         self.step_count = 0
 

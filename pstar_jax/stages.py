@@ -79,7 +79,12 @@ def _views(full_chunks, offsets, pattern):
                  for i, (j, shape) in enumerate(pattern))
 
 
-def _gather(chunks):
+def _gather(chunks, n_devices: int):
+    """Each chunk whole from its W shards. With one device the shard is the chunk: no collective,
+    which XLA's CPU backend would otherwise run in float32 and copy back, two more copies of
+    each chunk in the stage's working memory."""
+    if n_devices == 1:
+        return list(chunks)
     return [jax.lax.all_gather(c, "data", tiled=True) for c in chunks]
 
 
@@ -112,6 +117,11 @@ class StageFunctions:
         self.mesh = mesh
         self.n_devices = mesh.devices.size
         self._cache: dict[tuple, Callable] = {}
+        self._options = compat.compiler_options(mesh.devices.flat[0].platform)
+
+    def _params(self, chunks, offsets, pattern) -> tuple[jax.Array, ...]:
+        """The stage's tensors, viewed out of its whole chunks."""
+        return _views(_gather(chunks, self.n_devices), offsets, pattern)
 
     def _get(self, role: str, bound: BoundStage, build: Callable[[], Callable]) -> Callable:
         key = (role, bound.stage.apply, bound.pattern, bound.frozen)
@@ -139,22 +149,25 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, x, batch):
-            return apply(_views(_gather(chunks), offsets, pattern), x, stage_seeds(batch, offsets[-1]))
+            return apply(self._params(chunks, offsets, pattern), x, stage_seeds(batch, offsets[-1]))
         return self._get("fwd", bound, lambda: jax.jit(
-            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P("data"))))
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P("data")),
+            compiler_options=self._options))
 
     def backward(self, bound: BoundStage, first: bool) -> Callable:
-        """(chunks, offsets, x, batch, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated.
+        """(chunks, offsets, x, batch, gy, grad_chunks) -> (gx, grad_chunks); grad chunks donated,
+        and gy, whose buffer gx takes (one activation-sized buffer less per backward).
 
         The forward is recomputed (only stage inputs were kept). The first stage's input is
-        tokens, which have no gradient: it returns None for gx. ``grad_chunks`` are those of the
+        tokens, which have no gradient: it returns None for gx (and gy is not donated: nothing
+        could take its buffer). ``grad_chunks`` are those of the
         stage's trainable chunks (``bound.grad_chunks``): the vjp is taken over the trainable
         tensors only, while the activations' gradient flows through frozen ones too."""
         apply, pattern = bound.stage.apply, bound.pattern
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, x, batch, gy, grad_chunks):
-            params = _views(_gather(chunks), offsets, pattern)
+            params = self._params(chunks, offsets, pattern)
             batch = stage_seeds(batch, offsets[-1])  # the forward's masks again
             trained = tuple(params[i] for i in tensors)
             if first:
@@ -169,7 +182,7 @@ class StageFunctions:
         return self._get("bwd_first" if first else "bwd", bound, lambda: jax.jit(
             self._shard_map(local, n, (P("data"), P("data"), P("data"), grad_specs),
                             (None if first else P("data"), grad_specs)),
-            donate_argnums=(5,)))
+            donate_argnums=(5,) if first else (4, 5), compiler_options=self._options))
 
     def head(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, gh, grad_chunks).
@@ -184,7 +197,7 @@ class StageFunctions:
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
-            params = _views(_gather(chunks), offsets, pattern)
+            params = self._params(chunks, offsets, pattern)
             batch = stage_seeds(batch, offsets[-1])
 
             def scaled_loss(trained, h):
@@ -196,7 +209,7 @@ class StageFunctions:
         grad_specs = tuple(P("data") for _ in bound.grad_chunks)
         return self._get("head", bound, lambda: jax.jit(
             self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
-            donate_argnums=(4,)))
+            donate_argnums=(4,), compiler_options=self._options))
 
     def loss(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, h, batch) -> loss sum: the last stage's forward only (held-out loss).
@@ -206,7 +219,8 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, h, batch):
-            return jax.lax.psum(apply(_views(_gather(chunks), offsets, pattern), h, stage_seeds(batch, offsets[-1])),
+            return jax.lax.psum(apply(self._params(chunks, offsets, pattern), h, stage_seeds(batch, offsets[-1])),
                                 "data")
         return self._get("loss", bound, lambda: jax.jit(
-            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P())))
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
+            compiler_options=self._options))

@@ -37,13 +37,16 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 
 
 def _analyse(fn, *args) -> tuple[int, int, float]:
-    """(temp bytes, output bytes, flops) of one compiled call, per device; the FLOPs count every
-    iteration of the call's loops (pstar_jax.flops: XLA's own count has each loop body once)."""
+    """(temp bytes, new output bytes, flops) of one compiled call, per device. Outputs written
+    into donated inputs (grad chunks, a backward's gradient over the one from above) take no
+    new memory and are not counted. The FLOPs count every iteration of the call's loops
+    (pstar_jax.flops: XLA's own count has each loop body once)."""
     compiled, flops = call_flops(fn, *args)
     mem = compiled.memory_analysis()
-    temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
-    out = int(getattr(mem, "output_size_in_bytes", 0)) if mem is not None else 0
-    return temp, out, flops
+    if mem is None:
+        return 0, 0, flops
+    out = int(getattr(mem, "output_size_in_bytes", 0)) - int(getattr(mem, "alias_size_in_bytes", 0))
+    return int(getattr(mem, "temp_size_in_bytes", 0)), max(out, 0), flops
 
 
 class _Tracer:
@@ -121,13 +124,14 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     scale = _abstract((), jnp.float32, tr.rep)
     temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, tr.grads(b),
                                   scale)
-    head_nm = act[0] + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)  # grad chunks are model data
+    head_nm = act[0] + temp + out  # (the grad chunks, model data, are written in place)
     for i in reversed(range(head)):
         b = bound[i]
         temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
                                     tr.batch, xs[i + 1], tr.grads(b))
-        # the batch, the gradient from above (shaped as stage i + 1's input), temps, outputs but grads
-        bwd_nm[i] = act[0] + act[i + 1] + temp + max(out - len(b.grad_chunks) * tr.chunk_bytes, 0)
+        # the batch, the gradient from above (shaped as stage i + 1's input, and overwritten by the
+        # gradient of stage i's input, but in the first stage), temps, new outputs
+        bwd_nm[i] = act[0] + act[i + 1] + temp + out
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
