@@ -271,7 +271,7 @@ class Block(nnx.Module):
         pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
         seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
         B, L, D = x_BxLxD.shape
-        # As models/llama.py's block: the position-wise parts over sequence tiles (checkpointed),
+        # As models/llama.py's block: the position-wise parts over sequence tiles (recomputed),
         # attention over query tiles between them, so the backward keeps no whole float32 norms.
         tile = mlp_tile(B, L, self.mlp.d_hidden, self.mlp.tiling.mlp_bytes)
         qkv = tiled_modules((self.ln1, self.attn.qkv), _qkv_tile, (x_BxLxD, seeds), tile)

@@ -361,10 +361,10 @@ class Block(nnx.Module):
         ``dropout_seed`` [B] (this stage's, pstar_jax.batch) draws LoRA dropout's masks (None: none).
 
         Three passes, so that only a few [B, L, D]-sized arrays are ever whole: the position-wise
-        parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles
-        under jax.checkpoint (pstar_jax.tiling), between them attention over query tiles. The
-        backward then keeps x, q, k, v and the attention output, and one tile's intermediates
-        (float32 norms, the MLP's hidden, matmul copies) at a time."""
+        parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles,
+        each recomputed in the backward (pstar_jax.tiling), between them attention over query
+        tiles. The backward then keeps x, q, k, v and the attention output, and one tile's
+        intermediates (float32 norms, the MLP's hidden, matmul copies) at a time."""
         B, L, _ = x_BxLxD.shape
         seeds = None if dropout_seed is None else position_seeds(dropout_seed, L)
         if positions is None:  # the same float32 RoPE angles as rope_tables, tileable

@@ -12,8 +12,8 @@ Two implementations, chosen at trace time from the backend and dtype (``implemen
     in the compute dtype (quadratic per row, though not per head): used only while that bias fits
     ``mask_bytes``; longer packed rows take the tiled path. cuDNN rejects some shapes (head
     widths it lacks, old cuDNN); that error at trace time also falls back to the tiled path.
-  * ``"tiled"`` (a CPU, fp32, the fallbacks): queries in tiles of ``tile_q`` under
-    ``jax.checkpoint`` (pstar_jax.tiling), each tile's scores against all L keys, so a tile holds
+  * ``"tiled"`` (a CPU, fp32, the fallbacks): queries in tiles of ``tile_q``, each
+    recomputed in the backward (pstar_jax.tiling.map_tiles), each tile's scores against all L keys, so a tile holds
     B x H x tile_q x L scores, forward and backward. Numerics are llama's: q.k in the compute
     dtype, then scaled, softmax in float32, probabilities cast back before the product with v
     (or, with ``float32_scores``, jax.nn.dot_product_attention's: q.k and the scale in float32).

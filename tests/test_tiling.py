@@ -1,11 +1,13 @@
-"""tiled_over_sequence equals the function on the whole sequence, and keeps its intermediate per tile."""
+"""tiled_over_sequence and map_tiles equal the function on the whole sequence, and keep its
+intermediate per tile."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.tiling import from_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles
+from pstar_jax.tiling import (from_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles,
+                              zeros_after)
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -36,7 +38,13 @@ def grads(fn, params, x, g):
 
 
 def test_split_and_round_trip():
-    assert split_tiles(10, 4) == (3, 4) and split_tiles(9, 4) == (3, 3) and split_tiles(4, 8) == (1, 4)
+    # The fewest tiles that divide n, up to twice the fewest possible; else equal padded tiles.
+    assert split_tiles(10, 4) == (5, 2) and split_tiles(9, 4) == (3, 3) and split_tiles(4, 8) == (1, 4)
+    assert split_tiles(13, 4) == (4, 4) and split_tiles(65536, 4680) == (16, 4096)
+    for n in range(1, 200):
+        for tile in (1, 3, 8, 64):
+            n_tiles, size = split_tiles(n, tile)
+            assert size <= tile and n <= n_tiles * size < n + n_tiles
     x = jnp.arange(2 * 10 * 3).reshape(2, 10, 3)
     tiles = to_tiles(x, 1, 3, 4)
     assert tiles.shape == (3, 2, 4, 3)
@@ -61,9 +69,14 @@ def test_equals_whole_sequence_fp32(L, tile, explicit):
         assert_close(a, b, EPS32)
 
 
-def test_bf16_weight_grads_add_up_in_float32():
+@pytest.mark.parametrize("explicit", [True, False])
+def test_bf16_weight_grads_add_up_in_float32(explicit):
+    # Weights handed in as params and weights the function closes over alike.
     params, x, g = make(64, dtype=jnp.bfloat16, seed=1)
-    tiled = lambda p, x: tiled_over_sequence(swiglu, x, tile=16, params=p)  # noqa: E731
+    if explicit:
+        tiled = lambda p, x: tiled_over_sequence(swiglu, x, tile=16, params=p)  # noqa: E731
+    else:
+        tiled = lambda p, x: tiled_over_sequence(lambda t: swiglu(p, t), x, tile=16)  # noqa: E731
     (_, (dp, dx)), (_, (ref_dp, ref_dx)) = grads(tiled, params, x, g), grads(swiglu, params, x, g)
     assert all(a.dtype == jnp.bfloat16 for a in dp)
     assert_close(dx, ref_dx, EPSBF16, factor=1)  # the same bf16 ops per position
@@ -99,3 +112,44 @@ def test_one_tile_is_the_plain_call():
     (ref, (ref_dp, ref_dx)) = grads(swiglu, params, x, g)
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(dx, ref_dx)
+
+
+def test_map_tiles_integer_inputs_closures_and_several_outputs():
+    # Integer constants and tiles (segment ids, positions) get no gradient; a closed-over weight
+    # does, beside the explicit constant; a body may return a pytree. fp32: equal to the untiled
+    # function to rounding.
+    k = jax.random.split(jax.random.key(3), 3)
+    w, scale = jax.random.normal(k[0], (8, 8)), jax.random.normal(k[1], (8,))
+    x = jax.random.normal(k[2], (6, 5, 8))  # 6 tiles of 5 positions
+    ids = jnp.arange(30, dtype=jnp.int32).reshape(6, 5) % 4
+    table = jnp.arange(4, dtype=jnp.int32) * 2
+
+    def body_of(w):
+        def body(consts, tile):
+            scale, table = consts
+            x, ids = tile
+            y = jnp.tanh(x @ w) * scale[None, :] + table[ids][:, None]
+            return {"y": y, "norm": jnp.sum(y * y, axis=-1) + ids}
+        return body
+
+    def tiled(w, scale, x):
+        return map_tiles(body_of(w), (scale, table), (x, ids))
+
+    def whole(w, scale, x):
+        out = body_of(w)((scale, table), (x.reshape(30, 8), ids.reshape(30)))
+        return jax.tree.map(lambda y: y.reshape((6, 5) + y.shape[1:]), out)
+
+    def loss_of(f):
+        return lambda *a: jnp.sum(f(*a)["y"] ** 2) + jnp.sum(jnp.sin(f(*a)["norm"]))
+    got = jax.grad(loss_of(tiled), argnums=(0, 1, 2))(w, scale, x)
+    want = jax.grad(loss_of(whole), argnums=(0, 1, 2))(w, scale, x)
+    for a, b in zip(got, want):
+        assert_close(a, b, EPS32)
+    assert all(bool(jnp.any(a != 0)) for a in got)
+
+
+def test_zeros_after_is_zero_whatever_it_waits_for():
+    for after in (jnp.array([1.5, 2.0]), jnp.array([jnp.nan]), jnp.array([-jnp.inf, 1.0])):
+        z = jax.jit(lambda a: zeros_after((3, 2), jnp.bfloat16, a))(after)
+        assert z.dtype == jnp.bfloat16 and z.shape == (3, 2)
+        np.testing.assert_array_equal(np.asarray(z, np.float32), np.zeros((3, 2)))
