@@ -54,8 +54,8 @@ def trace_forward_flops(tiling: TileBudget) -> float:
 def test_tiled_stages_count_the_untiled_flops():
     """Forwards: equal to a few percent (padding, the tiles' index arithmetic). The head and the
     backwards run more than the untiled call: a tile's forward is recomputed in the backward loop
-    (jax.checkpoint, the loss's custom vjp) where the untiled call keeps or shares it (XLA
-    merges the head's two equal logits matmuls when no loop separates them), so they count at
+    (tiling.map_tiles' backward, the loss's custom vjp) where the untiled call keeps or shares it
+    (XLA merges the head's two equal logits matmuls when no loop separates them), so they count at
     least the untiled call and at most one more forward. XLA's count alone gave the tiled head
     and backwards a fifth of that (5 and 10 tiles)."""
     tiled, whole = traced(SMALL, trace_step, 100), traced(TileBudget(), trace_step, 100)

@@ -101,21 +101,41 @@ def test_longest_within_brackets_the_answer_and_probes_few_lengths():
             assert distinct <= abs(math.log2(max(answer, g) / start)) + math.log2(1 / tol) + 4, (answer, start, asked)
 
 
-@pytest.mark.slow  # about ten traces of a tiny Llama (seven compiles each): a minute or more on 2 cores
+@pytest.mark.slow  # about ten traces of a tiny Llama (seven compiles each) and two steps: 2-3 minutes on 2 cores
 def test_longest_seq_len_trains_and_a_little_longer_does_not():
+    # The longest sequence under a fixed 5 MiB device budget (the model tiled at small budgets)
+    # trains there, chunks moving as planned, and its fp32 losses equal the plain engine's with
+    # the model untiled; a little longer does not fit.
     from pstar_models.llama import LlamaConfig, StagedLlama
+    from pstar_jax.config import OptimConfig
+    from pstar_jax.optim import default_tx
+    from pstar_jax.plain import PlainEngine
     from pstar_jax.planner import SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE
+    from pstar_jax.planning import chunked_engine
+    from pstar_jax.tiling import TileBudget
     base = LlamaConfig(vocab_size=128, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, seq_len=256)
+    small = TileBudget(logits_bytes=64 * 1024, scores_bytes=256 * 1024, mlp_bytes=64 * 1024)
 
     def at(seq_len):
-        return StagedLlama(dataclasses.replace(base, seq_len=seq_len))
-    cfg = ps.EngineConfig(device_memory=24 * MiB)
+        return StagedLlama(dataclasses.replace(base, seq_len=seq_len), small)
+    cfg = ps.EngineConfig(device_memory=5 * MiB, precision="fp32")
     report = ps.plan_report(at(256), cfg, 1, mesh(), H200, 2**30, search=False, seq_len_at=at)
     n = report.seq_len_search.value
-    assert n > 256 and report.longest.fits and report.longest.seq_len == n
+    assert n > 1024 and report.longest.fits and report.longest.seq_len == n
     longer = -(-int(n + max(SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE * n)) // SEQ_LEN_GRANULE) * SEQ_LEN_GRANULE
     cfg_at = dataclasses.replace(cfg, chunk_numel=report.longest.planned.layout.chunk_numel)
     assert not ps.plan_report(at(longer), cfg_at, 1, mesh(), H200, 2**30, search=False).fits
     data = report.to_json()["largest_seq_len"]
     assert data["value"] == n and data["plan"]["fits"] and data["tokens_per_s"] > 0
     assert "longest sequence that trains at 1 sequence:" in "\n".join(report.lines())
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, total_steps=10, weight_decay=0.1, clip_norm=1.0)
+    chunked = chunked_engine(at(n), cfg_at, default_tx(optim), mesh(), (1, n), H200, clip_norm=optim.clip_norm)
+    untiled = PlainEngine(StagedLlama(dataclasses.replace(base, seq_len=n)), "fp32", default_tx(optim), 1,
+                          clip_norm=optim.clip_norm, mesh=mesh())
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        tokens = rng.integers(0, base.vocab_size, (1, n + 1))
+        got, want = (e.step([(tokens[:, :-1], tokens[:, 1:])]) for e in (chunked, untiled))
+        assert got.h2d_bytes == got.predicted_h2d_bytes > 0 and got.d2h_bytes == got.predicted_d2h_bytes
+        assert abs(got.loss - want.loss) <= 64 * np.finfo(np.float32).eps * abs(want.loss), (got.loss, want.loss)
