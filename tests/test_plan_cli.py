@@ -180,13 +180,12 @@ def test_every_documented_pstar_plan_command_parses():
 
 
 @pytest.mark.slow  # plans each documented model (up to 175B) from shapes: minutes on 2 cores
-def test_every_documented_pstar_plan_command_answers():
+def test_every_documented_pstar_plan_command_answers(tmp_path):
     """As written (searches skipped, --largest-seq-len too), each in its own process: --data-parallel 32
-    needs 32 fake devices."""
+    needs 32 fake devices. They run in a scratch directory: `--plot FILE.png` writes its file."""
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for doc, argv in _documented_commands():
         argv = [a for a in argv if a not in ("--no-search", "--largest-seq-len")] + ["--no-search"]
@@ -194,7 +193,7 @@ def test_every_documented_pstar_plan_command_answers():
             # an 8B stage traced at 256k+ tokens takes minutes on 2 cores; these parse above, and
             # test_planner's longest-sequence test plans and trains the long-sequence path
             continue
-        proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=root, env=env,
+        proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, \
             f"{doc}: pstar-plan {' '.join(argv)}: {proc.stderr[-2000:]}"
