@@ -99,7 +99,7 @@ def zeros_after(shape: tuple[int, ...], dtype: Any, after: jax.Array) -> jax.Arr
 
 
 def _first_floating(*trees: Any) -> jax.Array | None:
-    return next((x for t in trees for x in jax.tree.leaves(t) if _floating(x)), None)
+    return next((x for t in trees for x in jax.tree.leaves(t) if _floating(x) and x.size), None)
 
 
 def _buffers(shapes: Any, n: int, after: jax.Array | None) -> Any:
