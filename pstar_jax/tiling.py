@@ -102,11 +102,21 @@ def _first_floating(*trees: Any) -> jax.Array | None:
     return next((x for t in trees for x in jax.tree.leaves(t) if _floating(x) and x.size), None)
 
 
+def _zeros(shape: tuple[int, ...], dtype: Any, after: jax.Array | None) -> jax.Array:
+    return jnp.zeros(shape, dtype) if after is None else zeros_after(shape, dtype, after)
+
+
 def _buffers(shapes: Any, n: int, after: jax.Array | None) -> Any:
-    def one(s: jax.ShapeDtypeStruct) -> jax.Array:
-        shape = (n,) + tuple(s.shape)
-        return jnp.zeros(shape, s.dtype) if after is None else zeros_after(shape, s.dtype, after)
-    return jax.tree.map(one, shapes)
+    """Zeros shaped [n, ...] for each of ``shapes``: where a loop writes one value per tile."""
+    return jax.tree.map(lambda s: _zeros((n,) + tuple(s.shape), s.dtype, after), shapes)
+
+
+def _with(leaves: list, at: list[int], values: Any) -> list:
+    """``leaves`` with ``values`` in the places ``at``."""
+    out = list(leaves)
+    for k, v in zip(at, values):
+        out[k] = v
+    return out
 
 
 def _at(tree: Any, i: Any) -> Any:
@@ -129,11 +139,11 @@ def _map_tiles(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -
     return _forward(body, consts, hoisted, xs)
 
 
-def _map_tiles_fwd(body, consts, hoisted, xs):
+def _map_tiles_fwd(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> tuple[Any, tuple]:
     return _forward(body, consts, hoisted, xs), (consts, hoisted, xs)
 
 
-def _map_tiles_bwd(body, residuals, ct_ys):
+def _map_tiles_bwd(body: Callable[..., Any], residuals: tuple, ct_ys: Any) -> tuple:
     """Tile by tile in reverse order, as autodiff of the forward loop would run: each tile's
     forward recomputed under jax.vjp, its input's gradient written into its place, the
     gradients of the constants (and of what body closes over) added into sums carried across
@@ -143,8 +153,8 @@ def _map_tiles_bwd(body, residuals, ct_ys):
     n = jax.tree.leaves(xs)[0].shape[0]
     shared, shared_def = jax.tree.flatten((consts, hoisted))
     tiles, tiles_def = jax.tree.flatten(xs)
-    shared_f = [i for i, x in enumerate(shared) if _floating(x)]
-    tiles_f = [i for i, x in enumerate(tiles) if _floating(x)]
+    shared_f = [k for k, x in enumerate(shared) if _floating(x)]
+    tiles_f = [k for k, x in enumerate(tiles) if _floating(x)]
     after = _first_floating(ct_ys)
 
     def tile_grads(i, carry):
@@ -152,29 +162,20 @@ def _map_tiles_bwd(body, residuals, ct_ys):
         j = n - 1 - i
         x_j = [jax.lax.dynamic_index_in_dim(x, j, keepdims=False) for x in tiles]
 
-        def f(shared_part, tile_part):
-            c, x = list(shared), list(x_j)
-            for k, v in zip(shared_f, shared_part):
-                c[k] = v
-            for k, v in zip(tiles_f, tile_part):
-                x[k] = v
-            cs, h = jax.tree.unflatten(shared_def, c)
-            return body(cs, jax.tree.unflatten(tiles_def, x), *h)
-        _, vjp = jax.vjp(f, [shared[k] for k in shared_f], [x_j[k] for k in tiles_f])
+        def tile_fn(shared_part, tile_part):
+            cs, h = jax.tree.unflatten(shared_def, _with(shared, shared_f, shared_part))
+            return body(cs, jax.tree.unflatten(tiles_def, _with(x_j, tiles_f, tile_part)), *h)
+        _, vjp = jax.vjp(tile_fn, [shared[k] for k in shared_f], [x_j[k] for k in tiles_f])
         d_shared, d_tile = vjp(_at(ct_ys, j))
         sums = [s + d.astype(s.dtype) for s, d in zip(sums, d_shared)]
         return sums, _put(d_tiles, d_tile, j)
 
-    sums = [_buffers(jax.ShapeDtypeStruct(shared[k].shape, _sum_dtype(shared[k])), 1, after)[0] for k in shared_f]
-    d_tiles = [_buffers(jax.ShapeDtypeStruct(tiles[k].shape[1:], tiles[k].dtype), n, after) for k in tiles_f]
+    sums = [_zeros(shared[k].shape, _sum_dtype(shared[k]), after) for k in shared_f]
+    d_tiles = [_zeros(tiles[k].shape, tiles[k].dtype, after) for k in tiles_f]
     sums, d_tiles = jax.lax.fori_loop(0, n, tile_grads, (sums, d_tiles))
-    d_shared, d_xs = [None] * len(shared), [None] * len(tiles)
-    for k, s in zip(shared_f, sums):
-        d_shared[k] = s.astype(shared[k].dtype)
-    for k, d in zip(tiles_f, d_tiles):
-        d_xs[k] = d
-    d_consts, d_hoisted = jax.tree.unflatten(shared_def, d_shared)
-    return d_consts, d_hoisted, jax.tree.unflatten(tiles_def, d_xs)
+    sums = [s.astype(shared[k].dtype) for k, s in zip(shared_f, sums)]
+    d_consts, d_hoisted = jax.tree.unflatten(shared_def, _with([None] * len(shared), shared_f, sums))
+    return d_consts, d_hoisted, jax.tree.unflatten(tiles_def, _with([None] * len(tiles), tiles_f, d_tiles))
 
 
 _map_tiles.defvjp(_map_tiles_fwd, _map_tiles_bwd)
