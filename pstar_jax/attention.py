@@ -12,11 +12,11 @@ Two implementations, chosen at trace time from the backend and dtype (``implemen
     in the compute dtype (quadratic per row, though not per head): used only while that bias fits
     ``mask_bytes``; longer packed rows take the tiled path. cuDNN rejects some shapes (head
     widths it lacks, old cuDNN); that error at trace time also falls back to the tiled path.
-  * ``"tiled"`` (a CPU, fp32, the fallbacks): queries in tiles of ``tile_q``, each
-    recomputed in the backward (pstar_jax.tiling.map_tiles), each tile's scores against all L keys, so a tile holds
-    B x H x tile_q x L scores, forward and backward. Numerics are llama's: q.k in the compute
-    dtype, then scaled, softmax in float32, probabilities cast back before the product with v
-    (or, with ``float32_scores``, jax.nn.dot_product_attention's: q.k and the scale in float32).
+  * ``"tiled"`` (a CPU, fp32, the fallbacks): queries in tiles of ``tile_q``, each recomputed
+    in the backward (pstar_jax.tiling.map_tiles), each tile's scores against all L keys, so a
+    tile holds B x H x tile_q x L scores, forward and backward. Numerics are llama's: q.k in the
+    compute dtype, then scaled, softmax in float32, probabilities cast back before the product
+    with v (or, with ``float32_scores``, jax.nn.dot_product_attention's: q.k and the scale in float32).
 jax.nn.dot_product_attention has the same signature on jax 0.10.2 and 0.11.2 (bias, mask,
 scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, implementation),
 so nothing here goes through pstar_jax.compat.

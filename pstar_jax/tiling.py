@@ -160,7 +160,7 @@ def _map_tiles_bwd(body: Callable[..., Any], residuals: tuple, ct_ys: Any) -> tu
     def tile_grads(i, carry):
         sums, d_tiles = carry
         j = n - 1 - i
-        x_j = [jax.lax.dynamic_index_in_dim(x, j, keepdims=False) for x in tiles]
+        x_j = _at(tiles, j)
 
         def tile_fn(shared_part, tile_part):
             cs, h = jax.tree.unflatten(shared_def, _with(shared, shared_f, shared_part))
