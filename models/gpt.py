@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path, position_seeds, project
-from pstar_jax.attention import causal_attention
-from pstar_jax.loss import linear_cross_entropy_sum
-from pstar_jax.model import NNXStaged, cross_entropy
-from pstar_jax.tiling import TileBudget, mlp_tile, tiled_over_sequence
+from pstar_jax.model.attention import causal_attention
+from pstar_jax.model.loss import linear_cross_entropy_sum
+from pstar_jax.model.staged import NNXStaged, cross_entropy
+from pstar_jax.model.tiling import TileBudget, mlp_tile, tiled_over_sequence
 
 LN_EPS = 1e-5
 
@@ -102,7 +102,7 @@ def embed(wte_VxD: jax.Array, wpe_LxD: jax.Array, tokens_BxL: jax.Array,
 
 
 def attention_segments(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
-    """Segment ids for pstar_jax.attention (causal within equal ids): each padding position
+    """Segment ids for pstar_jax.model.attention (causal within equal ids): each padding position
     (segment 0) gets an id of its own, -1 - its index, so that padding sees only itself and no
     row of scores is empty; examples keep theirs (k >= 1). None stays None (one segment)."""
     if segment_ids_BxL is None:
@@ -125,7 +125,7 @@ def tiled_mlp(mlp: nnx.Module, x_BxLxD: jax.Array, d_hidden: int, tile_bytes: in
 
 
 def tiled_modules(modules: tuple[nnx.Module, ...], fn: Any, xs: tuple, tile: int) -> Any:
-    """``fn(modules, *x_tile)`` over sequence tiles of ``xs`` (pstar_jax.tiling): the modules'
+    """``fn(modules, *x_tile)`` over sequence tiles of ``xs`` (pstar_jax.model.tiling): the modules'
     weights go in as the loop's parameters, so their gradients add up in float32."""
     graph, state = nnx.split(modules)
     return tiled_over_sequence(lambda s, x: fn(nnx.merge(graph, s), *x), xs, tile=tile, params=state)
@@ -206,7 +206,7 @@ def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02, bias: bool
 
 
 class Attention(nnx.Module):
-    """Causal self-attention with one fused qkv projection; scores per pstar_jax.attention (a
+    """Causal self-attention with one fused qkv projection; scores per pstar_jax.model.attention (a
     query tile at a time, or cuDNN), with jax.nn.dot_product_attention's float32 q.k."""
 
     def __init__(self, config: GPTConfig, proj_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
@@ -268,7 +268,7 @@ class Block(nnx.Module):
                  positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
         """``segment_ids`` [B, L] keep attention within each packed example (None: one per row);
         ``positions`` are read by the embedding, not here; ``dropout_seed`` [B] (this stage's,
-        pstar_jax.batch) draws LoRA dropout's masks (None: none)."""
+        pstar_jax.data.batch) draws LoRA dropout's masks (None: none)."""
         seeds = None if dropout_seed is None else position_seeds(dropout_seed, x_BxLxD.shape[1])
         B, L, D = x_BxLxD.shape
         # As models/llama.py's block: the position-wise parts over sequence tiles (recomputed),
@@ -288,7 +288,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """``n_blocks`` builds fewer blocks than ``config.n_layer`` (the staged adapter builds one, or
     none, to read shapes and initialise tensors); init scales always follow ``config.n_layer``.
-    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch). ``tiling``
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.data.batch). ``tiling``
     bounds the largest intermediate of the head's loss, attention and the MLP (one tile while
     a sequence's whole intermediate fits)."""
     supports_packing = True
@@ -296,7 +296,7 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget()):
         self.config, self.tiling = config, tiling
-        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.batch
+        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         d, normal = config.d_model, nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(config.vocab_size, d, embedding_init=normal, rngs=rngs)
         self.wpe = nnx.Param(normal(rngs.params(), (config.seq_len, d), jnp.float32))
@@ -316,7 +316,7 @@ class GPT(nnx.Module):
 
     def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
         """sum of weights * token cross entropy of ``logits(h)``, the logits a tile at a time
-        (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
+        (pstar_jax.model.loss): the head stage, whose memory then does not grow with L x V."""
         tied = self.config.tie_embeddings
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
         B, L, D = h_BxLxD.shape  # ln_f over sequence tiles: whole, its float32 intermediates would dominate
@@ -334,7 +334,7 @@ class GPT(nnx.Module):
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens_BxL), targets_BxL)
 
-    # -- decoding with a KV cache (see pstar_jax.generate) ---------------------------------------
+    # -- decoding with a KV cache (see pstar_jax.cli.generate) ---------------------------------------
     def max_decode_len(self) -> int:
         """Positions the learned table holds: prompt and new tokens together."""
         return self.config.seq_len

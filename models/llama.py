@@ -34,9 +34,9 @@ from flax import nnx
 from pstar_models.lora import LoraSpec, check_spec, init_adapter, is_adapter, position_seeds, project
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                tiled_modules, visible_TxS, write_cache)
-from pstar_jax.attention import causal_attention
-from pstar_jax.model import NNXStaged, cross_entropy
-from pstar_jax.tiling import TileBudget, mlp_tile
+from pstar_jax.model.attention import causal_attention
+from pstar_jax.model.staged import NNXStaged, cross_entropy
+from pstar_jax.model.tiling import TileBudget, mlp_tile
 
 FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
 
@@ -232,7 +232,7 @@ def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> 
 
 def cached_attention(q_BxTxHxK: jax.Array, k_BxSxNxK: jax.Array, v_BxSxNxK: jax.Array,
                      pos: jax.Array | int) -> jax.Array:
-    """pstar_jax.attention.causal_attention's numerics (llama's) for T new queries at positions
+    """pstar_jax.model.attention.causal_attention's numerics (llama's) for T new queries at positions
     pos.. over S cached keys and values."""
     B, T, H, K = q_BxTxHxK.shape
     S, N = k_BxSxNxK.shape[1], k_BxSxNxK.shape[2]
@@ -256,7 +256,7 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention through pstar_jax.attention (query tiles, or cuDNN on a GPU)."""
+    """Grouped-query attention through pstar_jax.model.attention (query tiles, or cuDNN on a GPU)."""
 
     def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.config, self.tiling = config, tiling
@@ -358,11 +358,11 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
         """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1);
-        ``dropout_seed`` [B] (this stage's, pstar_jax.batch) draws LoRA dropout's masks (None: none).
+        ``dropout_seed`` [B] (this stage's, pstar_jax.data.batch) draws LoRA dropout's masks (None: none).
 
         Three passes, so that only a few [B, L, D]-sized arrays are ever whole: the position-wise
         parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles,
-        each recomputed in the backward (pstar_jax.tiling), between them attention over query
+        each recomputed in the backward (pstar_jax.model.tiling), between them attention over query
         tiles. The backward then keeps x, q, k, v and the attention output, and one tile's
         intermediates (float32 norms, the MLP's hidden, matmul copies) at a time."""
         B, L, _ = x_BxLxD.shape
@@ -388,14 +388,14 @@ class Llama(nnx.Module):
     The final norm + projection is the method ``unembed``, not ``head``: ``head`` is the untied
     projection's module, whose ``head.kernel`` name the checkpoint I/O relies on. ``n_blocks``
     builds fewer blocks (0 or 1 for an adapter's shell); init scales still follow config.n_layer.
-    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.batch). ``tiling``
+    Packed rows: ``segment_ids`` and ``positions`` [B, L] (see pstar_jax.data.batch). ``tiling``
     bounds the largest intermediate of the loss, attention and the MLP (as models/gpt.py's)."""
     supports_packing = True
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget()):
         self.config, self.tiling = config, tiling
-        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.batch
+        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling)
@@ -411,7 +411,7 @@ class Llama(nnx.Module):
 
     def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
         """sum of weights * token cross entropy of ``unembed(h)``, the logits a tile at a time
-        (pstar_jax.loss): the head stage, whose memory then does not grow with L x V."""
+        (pstar_jax.model.loss): the head stage, whose memory then does not grow with L x V."""
         tied = self.config.tie_embeddings
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
         # The final norm over sequence tiles too: whole, its float32 intermediates would be the
@@ -434,7 +434,7 @@ class Llama(nnx.Module):
     def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
         return cross_entropy(self(tokens_BxL), targets_BxL)
 
-    # -- decoding with a KV cache (see pstar_jax.generate) ---------------------------------------
+    # -- decoding with a KV cache (see pstar_jax.cli.generate) ---------------------------------------
     def max_decode_len(self) -> int:
         """The context the checkpoint was made for (RoPE itself has no hard limit)."""
         return max(self.config.max_position_embeddings or 0, self.config.seq_len)

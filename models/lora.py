@@ -15,7 +15,7 @@ Targets are module paths relative to a block ('attn.q', 'mlp.down') or glob patt
 none means every projection of the family (``projections(config)`` in models/gpt.py and
 models/llama.py).
 
-Dropout: a block called with ``dropout_seed`` [B] (its stage's, see pstar_jax.batch) derives a
+Dropout: a block called with ``dropout_seed`` [B] (its stage's, see pstar_jax.data.batch) derives a
 seed per position (``position_seeds``), and each targeted projection salts it with its path, so
 masks differ per layer, projection, row and position and do not depend on tiling or devices.
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_jax.batch import mix_seeds
+from pstar_jax.data.batch import mix_seeds
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 

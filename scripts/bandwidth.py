@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
-from pstar_jax.machine import copies_overlap  # noqa: E402
-from pstar_jax.memory import Placement, Space  # noqa: E402
-from pstar_jax.planning import default_mesh  # noqa: E402
+from pstar_jax.plan.machine import copies_overlap  # noqa: E402
+from pstar_jax.engine.memory import Placement, Space  # noqa: E402
+from pstar_jax.planner.build import default_mesh  # noqa: E402
 
 
 def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float, float]:

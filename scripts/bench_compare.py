@@ -34,9 +34,9 @@ import jax  # noqa: E402
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_jax.config import format_bytes, parse_bytes  # noqa: E402
-from pstar_jax.memory import device_total_bytes, host_budget_bytes  # noqa: E402
-from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
-from pstar_jax.predict import predict_step_s  # noqa: E402
+from pstar_jax.engine.memory import device_total_bytes, host_budget_bytes  # noqa: E402
+from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
+from pstar_jax.plan.predict import predict_step_s  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 METHODS = ("plain-none", "plain-dots", "plain-full", "xla-offload", "pstar")

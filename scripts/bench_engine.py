@@ -20,7 +20,7 @@ import jax  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
-from pstar_jax.planning import default_mesh  # noqa: E402
+from pstar_jax.planner.build import default_mesh  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 

@@ -38,10 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from pstar_jax import host_adam  # noqa: E402
+from pstar_jax.engine import host_adam  # noqa: E402
 from pstar_jax.config import OptimConfig  # noqa: E402
-from pstar_jax.memory import Placement, Space  # noqa: E402
-from pstar_jax.optim import ChunkOptimizer, default_tx  # noqa: E402
+from pstar_jax.engine.memory import Placement, Space  # noqa: E402
+from pstar_jax.engine.optim import ChunkOptimizer, default_tx  # noqa: E402
 
 ADAM_BYTES_PER_PARAM = 2 + 2 + 3 * 4 * 2  # bf16 grad in, bf16 params out, fp32 master, m, v in and out
 TRIAD_BYTES_PER_ELEMENT = 3 * 4  # STREAM's count: b and c read, a written (no write-allocate)

@@ -5,9 +5,9 @@
 Compiles only (``memory_analysis().temp_size_in_bytes`` of jit(grad(...)) on this backend);
 nothing runs, so the whole-logits and L x L columns cost no memory here. One row of B=1:
 the head's weighted cross entropy over V (untiled: h @ w then log_softmax; tiled:
-pstar_jax.loss), grouped-query causal attention with segment ids (full L x L scores, llama's
-numerics; tiled: pstar_jax.attention's query tiles) and a SwiGLU MLP of width F (whole;
-tiled: pstar_jax.tiling.tiled_over_sequence). Tiles follow the modules' byte budgets.
+pstar_jax.model.loss), grouped-query causal attention with segment ids (full L x L scores, llama's
+numerics; tiled: pstar_jax.model.attention's query tiles) and a SwiGLU MLP of width F (whole;
+tiled: pstar_jax.model.tiling.tiled_over_sequence). Tiles follow the modules' byte budgets.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pstar_jax.attention import causal_attention, tile_queries  # noqa: E402
-from pstar_jax.loss import linear_cross_entropy_sum, tile_positions  # noqa: E402
-from pstar_jax.tiling import rows_within, tiled_over_sequence  # noqa: E402
+from pstar_jax.model.attention import causal_attention, tile_queries  # noqa: E402
+from pstar_jax.model.loss import linear_cross_entropy_sum, tile_positions  # noqa: E402
+from pstar_jax.model.tiling import rows_within, tiled_over_sequence  # noqa: E402
 
 
 def untiled_loss(h_NxD, w_DxV, targets_N, weights_N):

@@ -24,8 +24,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 import pstar_models  # noqa: E402
 from pstar_jax.config import EngineConfig  # noqa: E402
-from pstar_jax.machine import H200  # noqa: E402
-from pstar_jax.planner import plan_report  # noqa: E402
+from pstar_jax.plan.machine import H200  # noqa: E402
+from pstar_jax.planner.report import plan_report  # noqa: E402
 
 GiB = 2**30
 

@@ -25,8 +25,9 @@ import numpy as np  # noqa: E402
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_models.lora import LoraSpec  # noqa: E402
-from pstar_jax.lora import LoraConfig, frozen_for_lora  # noqa: E402
-from pstar_jax.planning import default_mesh  # noqa: E402
+from pstar_jax.config.lora import LoraConfig  # noqa: E402
+from pstar_jax.model.lora import frozen_for_lora  # noqa: E402
+from pstar_jax.planner.build import default_mesh  # noqa: E402
 
 
 def device_peak_bytes() -> int | None:

@@ -37,17 +37,18 @@ import numpy as np  # noqa: E402
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_models.lora import LoraSpec  # noqa: E402
-from pstar_jax.chunks import build_layout  # noqa: E402
-from pstar_jax.freeze import trainable as make_trainable  # noqa: E402
-from pstar_jax.lora import LoraConfig, frozen_for_lora  # noqa: E402
-from pstar_jax.memory import Placement, host_budget_bytes  # noqa: E402
-from pstar_jax.model import decays  # noqa: E402
-from pstar_jax.optim import ChunkOptimizer  # noqa: E402
-from pstar_jax.plan import make_plan  # noqa: E402
-from pstar_jax.planner import default_tx_for_shapes, largest_mixed  # noqa: E402
-from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
-from pstar_jax.stages import StageFunctions, bind  # noqa: E402
-from pstar_jax.trace import trace_step  # noqa: E402
+from pstar_jax.engine.chunks import build_layout  # noqa: E402
+from pstar_jax.model.freeze import trainable as make_trainable  # noqa: E402
+from pstar_jax.config.lora import LoraConfig  # noqa: E402
+from pstar_jax.model.lora import frozen_for_lora  # noqa: E402
+from pstar_jax.engine.memory import Placement, host_budget_bytes  # noqa: E402
+from pstar_jax.model.staged import decays  # noqa: E402
+from pstar_jax.engine.optim import ChunkOptimizer  # noqa: E402
+from pstar_jax.plan.placement import make_plan  # noqa: E402
+from pstar_jax.planner.report import default_tx_for_shapes, largest_mixed  # noqa: E402
+from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
+from pstar_jax.engine.stages import StageFunctions, bind  # noqa: E402
+from pstar_jax.planner.trace import trace_step  # noqa: E402
 
 KINDS = ("frozen", "trainable", "optimizer", "inputs")  # what a chunk store key holds, for the byte split
 
@@ -63,7 +64,7 @@ def frozen_of(model, rank: int) -> frozenset[str]:
 
 @dataclasses.dataclass
 class Searcher:
-    """The depth search of pstar_jax.planner (trace and first-fit plan, no model data), with the
+    """The depth search of pstar_jax.planner.report (trace and first-fit plan, no model data), with the
     LoRA run's frozen base laid out as frozen chunks."""
     preset: str
     config: ps.EngineConfig  # resolved: the preset's chunk size at every depth

@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
-from pstar_jax.plan import plan_step  # noqa: E402
-from pstar_jax.planning import default_mesh  # noqa: E402
-from pstar_jax.schedule import step_accesses  # noqa: E402
+from pstar_jax.plan.placement import plan_step  # noqa: E402
+from pstar_jax.planner.build import default_mesh  # noqa: E402
+from pstar_jax.plan.schedule import step_accesses  # noqa: E402
 
 
 def main() -> None:

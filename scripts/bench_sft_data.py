@@ -23,7 +23,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import numpy as np  # noqa: E402
 
-from pstar_jax import tokens  # noqa: E402
+from pstar_jax.cli import tokens as tokens_cli  # noqa: E402
 
 WORDS = ("the of and to in is that for it as with was on be by this are or from at an which have not but all can "
          "model data train token answer question python function value result system user helpful paris france "
@@ -67,7 +67,7 @@ def main() -> None:
         print(f"{args.conversations:,} conversations, {data.stat().st_size / 2**20:.1f} MiB of JSONL; "
               f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         start = time.perf_counter()
-        code = tokens.main(["--chat", "--tokenizer", str(tokenizer), "--seq-len", str(args.seq_len), str(data),
+        code = tokens_cli.main(["--chat", "--tokenizer", str(tokenizer), "--seq-len", str(args.seq_len), str(data),
                             "-o", str(tmp / "train.sft.u16.bin")])
         print(f"wall {time.perf_counter() - start:.2f} s; load average after {os.getloadavg()[0]:.2f}")
         raise SystemExit(code)

@@ -5,7 +5,7 @@
 
 The planner divides each moment's counted FLOPs (what the trace records, recompute included)
 by ``Machine.flops_per_s``, so that rate must be in the same units: counted FLOPs of a measured
-step over its time, loops counted as often as they run (pstar_jax.flops; XLA's cost analysis
+step over its time, loops counted as often as they run (pstar_jax.model.flops; XLA's cost analysis
 alone counts the plain step's layer scan once, 1/24 of the step). The reference step is the plain engine's GPT 1.3B (d 2048, 24 layers,
 16x1024 tokens, bf16, full remat), the step DESIGN.md measured on the H200 at 0.426 s. Without
 ``--run`` nothing is allocated: the step is compiled on abstract arguments.
@@ -23,7 +23,7 @@ import jax  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
-from pstar_jax.planning import default_mesh  # noqa: E402
+from pstar_jax.planner.build import default_mesh  # noqa: E402
 from scripts.benchlib import median_step_s, random_batches  # noqa: E402
 
 

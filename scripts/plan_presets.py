@@ -40,14 +40,14 @@ def use_cpu_backend() -> None:
     import jax
     jax.config.update("jax_platforms", "cpu")
     if jax.config.jax_compilation_cache_dir is None:
-        from pstar_jax.machine import cache_dir
+        from pstar_jax.planner.measure import cache_dir
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def plan_preset(name: str, args: argparse.Namespace) -> ps.PlanReport:
-    from pstar_jax.machine import load_machine
-    from pstar_jax.planning import default_mesh
+    from pstar_jax.plan.machine import load_machine
+    from pstar_jax.planner.build import default_mesh
     engine = ps.EngineConfig(device_memory=ps.parse_bytes(args.device_memory, "--device-memory"),
                              host_memory=ps.parse_bytes(args.host_memory, "--host-memory"),
                              micro_batches=args.micro_batches, precision=args.precision, machine=args.machine)

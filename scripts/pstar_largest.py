@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
-from pstar_jax.memory import host_budget_bytes  # noqa: E402
-from pstar_jax.planning import default_mesh, resolve_machine  # noqa: E402
+from pstar_jax.engine.memory import host_budget_bytes  # noqa: E402
+from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
 
 
 def main() -> None:

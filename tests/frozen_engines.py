@@ -6,11 +6,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pstar_jax.config import EngineConfig, OptimConfig
-from pstar_jax.freeze import trainable
-from pstar_jax.machine import H200
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine
-from pstar_jax.planning import chunked_engine
+from pstar_jax.model.freeze import trainable
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.plain import PlainEngine
+from pstar_jax.planner.build import chunked_engine
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
 CHUNK = 8192

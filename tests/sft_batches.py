@@ -3,7 +3,7 @@ trained tokens per row."""
 
 import numpy as np
 
-from pstar_jax.batch import Batch, from_rows
+from pstar_jax.data.batch import Batch, from_rows
 
 
 def batches(n_steps, micro_batches=1, batch=4, seq=64, seed=0):

@@ -1,6 +1,6 @@
 """Step shapes for planner tests (no model, no JAX): a GPT-like chain of stages over chunks."""
 
-from pstar_jax.schedule import StepShape
+from pstar_jax.plan.schedule import StepShape
 
 
 def gpt_like_shape(n_blocks, chunks_per_block, micro_batches=1, non_model=(100, 300), input_bytes=0):

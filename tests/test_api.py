@@ -81,7 +81,7 @@ def test_a_users_own_module_trains_through_the_cli(tmp_path):
     loaded cores, before the 2026-12-02 changes as after)."""
     metrics = tmp_path / "m.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "pstar_jax.train", "--model-module", "examples.my_model",
+    proc = subprocess.run([sys.executable, "-m", "pstar_jax.cli.train", "--model-module", "examples.my_model",
                            "--model", "mine", "--steps", "12", "--lr", "3e-3", "--quiet", "--metrics-out",
                            str(metrics)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -110,7 +110,7 @@ def test_a_users_own_models_module_neither_hides_nor_replaces_ours(tmp_path):
     is pstar_models, so the user's file is not imported and the default preset still builds."""
     (tmp_path / "models.py").write_text("raise RuntimeError('the user models.py was imported')\n")
     code = ("import pstar_jax as ps\n"
-            "from pstar_jax.loop import load_model\n"
+            "from pstar_jax.io.models import load_model\n"
             "model = load_model(ps.RunConfig(model=ps.ModelConfig(name='tiny')))\n"
             "print(type(model).__name__)\n")
     env = {**os.environ, "PYTHONPATH": ROOT}

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.attention import _cudnn_attention, causal_attention, choose_implementation, tile_queries
+from pstar_jax.model.attention import _cudnn_attention, causal_attention, choose_implementation, tile_queries
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)

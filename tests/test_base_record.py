@@ -16,13 +16,13 @@ from pstar_models import build_model
 from pstar_models.hf import hf_config, hf_tensors
 from pstar_models.llama import LlamaConfig, StagedLlama
 from pstar_models.lora import LoraSpec
-from pstar_jax.base_record import base_record, checkpoint_tensors, fingerprint_files
-from pstar_jax.checkpoint import Checkpointer
-from pstar_jax.chunks import ChunkLayout
+from pstar_jax.io.base_record import base_record, checkpoint_tensors, fingerprint_files
+from pstar_jax.io.checkpoint import Checkpointer
+from pstar_jax.engine.chunks import ChunkLayout
 from pstar_jax.config import ModelConfig, RunConfig, from_dict
-from pstar_jax.lora import is_adapter
-from pstar_jax.loop import load_model
-from pstar_jax.train import main as train
+from pstar_jax.model.lora import is_adapter
+from pstar_jax.io.models import load_model
+from pstar_jax.cli.train import main as train
 from test_decode import greedy_full_forward
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -226,7 +226,7 @@ def merged_params(model, params):
 
 
 def test_generation_applies_the_adapter_cached_and_streamed(lora_run, capsys):
-    from pstar_jax.generate import main as generate
+    from pstar_jax.cli.generate import main as generate
     ckpt = Checkpointer(str(lora_run / "a"))
     try:
         meta = ckpt.meta()
@@ -259,7 +259,7 @@ def test_generation_applies_the_adapter_cached_and_streamed(lora_run, capsys):
 
 
 def test_generation_refuses_a_changed_base_in_one_line(lora_run, bases, tmp_path, capsys):
-    from pstar_jax.generate import main as generate
+    from pstar_jax.cli.generate import main as generate
     d, base = tmp_path / "ck", tmp_path / "base"
     shutil.copytree(lora_run / "at_stop", d)
     shutil.copytree(bases / "base", base)
@@ -285,9 +285,10 @@ def test_held_out_loss_with_lora_equals_plain_and_the_base_at_step_zero():
     """The chunked engine's held-out loss of a LoRA model equals the plain engine's before and
     after training, and at step 0 the base model's (the untrained adapter adds nothing)."""
     from pstar_jax.config import EngineConfig, OptimConfig
-    from pstar_jax.lora import LoraConfig, frozen_for_lora
-    from pstar_jax.machine import H200
-    from pstar_jax.planning import build_engine
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.lora import frozen_for_lora
+    from pstar_jax.plan.machine import H200
+    from pstar_jax.planner.build import build_engine
     from sft_batches import batches
     optim = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10)
     m = build_model("tiny", lora=LoraSpec(rank=4, alpha=16.0))
@@ -319,7 +320,7 @@ def test_the_fingerprint_reads_a_few_kilobytes_of_a_large_file(tmp_path, monkeyp
     """A 4 GiB (sparse) safetensors-like file: the header and 1024 samples of 64 bytes are read."""
     import builtins
 
-    import pstar_jax.base_record as base_record_module
+    import pstar_jax.io.base_record as base_record_module
     header = json.dumps({"w": {"dtype": "BF16", "shape": [2**31], "data_offsets": [0, 2**32]}}).encode()
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.write(len(header).to_bytes(8, "little") + header)
@@ -354,10 +355,10 @@ def test_the_fingerprint_reads_a_few_kilobytes_of_a_large_file(tmp_path, monkeyp
 
 def test_pstar_export_of_a_frozen_run_takes_the_base_from_its_record_and_merges_lora(lora_run, bases, tmp_path,
                                                                                      capsys):
-    from pstar_jax.export_cli import main as export
-    from pstar_jax.hf import HFCheckpoint
-    from pstar_jax.lora import base_shapes
-    from pstar_jax.peft_io import lora_scale, merge_adapter, model_family, read_adapter
+    from pstar_jax.cli.export import main as export
+    from pstar_jax.io.hf import HFCheckpoint
+    from pstar_jax.model.lora import base_shapes
+    from pstar_jax.io.peft_io import lora_scale, merge_adapter, model_family, read_adapter
     d = tmp_path / "ck"
     assert train([*COMMON, "--chunk-size", "16384", "--model", "llama-tiny", "--freeze", "blocks.*", "--steps", "1",
                   "--checkpoint-dir", str(d)]) == 0

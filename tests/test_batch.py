@@ -10,9 +10,9 @@ import pytest
 
 from pstar_models.gpt import StagedGPT, preset
 from pstar_models.llama import Llama3RopeScaling, LlamaConfig, StagedLlama
-from pstar_jax.batch import Batch, check_batches, from_rows, plain, positions_in_segments
-from pstar_jax.data import DataError
-from pstar_jax.model import compose_loss
+from pstar_jax.data.batch import Batch, check_batches, from_rows, plain, positions_in_segments
+from pstar_jax.config.errors import DataError
+from pstar_jax.model.staged import compose_loss
 
 EPS32 = float(np.finfo(np.float32).eps)
 LLAMA = LlamaConfig(vocab_size=101, d_model=36, n_layer=2, n_head=6, n_kv_head=2, d_ff=56, seq_len=32,

@@ -1,4 +1,4 @@
-"""pstar_jax.chat: the four formats and their bad lines; ids equal to transformers' apply_chat_template
+"""pstar_jax.data.chat: the four formats and their bad lines; ids equal to transformers' apply_chat_template
 for Llama 3.1, Qwen2.5 and Mistral templates; the trained mask exactly the assistant's turns."""
 
 import json
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
-from pstar_jax.chat import BadExample, BadLines, ChatTemplate, read_conversations
-from pstar_jax.data import DataError
+from pstar_jax.data.chat import BadExample, BadLines, ChatTemplate, read_conversations
+from pstar_jax.config.errors import DataError
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pstar_models.gpt import load_gpt
-from pstar_jax.checkpoint import Checkpointer
-from pstar_jax.train import main
+from pstar_jax.io.checkpoint import Checkpointer
+from pstar_jax.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "3e-3"]
@@ -100,8 +100,8 @@ def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     # The same parameters started again through pstar_jax: its first step's loss is that loss.
     metrics = tmp_path / "again.jsonl"
     assert main([*BASE, "--steps", "1", "--init-from-flax", str(out), "--metrics-out", str(metrics)]) == 0
-    from pstar_jax.flax_io import import_flax
-    from pstar_jax.model import compose_loss
+    from pstar_jax.io.flax_io import import_flax
+    from pstar_jax.model.staged import compose_loss
     from pstar_models.gpt import build_model
     staged = build_model("tiny")
     params = import_flax(str(out), staged.param_shapes())
@@ -153,7 +153,7 @@ def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, capsys):
 
 def run_cli(args, **kw):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *BASE, *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "pstar_jax.cli.train", *BASE, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -237,7 +237,7 @@ def ckpt_meta(directory, step):
 
 
 def read_error(directory, step=None):
-    from pstar_jax.checkpoint import CheckpointError
+    from pstar_jax.io.checkpoint import CheckpointError
     ckpt = Checkpointer(str(directory))
     try:
         with pytest.raises(CheckpointError) as err:
@@ -276,7 +276,7 @@ def test_a_step_rotated_away_mid_read_names_the_live_run_and_says_retry(tmp_path
     remove a step; without a live run the step is still only said to have gone."""
     import socket
 
-    from pstar_jax.checkpoint import CheckpointError, DirectoryLock
+    from pstar_jax.io.checkpoint import CheckpointError, DirectoryLock
     d = tmp_path / "ck"
     checksum = small_steps(d, [3, 6])(3)
     reader = Checkpointer(str(d))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from pstar_jax.chunks import ChunkLayout, auto_chunk_numel, build_layout, pack, unpack
+from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numel, build_layout, pack, unpack
 from pstar_jax.config import ConfigError
 
 ALIGN = 64

@@ -160,8 +160,8 @@ def test_config_round_trips_through_json_and_names_math_changes():
 
 def test_every_flag_has_help_and_errors_name_flags():
     """The CLI is derived from the config: each field one flag with help; field names map to flags."""
-    from pstar_jax import cli
-    from pstar_jax.train import build_parser, parse_config
+    from pstar_jax.cli import flags as cli
+    from pstar_jax.cli.train import build_parser, parse_config
     parser = build_parser()
     actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert actions and all(a.help for a in actions)

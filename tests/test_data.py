@@ -3,9 +3,10 @@ import os
 import numpy as np
 import pytest
 
-from pstar_jax import data
-from pstar_jax.batch import Batch
-from pstar_jax.data import Batches, DataError
+from pstar_jax.data import corpus as corpus_module, token_files as data
+from pstar_jax.data.batch import Batch
+from pstar_jax.data.stream import Batches
+from pstar_jax.config.errors import DataError
 
 
 @pytest.mark.parametrize("vocab_size, suffix, dtype", [(256, ".u16.bin", np.uint16), (70_000, ".u32.bin", np.uint32)])
@@ -183,14 +184,14 @@ def test_batches_too_little_data():
 
 
 def test_default_corpus_deterministic():
-    corpus = data.default_corpus(max_bytes=200_000)
+    corpus = corpus_module.default_corpus(max_bytes=200_000)
     assert corpus.dtype == np.uint16 and len(corpus) == 200_000
     assert corpus.max() < 256
-    np.testing.assert_array_equal(corpus, data.default_corpus(max_bytes=200_000))
+    np.testing.assert_array_equal(corpus, corpus_module.default_corpus(max_bytes=200_000))
 
 
 def test_default_corpus_falls_back_without_sources(tmp_path, monkeypatch):
-    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
-    corpus = data.default_corpus()
+    monkeypatch.setattr(corpus_module.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    corpus = corpus_module.default_corpus()
     assert len(corpus) > 1000 and corpus.max() < 256
-    np.testing.assert_array_equal(corpus, data.default_corpus())
+    np.testing.assert_array_equal(corpus, corpus_module.default_corpus())

@@ -7,7 +7,7 @@ import pytest
 
 from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_models.llama import LlamaConfig, StagedLlama, _llama3
-from pstar_jax.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
+from pstar_jax.engine.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
 
 MODELS = {
     "gpt": lambda: StagedGPT(GPTConfig(vocab_size=97, d_model=36, n_layer=2, n_head=3, seq_len=24,

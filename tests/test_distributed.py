@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from pstar_jax import distributed
+from pstar_jax.run import distributed
 from pstar_jax.config import ConfigError
-from pstar_jax.distributed import EXIT_PEER_FAILED, Watchdog, agree_to_stop, resolve
+from pstar_jax.run.distributed import EXIT_PEER_FAILED, Watchdog, agree_to_stop, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,7 +99,7 @@ def run_python(code, timeout_s=60):
 def test_watchdog_ends_a_stuck_process_without_calling_the_backend():
     """The backend is broken (jax.process_index raises): the watchdog still ends the process."""
     proc, _ = run_python("import time, jax\n"
-                         "from pstar_jax.distributed import Watchdog\n"
+                         "from pstar_jax.run.distributed import Watchdog\n"
                          "def broken(): raise RuntimeError('backend gone')\n"
                          "jax.process_index = broken\n"
                          "Watchdog(0.5, process_index=1).progress(7)\n"
@@ -114,7 +114,7 @@ def test_unreachable_coordinator_is_one_line_within_the_timeout():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc, took = run_python("from pstar_jax.distributed import initialize\n"
+    proc, took = run_python("from pstar_jax.run.distributed import initialize\n"
                             f"initialize('127.0.0.1:{port}', 2, 1, timeout_s=3)\n")
     assert proc.returncode == EXIT_PEER_FAILED, proc.stderr[-2000:]
     assert proc.stderr.strip() == (f"pstar-train: error: process 1: the 2 processes did not all join through the "
@@ -134,7 +134,7 @@ def test_any_error_of_a_multi_process_run_ends_the_process_at_once(monkeypatch, 
     """In a multi-process run every error leaves through hard_exit (the interpreter's exit would join
     worker threads and run jax's shutdown barrier, both of which can wait on a dead peer); one
     process alone raises as usual."""
-    from pstar_jax import distributed
+    from pstar_jax.run import distributed
     exits = []
 
     def fake_exit(status, line=None):

@@ -11,16 +11,17 @@ from jax.sharding import Mesh
 import pstar_jax as ps
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.data import Batches, eval_batches, held_out_split, write_tokens
-from pstar_jax.planning import chunked_engine
-from pstar_jax.machine import H200
-from pstar_jax.memory import Space
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine
-from pstar_jax.plan import plan_forward, plan_step
-from pstar_jax.planning import plan_model
-from pstar_jax.schedule import forward_accesses, step_accesses
-from pstar_jax.train import main
+from pstar_jax.data.token_files import write_tokens
+from pstar_jax.data.stream import Batches, eval_batches, held_out_split
+from pstar_jax.planner.build import chunked_engine
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.memory import Space
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.plain import PlainEngine
+from pstar_jax.plan.placement import plan_forward, plan_step
+from pstar_jax.planner.build import plan_model
+from pstar_jax.plan.schedule import forward_accesses, step_accesses
+from pstar_jax.cli.train import main
 from tests.step_shapes import gpt_like_shape
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10, clip_norm=1.0)

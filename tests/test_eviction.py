@@ -4,9 +4,9 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from pstar_jax.eviction import policy_for
-from pstar_jax.replay import ReplayState, simulate
-from pstar_jax.schedule import Access
+from pstar_jax.plan.eviction import policy_for
+from pstar_jax.plan.replay import ReplayState, simulate
+from pstar_jax.plan.schedule import Access
 
 
 def read_trace(draw_needs):
@@ -88,7 +88,7 @@ def test_policies_choose_as_named():
 @given(traces(), st.lists(st.integers(0, 9), min_size=1, max_size=12))
 def test_belady_keys_are_next_uses_at_any_moment(trace, moments):
     """Asked at moments in any order (replays start over), Belady picks the furthest next use."""
-    from pstar_jax.eviction import next_use, uses_of
+    from pstar_jax.plan.eviction import next_use, uses_of
     accesses, n, _ = trace
     policy = policy_for("belady", accesses)
     uses, period = uses_of(accesses), len(accesses)

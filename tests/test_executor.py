@@ -10,16 +10,16 @@ import pytest
 from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
-from pstar_jax.batch import plain as plain_batch
-from pstar_jax.data import DataError
-from pstar_jax.model import compose_loss
+from pstar_jax.data.batch import plain as plain_batch
+from pstar_jax.config.errors import DataError
+from pstar_jax.model.staged import compose_loss
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.executor import ChunkedEngine
-from pstar_jax.planning import chunked_engine
-from pstar_jax.machine import H200
-from pstar_jax.memory import Space
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine
+from pstar_jax.engine.executor import ChunkedEngine
+from pstar_jax.planner.build import chunked_engine
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.memory import Space
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.plain import PlainEngine
 from sft_batches import batches, merge, sft_steps
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
@@ -176,7 +176,7 @@ def test_host_updates_run_beside_the_next_step(monkeypatch):
     goes on; the next step waits for each one only where it needs that chunk's params. Held up
     here by a gate, the updates are still under way when step() returns; the numbers equal
     device Adam's, and the bytes the plan's."""
-    from pstar_jax import host_adam
+    from pstar_jax.engine import host_adam
     m = model()
     host, device = chunked(m, precision="bf16", adam="host"), chunked(m, precision="bf16", budget=10**8, adam="device")
     assert host.optimizer.fused_host
@@ -204,8 +204,8 @@ def test_mixed_adam_placement_runs_as_planned(monkeypatch):
     """One plan with state on the device for some chunks, streamed for others and updated on the
     host for the rest (the planner's mix, forced here): bytes moved equal the plan's every step,
     the numbers equal device Adam's."""
-    from pstar_jax import planning
-    from pstar_jax.plan import plan_step
+    from pstar_jax.planner import build as planning
+    from pstar_jax.plan.placement import plan_step
 
     def mixed(shape, budget, host_bytes, machine, adam_placement):
         n = shape.n_chunks
@@ -432,12 +432,12 @@ def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_i
     replanner, once each."""
     import subprocess
     import sys
-    code = ("import sys; import pstar_jax.predict; assert 'pstar_jax.plan' not in sys.modules; "
-            "import pstar_jax.executor; loaded = [m for m in ('pstar_jax.planning', 'pstar_jax.planner', "
-            "'pstar_jax.trace') if m in sys.modules]; assert not loaded, loaded")
+    code = ("import sys; import pstar_jax.plan.predict; assert 'pstar_jax.plan.placement' not in sys.modules; "
+            "import pstar_jax.engine.executor; loaded = [m for m in ('pstar_jax.planner.build', 'pstar_jax.planner.report', "
+            "'pstar_jax.planner.trace') if m in sys.modules]; assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
 
-    from pstar_jax.planning import EnginePlanner, plan_model
+    from pstar_jax.planner.build import EnginePlanner, plan_model
 
     class Recording(EnginePlanner):
         asked: list = []

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from pstar_jax.checkpoint import Checkpointer, DirectoryLock
-from pstar_jax.train import main
+from pstar_jax.io.checkpoint import Checkpointer, DirectoryLock
+from pstar_jax.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "3e-3"]
@@ -42,7 +42,7 @@ def env_without_fake_devices():
 
 
 def run_cli(args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *BASE, *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "pstar_jax.cli.train", *BASE, *args], cwd=ROOT,
                             env=env or env_without_fake_devices(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
 
@@ -113,7 +113,7 @@ def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capsys)
         lock.release()
     # A run killed while holding the lock does not hold it any more.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from pstar_jax.checkpoint import DirectoryLock; DirectoryLock(sys.argv[2]); "
+                               "from pstar_jax.io.checkpoint import DirectoryLock; DirectoryLock(sys.argv[2]); "
                                "print('locked', flush=True); time.sleep(600)", ROOT, str(d)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -212,7 +212,7 @@ def test_init_from_flax_with_resume_is_refused(tmp_path, capsys):
 
 def test_empty_and_corrupted_flax_exports_are_refused(tmp_path, capsys):
     from pstar_models.gpt import build_model
-    from pstar_jax.flax_io import export_flax
+    from pstar_jax.io.flax_io import export_flax
     shapes = build_model("tiny").param_shapes()
     empty = tmp_path / "empty"
     (empty / "params").mkdir(parents=True)
@@ -298,7 +298,7 @@ def signal_at(args, phase, sig, timeout_s=240):
     import queue
     import threading
     env = dict(env_without_fake_devices(), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pstar_jax.train", *[a for a in BASE if a != "--quiet"], *args],
+    proc = subprocess.Popen([sys.executable, "-m", "pstar_jax.cli.train", *[a for a in BASE if a != "--quiet"], *args],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines_read: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines_read.put(line) for line in proc.stderr] + [lines_read.put(None)],
@@ -363,7 +363,7 @@ def free_port():
 def spawn(i, port, extra, log):
     env = dict(env_without_fake_devices(), PSTAR_COORDINATOR=f"127.0.0.1:{port}", PSTAR_NUM_PROCESSES="2",
                PSTAR_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "pstar_jax.train", "--local-devices", "1", *BASE, "--heartbeat-timeout", "10", *extra]
+    cmd = [sys.executable, "-m", "pstar_jax.cli.train", "--local-devices", "1", *BASE, "--heartbeat-timeout", "10", *extra]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -438,7 +438,7 @@ def reap_orphans(pids):
 
 def start_launcher(tmp_path, extra, **popen):
     """pstar-launch with two trainers of BASE training 'forever', logs in tmp_path."""
-    cmd = [sys.executable, "-m", "pstar_jax.launch", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "pstar_jax.cli.launch", "-n", "2", "--local-devices", "1", "--log-dir", str(tmp_path),
            "--", *BASE, "--steps", "100000", "--heartbeat-timeout", "10", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env_without_fake_devices(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)

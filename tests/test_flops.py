@@ -9,13 +9,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pstar_models.llama import LlamaConfig, StagedLlama
-from pstar_jax.chunks import build_layout
-from pstar_jax.flops import call_flops
-from pstar_jax.machine import H200
-from pstar_jax.memory import Placement
-from pstar_jax.stages import StageFunctions, bind
-from pstar_jax.tiling import TileBudget
-from pstar_jax.trace import trace_forward, trace_step
+from pstar_jax.engine.chunks import build_layout
+from pstar_jax.model.flops import call_flops
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.memory import Placement
+from pstar_jax.engine.stages import StageFunctions, bind
+from pstar_jax.model.tiling import TileBudget
+from pstar_jax.planner.trace import trace_forward, trace_step
 
 B, L = 2, 40
 LLAMA = LlamaConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, seq_len=L)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from pstar_models.gpt import StagedGPT, preset
-from pstar_jax.chunks import ChunkLayout, build_layout
+from pstar_jax.engine.chunks import ChunkLayout, build_layout
 from pstar_jax.config import ConfigError, EngineConfig
-from pstar_jax.freeze import frozen_names, trainable
-from pstar_jax.machine import H200
-from pstar_jax.memory import ChunkStore, Space
-from pstar_jax.planning import build_engine
+from pstar_jax.model.freeze import frozen_names, trainable
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.memory import ChunkStore, Space
+from pstar_jax.planner.build import build_engine
 from frozen_engines import CHUNK, OPTIM, chunked, mesh, plain
 from sft_batches import batches
 
@@ -193,7 +193,7 @@ def test_frozen_run_stops_and_resumes_exactly(tmp_path):
     """pstar-train --freeze: six straight steps equal three, a checkpoint, and three resumed."""
     import json
 
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
     assert main([*TRAIN, "--steps", "6", "--metrics-out", str(straight)]) == 0
     assert main([*TRAIN, "--steps", "6", "--stop-after", "3", "--checkpoint-dir", str(d),
@@ -206,7 +206,7 @@ def test_frozen_run_stops_and_resumes_exactly(tmp_path):
 
 
 def test_a_freeze_pattern_matching_nothing_is_one_line(capsys):
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     assert main([*TRAIN[:-1], "wte.*,blocks.*.nope", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'blocks.*.nope' matches no tensor" in err[0], err

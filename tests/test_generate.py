@@ -13,11 +13,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pstar_models.hf import hf_config, hf_tensors
 from pstar_models.llama import LlamaConfig, StagedLlama
-from pstar_jax.checkpoint import Checkpointer, iter_master_tensors
+from pstar_jax.io.checkpoint import Checkpointer, iter_master_tensors
 from pstar_jax.config import RunConfig, from_dict
-from pstar_jax.decode import StreamedDecoder, cache_bytes, params_bytes, stream_peak_bytes
-from pstar_jax.generate import main
-from pstar_jax.loop import load_model
+from pstar_jax.engine.decode import StreamedDecoder, cache_bytes, params_bytes, stream_peak_bytes
+from pstar_jax.cli.generate import main
+from pstar_jax.io.models import load_model
 from test_decode import greedy_full_forward, spread_params
 
 PROMPT = "def f(x):"
@@ -28,7 +28,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny byte-level GPT trained 3 steps: its checkpoint directory and its Flax export."""
-    from pstar_jax.train import main as train
+    from pstar_jax.cli.train import main as train
     root = tmp_path_factory.mktemp("run")
     assert train(["--quiet", "--precision", "fp32", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--data-parallel", "1",
                   "--lr", "3e-2", "--checkpoint-dir", str(root / "ckpt"), "--export-flax", str(root / "flax")]) == 0
@@ -132,7 +132,7 @@ def test_bf16_default_of_an_hf_directory_runs_both_paths(hf_dir, capsys):
 
 def test_run_from_hf_finds_the_tokenizer_of_its_source(hf_dir, tmp_path, capsys):
     """A checkpoint of a run started with --init-from-hf decodes with that directory's tokenizer."""
-    from pstar_jax.train import main as train
+    from pstar_jax.cli.train import main as train
     assert train(["--quiet", "--precision", "fp32", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
                   "--data-parallel", "1", "--init-from-hf", str(hf_dir[0]), "--checkpoint-dir",
                   str(tmp_path / "ckpt")]) == 0
@@ -196,7 +196,7 @@ def test_registered_as_a_script():
     import tomllib
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["pstar-generate"] == "pstar_jax.generate:main"
+        assert tomllib.load(f)["project"]["scripts"]["pstar-generate"] == "pstar_jax.cli.generate:main"
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,7 @@ def chat_hf_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_chat_applies_the_template_and_stops_at_the_end_of_turn(chat_hf_dir, tmp_path, capsys):
-    from pstar_jax.chat import ChatTemplate
+    from pstar_jax.data.chat import ChatTemplate
     path, model, params, tok = chat_hf_dir
     template = ChatTemplate.from_tokenizer_dir(path)
     messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hello"}]

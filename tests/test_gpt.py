@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from pstar_models.gpt import GPT, GPTConfig, PRESETS, StagedGPT, gpt_from_params, preset
-from pstar_jax.batch import plain
-from pstar_jax.model import cast_params, compose_loss, validate_stages
+from pstar_jax.data.batch import plain
+from pstar_jax.model.staged import cast_params, compose_loss, validate_stages
 
 TINY = preset("tiny")
 UNTIED = dataclasses.replace(TINY, tie_embeddings=False)
@@ -39,7 +39,7 @@ def test_stages_compose_to_gpt_loss(config):
     params = staged.init_params(0)
     tokens, targets = batch(config)
     staged_loss = compose_loss(stages)(params, tokens, targets)
-    # The head stage sums its loss a tile at a time (pstar_jax.loss), the module's loss is the
+    # The head stage sums its loss a tile at a time (pstar_jax.model.loss), the module's loss is the
     # whole-logits mean: equal to fp32 rounding, not bit for bit.
     assert_fp32_close(staged_loss, gpt_from_params(config, params).loss(tokens, targets))
 

@@ -20,10 +20,10 @@ from safetensors.numpy import save_file
 
 from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
-from pstar_jax.hf import HFCheckpoint, HFCheckpointError, export_hf, read_hf_config
-from pstar_jax.machine import H200
-from pstar_jax.optim import default_tx
+from pstar_jax.planner.build import chunked_engine
+from pstar_jax.io.hf import HFCheckpoint, HFCheckpointError, export_hf, read_hf_config
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.optim import default_tx
 
 HF_MODULE = '''
 import dataclasses
@@ -378,10 +378,10 @@ def test_export_input_errors(tmp_path):
 
 
 def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, capsys):
-    from pstar_jax.checkpoint import Checkpointer
-    from pstar_jax.chunks import ChunkLayout, unpack
-    from pstar_jax.export_cli import main as export_main
-    from pstar_jax.train import main as train_main
+    from pstar_jax.io.checkpoint import Checkpointer
+    from pstar_jax.engine.chunks import ChunkLayout, unpack
+    from pstar_jax.cli.export import main as export_main
+    from pstar_jax.cli.train import main as train_main
 
     (tmp_path / "hfmap_test.py").write_text(HF_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -510,7 +510,7 @@ def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
 
 def test_pstar_train_fine_tunes_an_hf_checkpoint_and_refuses_contradictions(tmp_path, capsys):
     from pstar_models.llama import LlamaConfig, StagedLlama
-    from pstar_jax.train import main as train_main
+    from pstar_jax.cli.train import main as train_main
     model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
                                     seq_len=32, max_position_embeddings=32))
     src, out = str(tmp_path / "src"), str(tmp_path / "out")

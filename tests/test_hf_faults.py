@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from pstar_models.gpt import StagedGPT
 from pstar_models.llama import LlamaConfig, StagedLlama
 from pstar_jax.config import ConfigError, ModelConfig, RunConfig
-from pstar_jax.hf import HFCheckpointError, export_hf
+from pstar_jax.io.hf import HFCheckpointError, export_hf
 from test_hf import TINY, hfmap, one_line, open_hf, read_all, tiny_params, write_family_checkpoint, write_hf
 
 LLAMA = LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80, seq_len=32,
@@ -32,7 +32,7 @@ def edit_config(directory, **changes):
 
 
 def load(directory):
-    from pstar_jax.loop import load_model
+    from pstar_jax.io.models import load_model
     return load_model(RunConfig(model=ModelConfig(init_from_hf=str(directory))))
 
 
@@ -77,7 +77,7 @@ def test_heads_that_contradict_q_proj_are_named(tmp_path):
 
 
 def test_pstar_generate_with_a_huge_vocab_size_is_one_line(tmp_path, capsys):
-    from pstar_jax.generate import main
+    from pstar_jax.cli.generate import main
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     edit_config(tmp_path / "src", vocab_size=10**12)
     assert main(["--hf", str(tmp_path / "src"), "--max-new-tokens", "2"]) == 2
@@ -110,7 +110,7 @@ def test_a_nan_or_inf_weight_is_refused_at_import_naming_the_tensor(tmp_path, va
 
 
 def test_pstar_generate_from_a_nan_weight_is_one_line(tmp_path, capsys):
-    from pstar_jax.generate import finite, main
+    from pstar_jax.cli.generate import finite, main
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     name = poison(tmp_path / "src")
     os.remove(tmp_path / "src" / "tokenizer.json")  # a 256-token vocabulary: the byte-level path
@@ -125,7 +125,7 @@ def test_unreadable_files_are_called_unreadable_not_missing(tmp_path, monkeypatc
     """As root, chmod 000 does not stop a read: open itself is made to refuse. safe_open calls any
     failure to open 'No such file or directory', which is what the user used to be told."""
     import builtins
-    import pstar_jax.hf as hf
+    import pstar_jax.io.hf as hf
     model = StagedGPT(dataclasses.replace(TINY, n_layer=1))
     write_hf(tmp_path, model)
     real_open, real_safe_open, denied = builtins.open, hf.safe_open, set()
@@ -178,7 +178,7 @@ def test_export_into_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
 
 def test_export_write_error_is_one_line_when_the_disk_fills_mid_write(tmp_path, monkeypatch):
     """The same without a tmpfs: safetensors' write raising ENOSPC."""
-    import pstar_jax.hf as hf
+    import pstar_jax.io.hf as hf
     model = StagedGPT(dataclasses.replace(TINY, n_layer=1))
 
     def full(*_, **__):
@@ -192,7 +192,7 @@ def test_export_write_error_is_one_line_when_the_disk_fills_mid_write(tmp_path, 
 
 
 def test_pstar_train_probes_export_hf_before_training(tmp_path, capsys):
-    from pstar_jax.train import main as train_main
+    from pstar_jax.cli.train import main as train_main
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     (tmp_path / "file").write_text("")
     base = ["--init-from-hf", str(tmp_path / "src"), "--steps", "1", "--batch-size", "8", "--quiet"]
@@ -206,8 +206,8 @@ def test_pstar_train_probes_export_hf_before_training(tmp_path, capsys):
 
 
 def test_pstar_export_into_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
-    from pstar_jax.export_cli import main as export_main
-    from pstar_jax.train import main as train_main
+    from pstar_jax.cli.export import main as export_main
+    from pstar_jax.cli.train import main as train_main
     ck = str(tmp_path / "ck")
     assert train_main(["--quiet", "--batch-size", "8", "--steps", "1", "--checkpoint-dir", ck]) == 0
     with tmpfs(tmp_path / "small", "size=64k") as small:

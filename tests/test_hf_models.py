@@ -104,7 +104,7 @@ def test_hf_weights_give_hf_logits(config):
     assert_logits_match(np.asarray(module_of(model, params)(jnp.asarray(tokens))), theirs)
 
     # The staged chain (what the engines train) gives HF's loss.
-    from pstar_jax.model import compose_loss
+    from pstar_jax.model.staged import compose_loss
     loss = compose_loss(model.stages(jnp.float32))(params, jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]))
     logp = theirs[:, :-1] - np.log(np.exp(theirs[:, :-1]).sum(-1, keepdims=True))
     expected = -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()

@@ -13,15 +13,15 @@ ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def launch(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "pstar_jax.launch", *args], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "pstar_jax.cli.launch", *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_installed_as_a_console_script_and_bad_flags_are_one_line():
     """A pip user gets the launcher as pstar-launch (the repository's scripts/ are not installed)."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["pstar-launch"] == "pstar_jax.launch:main"
-    from pstar_jax.launch import main
+        assert tomllib.load(f)["project"]["scripts"]["pstar-launch"] == "pstar_jax.cli.launch:main"
+    from pstar_jax.cli.launch import main
     bad = launch("-n", "0")
     assert bad.returncode == 2 and bad.stderr == "pstar-launch: error: --num-processes must be at least 1, got 0\n"
     assert callable(main)

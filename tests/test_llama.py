@@ -13,12 +13,12 @@ import pstar_models
 from pstar_models.llama import (PRESETS, Llama, Llama3RopeScaling, LlamaConfig, StagedLlama, apply_rope,
                           causal_attention, llama_from_params, preset, rms_norm, rope_inv_freq, rope_tables)
 from pstar_jax.config import EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
-from pstar_jax.machine import H200
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine
-from pstar_jax.batch import plain
-from pstar_jax.model import compose_loss, validate_stages
+from pstar_jax.planner.build import chunked_engine
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.plain import PlainEngine
+from pstar_jax.data.batch import plain
+from pstar_jax.model.staged import compose_loss, validate_stages
 
 # Odd sizes: 6 query heads in 2 groups of 3, head width 6, a vocabulary of 101.
 ODD = LlamaConfig(vocab_size=101, d_model=36, n_layer=2, n_head=6, n_kv_head=2, d_ff=56, seq_len=32,
@@ -52,7 +52,7 @@ def test_stages_compose_to_module_loss_and_grads(config):
     params = staged.init_params(0)
     tokens, targets = batch(config)
     loss = compose_loss(stages)(params, tokens, targets)
-    # The head stage's loss is tiled (pstar_jax.loss), the module's the whole-logits mean: equal
+    # The head stage's loss is tiled (pstar_jax.model.loss), the module's the whole-logits mean: equal
     # to fp32 rounding, not bit for bit.
     assert_fp32_close(loss, llama_from_params(config, params).loss(tokens, targets))
     grads = jax.grad(compose_loss(stages))(params, tokens, targets)

@@ -16,12 +16,13 @@ from flax import nnx
 from pstar_models import build_model
 from pstar_models.lora import LoraLinear, LoraSpec
 from pstar_jax.config import ConfigError, EngineConfig
-from pstar_jax.planning import plan_model
-from pstar_jax.freeze import trainable
-from pstar_jax.lora import LoraConfig, adapter_names, frozen_for_lora, is_adapter
-from pstar_jax.machine import H200
-from pstar_jax.memory import Space
-from pstar_jax.optim import default_tx
+from pstar_jax.planner.build import plan_model
+from pstar_jax.model.freeze import trainable
+from pstar_jax.config.lora import LoraConfig
+from pstar_jax.model.lora import adapter_names, frozen_for_lora, is_adapter
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.memory import Space
+from pstar_jax.engine.optim import default_tx
 from frozen_engines import CHUNK, OPTIM, chunked, mesh, plain
 from sft_batches import batches
 
@@ -119,9 +120,9 @@ def test_decoding_applies_the_adapter(name):
 
 def test_dropout_masks_are_inverted_per_projection_and_position_and_tiling_free():
     from pstar_models.lora import dropout, position_seeds
-    from pstar_jax.batch import plain as plain_batch, with_dropout_seeds
-    from pstar_jax.model import compose_loss, stage_seeds
-    from pstar_jax.tiling import TileBudget
+    from pstar_jax.data.batch import plain as plain_batch, with_dropout_seeds
+    from pstar_jax.model.staged import compose_loss, stage_seeds
+    from pstar_jax.model.tiling import TileBudget
     seeds = position_seeds(jnp.asarray([7, 8], jnp.uint32), 64)
     x = jnp.ones((2, 64, 32))
     y = np.asarray(dropout(x, seeds, 1, 0.25))
@@ -282,7 +283,7 @@ def tiny_lora_flops_by_hand(trained_head: bool = False) -> int:
 
 
 def test_model_flops_count_frozen_tensors_at_four_per_parameter():
-    from pstar_jax.model import flops_per_token
+    from pstar_jax.model.staged import flops_per_token
     m = lora_model("tiny")
     assert (m.config.d_model, m.config.seq_len, m.config.vocab_size, m.config.n_layer) == (32, 64, 256, 2)
     assert m.config.tie_embeddings
@@ -304,7 +305,7 @@ TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "1e-2", 
 def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     import json
 
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     def losses(lr):  # the same batches in the same order at every learning rate
         metrics = tmp_path / f"m{lr}.jsonl"
         assert main([*TRAIN, "--steps", "12", "--lr", lr, "--metrics-out", str(metrics)]) == 0
@@ -330,7 +331,7 @@ def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     (["--init-from-flax", "x"], "--lora-rank and --init-from-flax conflict"),
 ])
 def test_bad_lora_flags_are_one_line(capsys, flags, words):
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     assert main([*TRAIN, "--steps", "1", *flags]) == 2  # (a repeated flag's last value wins)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
@@ -375,7 +376,7 @@ def test_a_lora_run_with_dropout_stops_and_resumes_exactly(tmp_path):
     the dropout masks (seeded by the step) come back the same."""
     import json
 
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     flags = [*TRAIN, "--lora-dropout", "0.1", "--steps", "6"]
     straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
     assert main([*flags, "--metrics-out", str(straight)]) == 0

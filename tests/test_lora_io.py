@@ -12,8 +12,9 @@ import pytest
 
 import pstar_jax as ps
 from pstar_jax.config import ConfigError
-from pstar_jax.lora import LoraConfig, is_adapter
-from pstar_jax.peft_io import ADAPTER_WEIGHTS, PROJECTIONS, lora_scale, merge_adapter, read_adapter
+from pstar_jax.config.lora import LoraConfig
+from pstar_jax.model.lora import is_adapter
+from pstar_jax.io.peft_io import ADAPTER_WEIGHTS, PROJECTIONS, lora_scale, merge_adapter, read_adapter
 from pstar_models.llama import LlamaConfig, StagedLlama
 from test_hf import read_all, write_family_checkpoint
 
@@ -109,8 +110,8 @@ def test_init_from_lora_continues_with_the_adapters_settings_and_tensors(trained
 
 
 def test_lora_exports_from_the_cli_and_pstar_export(tmp_path, trained, capsys):
-    from pstar_jax.export_cli import main as export_main
-    from pstar_jax.train import main as train_main
+    from pstar_jax.cli.export import main as export_main
+    from pstar_jax.cli.train import main as train_main
     dirs, _ = trained
     ck, adapter, again, merged = (str(tmp_path / k) for k in ("ck", "adapter", "again", "merged"))
     flags = ["--quiet", "--init-from-hf", dirs["src"], "--precision", "fp32", "--batch-size", "8", "--steps", "2",
@@ -140,7 +141,7 @@ def test_a_gpt2_position_table_cut_short_is_not_exported_as_an_adapter(tmp_path)
     import json
 
     from hf_configs import V4
-    from pstar_jax.lora_io import export_lora
+    from pstar_jax.io.lora_io import export_lora
     from pstar_models.hf import build_from_hf
     from pstar_models.lora import LoraSpec
     (tmp_path / "config.json").write_text(json.dumps(V4["gpt2"]))  # 40 positions

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.loss import linear_cross_entropy_sum, tile_positions
+from pstar_jax.model.loss import linear_cross_entropy_sum, tile_positions
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -13,7 +13,7 @@ EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
 
 def reference_sum(h_NxD, w, targets_N, weights_N, tied=False):
     """sum(weights * -log_softmax(h @ w)[targets]) over the whole N x V logits, as
-    pstar_jax.model.cross_entropy computes them (compute-dtype logits, float32 softmax)."""
+    pstar_jax.model.staged.cross_entropy computes them (compute-dtype logits, float32 softmax)."""
     logits = h_NxD @ (w.T if tied else w).astype(h_NxD.dtype)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.sum(weights_N * -jnp.take_along_axis(logp, targets_N[:, None], axis=-1)[:, 0])

@@ -6,9 +6,10 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from pstar_jax import machine as mach
+from pstar_jax.planner import measure as mach
 from pstar_jax.config import ConfigError
-from pstar_jax.machine import H200, MACHINES, load_machine, machine_key, save_machine, saved_machine
+from pstar_jax.plan.machine import H200, MACHINES, load_machine, save_machine
+from pstar_jax.planner.measure import machine_key, saved_machine
 
 ODD = dataclasses.replace(H200, name="odd", h2d_bytes_per_s=1.2345678901234567e10, call_s=3.3e-5, duplex=True)
 

@@ -2,8 +2,11 @@
 
 import jax.numpy as jnp
 
-from pstar_jax import machine as mach, machine_cli
-from pstar_jax.machine import load_machine, machine_key
+from pstar_jax.planner import measure as mach
+
+from pstar_jax.cli import machine as machine_cli
+from pstar_jax.plan.machine import load_machine
+from pstar_jax.planner.measure import machine_key
 
 
 def test_main_measures_this_machine(tmp_path, monkeypatch, capsys):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from pstar_jax.memory import ChunkStore, Placement, Space, space_of
+from pstar_jax.engine.memory import ChunkStore, Placement, Space, space_of
 
 NUMEL = 1024
 CHUNK_BYTES = NUMEL * 4  # float32
@@ -158,13 +158,13 @@ def test_host_budget_and_backend_settings(monkeypatch):
     import subprocess
     import sys
 
-    from pstar_jax.memory import host_budget_bytes
+    from pstar_jax.engine.memory import host_budget_bytes
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
     assert host_budget_bytes("2GiB") == 2 * 2**30
     assert 0 < host_budget_bytes(None)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "1")
     assert host_budget_bytes("2GiB") == 10**9
-    code = ("import os\nfrom pstar_jax.memory import configure_backend\nconfigure_backend('0.5', 3 * 10**9)\n"
+    code = ("import os\nfrom pstar_jax.engine.memory import configure_backend\nconfigure_backend('0.5', 3 * 10**9)\n"
             "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])")
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_P")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,

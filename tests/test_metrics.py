@@ -7,8 +7,8 @@ import os
 import pytest
 
 from pstar_jax.config import ConfigError
-from pstar_jax.metrics import JsonlWriter, Progress, TensorBoardWriter
-from pstar_jax.paths import check_output_file
+from pstar_jax.run.metrics import JsonlWriter, Progress, TensorBoardWriter
+from pstar_jax.config.paths import check_output_file
 
 
 def lines(path):
@@ -112,7 +112,7 @@ def test_progress_shows_lr_and_clipping():
 
 
 def test_train_cli_writes_tensorboard_and_refuses_bad_metrics_paths(tmp_path, capsys):
-    from pstar_jax.train import main
+    from pstar_jax.cli.train import main
     assert main(["--steps", "2", "--batch-size", "8", "--quiet", "--eval-every", "2", "--eval-batches", "1",
                  "--tensorboard", str(tmp_path / "tb")]) == 0
     tags = {tag for tag, _ in scalars(tmp_path / "tb")}

@@ -11,11 +11,11 @@ import pytest
 from pstar_models.gpt import GPTConfig, StagedGPT, attention_segments
 from pstar_models.llama import Llama, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_jax import compat
-from pstar_jax.attention import causal_attention, tile_queries
-from pstar_jax.batch import Batch, from_rows
-from pstar_jax.loss import tile_positions
-from pstar_jax.model import NNXStaged, compose_loss, masked_loss_sum, token_cross_entropy
-from pstar_jax.tiling import TileBudget, mlp_tile
+from pstar_jax.model.attention import causal_attention, tile_queries
+from pstar_jax.data.batch import Batch, from_rows
+from pstar_jax.model.loss import tile_positions
+from pstar_jax.model.staged import NNXStaged, compose_loss, masked_loss_sum, token_cross_entropy
+from pstar_jax.model.tiling import TileBudget, mlp_tile
 
 EPS32 = float(np.finfo(np.float32).eps)
 B, L = 2, 37  # L is no multiple of the tiles: the last tile of each kind is padded
@@ -151,7 +151,7 @@ def test_head_backward_memory_stays_flat_in_length_where_whole_logits_grew_with_
 
 def block_backward_temp_bytes(model: NNXStaged, length: int, dtype=jnp.bfloat16) -> int:
     """Temp bytes of one block stage's compiled vjp (recomputed forward and backward), batch 1,
-    compiled as pstar_jax.stages compiles it (compat.compiler_options)."""
+    compiled as pstar_jax.engine.stages compiles it (compat.compiler_options)."""
     stage = model.stages(dtype)[1]
     shapes = model.param_shapes()
     params = tuple(jax.ShapeDtypeStruct(shapes[n], dtype) for n in stage.param_names)

@@ -5,10 +5,10 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from pstar_jax import host_adam
+from pstar_jax.engine import host_adam
 from pstar_jax.config import OptimConfig
-from pstar_jax.memory import Placement, Space
-from pstar_jax.optim import ChunkOptimizer, clip_scale, default_tx
+from pstar_jax.engine.memory import Placement, Space
+from pstar_jax.engine.optim import ChunkOptimizer, clip_scale, default_tx
 
 N, N_DECAY = 96, 40  # a chunk of N elements whose first N_DECAY take weight decay
 CFG = OptimConfig(lr=0.1, warmup_steps=2, total_steps=10, weight_decay=0.5)

@@ -1,4 +1,4 @@
-"""pstar_jax.packing: every example whole in one row, in order, with its labels; tight packing on a
+"""pstar_jax.data.packing: every example whole in one row, in order, with its labels; tight packing on a
 log-normal length mix; the file round-trips, is refused when damaged, and is written atomically."""
 
 import json
@@ -8,8 +8,8 @@ import stat
 import numpy as np
 import pytest
 
-from pstar_jax import packing
-from pstar_jax.data import DataError
+from pstar_jax.data import packing
+from pstar_jax.config.errors import DataError
 
 
 def _examples(lengths, seed=0, vocab=1000):
@@ -104,7 +104,7 @@ def test_file_round_trip_and_sidecar(tmp_path):
     assert side["rows"] == rows.rows and side["real_position_fraction"] == pytest.approx(34 / (rows.rows * 17))
     with pytest.raises(DataError, match="already exists; pass overwrite=True"):
         packing.write_packed(path, rows, {"vocab_size": 70_000})
-    from pstar_jax.data import load_tokens  # its .u32.bin suffix does not make it a plain token file
+    from pstar_jax.data.token_files import load_tokens  # its .u32.bin suffix does not make it a plain token file
     with pytest.raises(DataError, match="is a packed SFT file .*, not a plain token file"):
         load_tokens(path)
 

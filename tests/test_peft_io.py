@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 from hf_configs import V4
 from pstar_jax.config import ConfigError
-from pstar_jax.hf import HFCheckpoint, read_hf_config
-from pstar_jax.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, AdapterError, from_peft, lora_scale,
+from pstar_jax.io.hf import HFCheckpoint, read_hf_config
+from pstar_jax.io.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, AdapterError, from_peft, lora_scale,
                                merge_adapter, merged_stream, merged_tensors, model_family, read_adapter, to_peft,
                                write_adapter)
 from pstar_models import build_from_hf, hf_tensors
@@ -286,7 +286,7 @@ def test_a_failed_write_leaves_the_target_as_it_was(tmp_path, monkeypatch):
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("pstar_jax.peft_io.save_file", disk_full)
+    monkeypatch.setattr("pstar_jax.io.peft_io.save_file", disk_full)
     with pytest.raises(ConfigError) as err:
         write_tiny(tmp_path, rank=2)
     assert "the disk is full" in one_line(err)

@@ -10,9 +10,9 @@ from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, OptimConfig
-from pstar_jax.optim import default_tx
-from pstar_jax.plain import PlainEngine, segments
-from pstar_jax.model import Stage, compose_loss
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.plain import PlainEngine, segments
+from pstar_jax.model.staged import Stage, compose_loss
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1.0)
 

@@ -4,11 +4,11 @@ import dataclasses as dc
 
 from hypothesis import given, settings, strategies as st
 
-from pstar_jax.machine import H200
-from pstar_jax.eviction import policy_for
-from pstar_jax.plan import choose, host_needed_bytes, make_plan, plan_step
-from pstar_jax.replay import ReplayState, simulate
-from pstar_jax.schedule import step_accesses
+from pstar_jax.plan.machine import H200
+from pstar_jax.plan.eviction import policy_for
+from pstar_jax.plan.placement import choose, host_needed_bytes, make_plan, plan_step
+from pstar_jax.plan.replay import ReplayState, simulate
+from pstar_jax.plan.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
 

@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from pstar_jax.machine import H200, save_machine
-from pstar_jax.plan_cli import main
-from pstar_jax.planner import MAX_SEARCH_CHUNKS, largest
+from pstar_jax.plan.machine import H200, save_machine
+from pstar_jax.cli.plan import main
+from pstar_jax.planner.report import MAX_SEARCH_CHUNKS, largest
 
 TINY = ["--model", "tiny", "--batch-size", "4"]
 
@@ -169,7 +169,7 @@ def _documented_commands():
 
 
 def test_every_documented_pstar_plan_command_parses():
-    from pstar_jax.plan_cli import parse_args
+    from pstar_jax.cli.plan import parse_args
     commands = _documented_commands()
     assert len(commands) >= 8
     for doc, argv in commands:
@@ -193,7 +193,7 @@ def test_every_documented_pstar_plan_command_answers(tmp_path):
             # an 8B stage traced at 256k+ tokens takes minutes on 2 cores; these parse above, and
             # test_planner's longest-sequence test plans and trains the long-sequence path
             continue
-        proc = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", *argv], cwd=tmp_path, env=env,
+        proc = subprocess.run([sys.executable, "-m", "pstar_jax.cli.plan", *argv], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, \
             f"{doc}: pstar-plan {' '.join(argv)}: {proc.stderr[-2000:]}"
@@ -236,7 +236,7 @@ def test_data_parallel_beyond_the_batch_is_refused_at_once_with_a_working_sugges
 def test_a_step_too_long_to_plan_is_refused_and_the_suggestion_answers(monkeypatch, capsys, cap, value, flags, flag):
     import re
 
-    from pstar_jax import planner
+    from pstar_jax.planner import report as planner
     monkeypatch.setattr(planner, cap, value)  # tiny's 5 chunks and 4 stages stand in for a huge model
     argv = [*TINY, "--device-memory", "4MiB", "--no-search", *flags]
     assert main(argv) == 2
@@ -255,7 +255,7 @@ def test_plot_of_a_plan_that_does_not_fit(tmp_path):
 
 
 def test_plot_units_and_phase_labels():
-    from pstar_jax.plan_plot import byte_unit, phase_runs
+    from pstar_jax.planner.plot import byte_unit, phase_runs
     assert byte_unit(30 * 2**20) == ("MiB", 2**20) and byte_unit(500) == ("B", 1)
     assert byte_unit(3 * 2**30) == ("GiB", 2**30) and byte_unit(2**20 - 1) == ("KiB", 1024)
     assert phase_runs(["adam", "fwd", "adam", "fwd", "head", "bwd", "bwd"], [0] * 7) == [
@@ -284,8 +284,9 @@ def test_lora_plans_adapters_trained_and_the_base_frozen(capsys):
     """--lora-rank: the model gets its adapters, only they train (14 B/param), the base is frozen
     chunks (2 B/param)."""
     from pstar_jax.config import ModelConfig, RunConfig
-    from pstar_jax.lora import LoraConfig, adapter_names
-    from pstar_jax.loop import load_model
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.lora import adapter_names
+    from pstar_jax.io.models import load_model
     assert main([*LORA_FLAGS, "--lora-rank", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     model = load_model(RunConfig(model=ModelConfig(name="llama-tiny"), lora=LoraConfig(rank=4)))

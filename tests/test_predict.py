@@ -6,10 +6,10 @@ import dataclasses as dc
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pstar_jax.machine import H200
-from pstar_jax.plan import plan_step
-from pstar_jax.predict import compute_s, host_update_s, predict_step_s, state_leads
-from pstar_jax.schedule import step_accesses
+from pstar_jax.plan.machine import H200
+from pstar_jax.plan.placement import plan_step
+from pstar_jax.plan.predict import compute_s, host_update_s, predict_step_s, state_leads
+from pstar_jax.plan.schedule import step_accesses
 from step_shapes import gpt_like_shape
 
 

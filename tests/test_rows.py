@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import pstar_jax as ps
-from pstar_jax import data
-from pstar_jax.batch import Batch
-from pstar_jax.data import DataError
-from pstar_jax.rows import PackedBatches, Rows, held_out_rows, packed_eval_batches
+from pstar_jax.data import token_files as data, training
+from pstar_jax.data.batch import Batch
+from pstar_jax.config.errors import DataError
+from pstar_jax.data.rows import PackedBatches, Rows, held_out_rows, packed_eval_batches
 
 
 def rows(n=40, seq_len=16, seed=0):
@@ -67,22 +67,22 @@ def test_held_out_rows_are_never_trained_on_and_eval_reads_only_them():
     assert max(max(_rows_of(next(stream))) for _ in range(3 * 33)) < 297
     evals = packed_eval_batches(held, 4, 2)
     assert [_rows_of(b) for b in evals] == [[297, 298, 299, 297], [298, 299, 297, 298]]
-    assert data.evaluation_set(held, 4, 16, 2)[1].loss_mask.sum() == evals[1].loss_mask.sum()
+    assert training.evaluation_set(held, 4, 16, 2)[1].loss_mask.sum() == evals[1].loss_mask.sum()
 
 
 def test_open_training_data_reads_an_sft_file_through_packing(tmp_path, monkeypatch):
     """An NAME.sft.u16.bin goes to packing.load_packed (checked against the vocabulary); other
     names stay token files."""
     loaded = rows()
-    fake = types.ModuleType("pstar_jax.packing")
+    fake = types.ModuleType("pstar_jax.data.packing")
     fake.load_packed = lambda path: loaded
-    monkeypatch.setitem(sys.modules, "pstar_jax.packing", fake)
-    assert data.open_training_data(tmp_path / "chat.sft.u16.bin", 256) is loaded
-    assert data.is_packed(loaded) and isinstance(data.training_batches(loaded, 4, 16, 0), PackedBatches)
+    monkeypatch.setitem(sys.modules, "pstar_jax.data.packing", fake)
+    assert training.open_training_data(tmp_path / "chat.sft.u16.bin", 256) is loaded
+    assert training.is_packed(loaded) and isinstance(training.training_batches(loaded, 4, 16, 0), PackedBatches)
     with pytest.raises(DataError, match="data holds token id 39, but the model's vocabulary has 30"):
-        data.open_training_data(tmp_path / "chat.sft.u32.bin", 30)
+        training.open_training_data(tmp_path / "chat.sft.u32.bin", 30)
     data.write_tokens(tmp_path / "plain.u16.bin", np.arange(100, dtype=np.uint16), 256)
-    assert isinstance(data.open_training_data(tmp_path / "plain.u16.bin", 256), np.ndarray)
+    assert isinstance(training.open_training_data(tmp_path / "plain.u16.bin", 256), np.ndarray)
 
 
 def _config(steps=2, **train):

@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from pstar_jax.schedule import scale_batch, staged_after, step_accesses
+from pstar_jax.plan.schedule import scale_batch, staged_after, step_accesses
 from step_shapes import gpt_like_shape
 
 

@@ -73,7 +73,7 @@ def test_plan_presets_answers_as_pstar_plan():
                "--micro-batches", "2", "--device-memory", "3GiB", "--host-memory", "8GiB", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     mine = json.loads(r.stdout)
-    cli = subprocess.run([sys.executable, "-m", "pstar_jax.plan_cli", "--model", "qwen2.5-0.5b", "--seq-len", "128",
+    cli = subprocess.run([sys.executable, "-m", "pstar_jax.cli.plan", "--model", "qwen2.5-0.5b", "--seq-len", "128",
                           "--batch-size", "2", "--micro-batches", "2", "--device-memory", "3GiB", "--host-memory",
                           "8GiB", "--no-search", "--json"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=300)
@@ -90,7 +90,7 @@ def test_plan_presets_lora_rows_answer_as_pstar_plan(capsys):
     pstar-plan --lora-rank does (in process: both trace on this CPU backend)."""
     import json
     from scripts import plan_presets
-    from pstar_jax.plan_cli import main as plan_main
+    from pstar_jax.cli.plan import main as plan_main
     flags = ["--seq-len", "128", "--batch-size", "2", "--micro-batches", "2", "--device-memory", "6GiB",
              "--host-memory", "8GiB"]
     assert plan_presets.main(["--presets", "qwen2.5-0.5b", *flags, "--lora-rank", "4", "--json"]) == 0
@@ -109,8 +109,8 @@ def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_it
     import pstar_models
 
     import pstar_jax as ps
-    from pstar_jax.machine import H200
-    from pstar_jax.planning import default_mesh, resolve_machine
+    from pstar_jax.plan.machine import H200
+    from pstar_jax.planner.build import default_mesh, resolve_machine
     model, mesh = pstar_models.build_model("tiny"), default_mesh(1)
     assert resolve_machine(ps.EngineConfig(machine="h200"), mesh) == H200
     for option in ({"scan_layers": False}, {"opt_on_host": True}):

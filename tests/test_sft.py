@@ -31,9 +31,9 @@ def chat_checkpoint(root):
 
 @pytest.mark.slow
 def test_chat_data_trains_on_the_answers_evaluates_exports_and_chats(tmp_path, capsys):
-    from pstar_jax.generate import main as generate_main
-    from pstar_jax.tokens import main as tokens_main
-    from pstar_jax.train import main as train_main
+    from pstar_jax.cli.generate import main as generate_main
+    from pstar_jax.cli.tokens import main as tokens_main
+    from pstar_jax.cli.train import main as train_main
     src = chat_checkpoint(tmp_path)
     data = tmp_path / "chat.jsonl"
     rng = np.random.default_rng(0)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from chat_fixtures import CONVERSATIONS, tokenizer_dir
-from pstar_jax import packing, tokens
-from pstar_jax.chat import ChatTemplate
-from pstar_jax.data import DataError
-from pstar_jax.sft_file import make_sft_file
+from pstar_jax.cli import tokens as tokens_cli
+from pstar_jax.data import packing
+from pstar_jax.data.chat import ChatTemplate
+from pstar_jax.config.errors import DataError
+from pstar_jax.data.sft import make_sft_file
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_rows_hold_the_encoded_conversations(qwen, tmp_path, capsys):
     alpaca = _jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "What is the capital of France?",
                                                   "output": "Paris."}] * 3)
     out = tmp_path / "train.sft.u16.bin"
-    assert tokens.main(["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(messages), str(alpaca),
+    assert tokens_cli.main(["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(messages), str(alpaca),
                         "-o", str(out)]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"wrote {out}: 18 examples read, 0 skipped, 0 truncated, 0 dropped; ")
@@ -56,7 +57,7 @@ def test_rows_hold_the_encoded_conversations(qwen, tmp_path, capsys):
     assert info["end_of_turn_ids"] == [template.tokenizer.token_to_id("<|im_end|>")]
     assert info["real_position_fraction"] == pytest.approx(info["tokens"] / (rows.rows * 128))
     # --train-on-prompt: every token trained; the same tokens.
-    assert tokens.main(["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(messages), "-o",
+    assert tokens_cli.main(["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(messages), "-o",
                         str(tmp_path / "all.sft.u16.bin"), "--train-on-prompt"]) == 0
     every = packing.load_packed(tmp_path / "all.sft.u16.bin")
     assert (every.labels == (every.segments > 0)).all() and every.info["train_on_prompt"] is True
@@ -68,11 +69,11 @@ def test_bad_lines_error_or_skip(qwen, tmp_path, capsys):
                                              good, {"messages": [{"role": "robot", "content": "x"}]}])
     out = tmp_path / "t.sft.u16.bin"
     base = ["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(path), "-o", str(out)]
-    assert tokens.main(base) == 2
+    assert tokens_cli.main(base) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"pstar-tokens: error: {path}:2 is not JSON")
     assert not out.exists() and sorted(os.listdir(tmp_path)) == ["mixed.jsonl"]
-    assert tokens.main(base + ["--on-bad-example", "skip"]) == 0
+    assert tokens_cli.main(base + ["--on-bad-example", "skip"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith(f"skipped {path}:2 is not JSON") and printed[1].startswith(f"skipped {path}:3 has no")
     assert printed[2].startswith(f"skipped {path}:5 messages[0] has the unknown role 'robot'")
@@ -128,7 +129,7 @@ def test_errors_are_one_line(qwen, tmp_path, capsys):
          "--max-bytes does not apply to --chat"),
     ]
     for argv, message in cases:
-        assert tokens.main(argv) == 2, argv
+        assert tokens_cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (message, err)
         assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "e.jsonl", "plain"], argv

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.tiling import (from_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles,
+from pstar_jax.model.tiling import (from_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles,
                               zeros_after)
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)

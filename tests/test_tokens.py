@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pstar_jax import data, tokens
-from pstar_jax.data import DataError
+from pstar_jax.cli import tokens as tokens_cli
+from pstar_jax.data import corpus, token_files as data, tokenizer as tokens
+from pstar_jax.config.errors import DataError
 
 EOS = "<|endoftext|>"
 LINES = ["hello world, the quick brown fox", "jumps over the lazy dog\n  indented line",
@@ -62,15 +63,15 @@ def test_byte_level_either_order_and_default_corpus(tmp_path, capsys):
                  ["first.u16.bin", str(text), str(text)], [str(text), str(text), "last.u16.bin"]):
         out = tmp_path / next(a for a in argv if a.endswith(".bin"))
         argv = [str(tmp_path / a) if a.endswith(".bin") else a for a in argv]
-        assert tokens.main(argv) == 0
+        assert tokens_cli.main(argv) == 0
         assert "wrote 23 uint16 tokens" in capsys.readouterr().out
         np.testing.assert_array_equal(data.load_tokens(out), want)
         assert data.read_token_info(out) == {"tokenizer": "bytes", "vocab_size": 256, "eos_id": 0, "max_id": 119,
                                              "num_tokens": 23, "dtype": "uint16"}
-    assert tokens.main([str(tmp_path / "d.u16.bin"), "--default-corpus", "--max-bytes", "5000"]) == 0
-    np.testing.assert_array_equal(data.load_tokens(tmp_path / "d.u16.bin"), data.default_corpus(5000))
+    assert tokens_cli.main([str(tmp_path / "d.u16.bin"), "--default-corpus", "--max-bytes", "5000"]) == 0
+    np.testing.assert_array_equal(data.load_tokens(tmp_path / "d.u16.bin"), corpus.default_corpus(5000))
     # --max-bytes counts a document boundary as one byte, so bytes and tokens stay equal.
-    assert tokens.main([str(tmp_path / "m.u16.bin"), str(text), str(text), "--max-bytes", "12"]) == 0
+    assert tokens_cli.main([str(tmp_path / "m.u16.bin"), str(text), str(text), "--max-bytes", "12"]) == 0
     np.testing.assert_array_equal(data.load_tokens(tmp_path / "m.u16.bin"), want[:12])
 
 
@@ -80,20 +81,20 @@ def test_output_is_never_an_input(tmp_path, capsys):
     a, b = tmp_path / "a.u16.bin", tmp_path / "b.u16.bin"
     a.write_bytes(b"input one")
     b.write_bytes(b"input two")
-    assert tokens.main([str(a), str(b), "--overwrite"]) == 2
+    assert tokens_cli.main([str(a), str(b), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot tell the output" in err and "pstar-tokens -o OUT.u16.bin INPUTS..." in err
     for argv in (["-o", str(a), str(a), "--overwrite"], ["-o", str(tmp_path / "." / "a.u16.bin"), str(b), str(a),
                                                          "--overwrite"]):
-        assert tokens.main(argv) == 2
+        assert tokens_cli.main(argv) == 2
         assert "is also an input; it is never overwritten" in capsys.readouterr().err
     middle = _write(tmp_path / "t.txt", "x")
-    assert tokens.main([str(middle), str(tmp_path / "o.u16.bin"), str(middle)]) == 2  # OUT in the middle
+    assert tokens_cli.main([str(middle), str(tmp_path / "o.u16.bin"), str(middle)]) == 2  # OUT in the middle
     assert "cannot tell the output" in capsys.readouterr().err
     assert a.read_bytes() == b"input one" and b.read_bytes() == b"input two"
-    assert tokens.main(["-o", str(tmp_path / "o.u16.bin"), str(a), str(b)]) == 0  # token files as text inputs
+    assert tokens_cli.main(["-o", str(tmp_path / "o.u16.bin"), str(a), str(b)]) == 0  # token files as text inputs
     np.testing.assert_array_equal(data.load_tokens(tmp_path / "o.u16.bin"), data.encode_bytes(b"input one\x00input two"))
-    assert tokens.main(["--seq-len", "8", "-o", str(tmp_path / "p.u16.bin"), str(middle)]) == 2
+    assert tokens_cli.main(["--seq-len", "8", "-o", str(tmp_path / "p.u16.bin"), str(middle)]) == 2
     assert "--seq-len needs --chat" in capsys.readouterr().err
 
 
@@ -109,7 +110,7 @@ def test_max_bytes_on_the_byte_path_is_a_prefix(tmp_path):
 def test_text_files_round_trip_with_eos_between(bpe_dir, tmp_path, capsys):
     a, b = _write(tmp_path / "a.txt", LINES[0] + "\n"), _write(tmp_path / "b.md", LINES[2] + "\n" + LINES[3])
     out = tmp_path / "out.u16.bin"
-    assert tokens.main(["--tokenizer", str(bpe_dir), str(a), str(b), str(out), "--quiet"]) == 0
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), str(a), str(b), str(out), "--quiet"]) == 0
     reference = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
     eos, vocab_size = reference.token_to_id(EOS), reference.get_vocab_size()
     want = _encode(bpe_dir, a.read_text()) + [eos] + _encode(bpe_dir, b.read_text())
@@ -119,7 +120,7 @@ def test_text_files_round_trip_with_eos_between(bpe_dir, tmp_path, capsys):
                     "num_tokens": len(want), "dtype": "uint16"}
     assert f"wrote {len(want)} uint16 tokens to {out} (vocabulary {vocab_size}, eos id {eos})" in capsys.readouterr().out
     # The tokenizer.json itself works too, finding tokenizer_config.json beside it.
-    assert tokens.main(["--tokenizer", str(bpe_dir / "tokenizer.json"), str(a), str(b), str(out), "-q",
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir / "tokenizer.json"), str(a), str(b), str(out), "-q",
                         "--overwrite"]) == 0
     np.testing.assert_array_equal(data.load_tokens(out), want)
 
@@ -150,7 +151,7 @@ def test_jsonl_field_and_mixed_inputs(bpe_dir, tmp_path):
     jsonl.write_text("\n".join(json.dumps({"id": i, "content": d}) for i, d in enumerate(docs)) + "\n\n")
     txt = _write(tmp_path / "t.txt", "plain text")
     out = tmp_path / "out.u16.bin"
-    assert tokens.main(["--tokenizer", str(bpe_dir), "--field", "content", str(txt), str(jsonl), str(out), "-q"]) == 0
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), "--field", "content", str(txt), str(jsonl), str(out), "-q"]) == 0
     eos = tokens.load_tokenizer(bpe_dir).eos_id
     want = _encode(bpe_dir, "plain text")
     for d in docs:
@@ -158,18 +159,18 @@ def test_jsonl_field_and_mixed_inputs(bpe_dir, tmp_path):
     np.testing.assert_array_equal(data.load_tokens(out), want)
     assert list(data.load_tokens(out)).count(eos) == 4
 
-    assert tokens.main(["--tokenizer", str(bpe_dir), str(jsonl), str(tmp_path / "x.u16.bin")]) == 2
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), str(jsonl), str(tmp_path / "x.u16.bin")]) == 2
 
 
 def test_uint32_vocabulary(big_vocab_json, tmp_path, capsys):
     text = _write(tmp_path / "w.txt", "w1 w65535 w65536 w69999 nope")
     out16 = tmp_path / "out.u16.bin"
     argv = ["--tokenizer", str(big_vocab_json), "--eos-token", "</s>", str(text), str(text)]
-    assert tokens.main(argv + [str(out16)]) == 2
+    assert tokens_cli.main(argv + [str(out16)]) == 2
     assert (f"token file {out16} would hold uint32 tokens (vocabulary of 70,002), so its name must end in "
             f".u32.bin: name it {tmp_path / 'out.u32.bin'}\n") in capsys.readouterr().err
     out = tmp_path / "out.u32.bin"
-    assert tokens.main(argv + [str(out), "-q"]) == 0
+    assert tokens_cli.main(argv + [str(out), "-q"]) == 0
     loaded = data.load_tokens(out)
     assert loaded.dtype == np.uint32
     np.testing.assert_array_equal(loaded, [1, 65535, 65536, 69999, 70000, 70001, 1, 65535, 65536, 69999, 70000])
@@ -183,10 +184,10 @@ def test_uint32_vocabulary(big_vocab_json, tmp_path, capsys):
 def test_eos_must_be_found(bpe_dir, big_vocab_json, tmp_path, capsys):
     text = _write(tmp_path / "a.txt", "w1")
     out = tmp_path / "o.u32.bin"
-    assert tokens.main(["--tokenizer", str(big_vocab_json), str(text), str(out)]) == 2
+    assert tokens_cli.main(["--tokenizer", str(big_vocab_json), str(text), str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot tell the end-of-text token of" in err and "pass --eos-token" in err
-    assert tokens.main(["--tokenizer", str(bpe_dir), "--eos-token", "<eos>", str(text), str(out)]) == 2
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), "--eos-token", "<eos>", str(text), str(out)]) == 2
     assert "'<eos>' is not in the vocabulary of" in capsys.readouterr().err
     assert _leftovers(tmp_path) == ["a.txt"]
 
@@ -195,9 +196,9 @@ def test_max_bytes_cuts_at_a_character(bpe_dir, tmp_path, capsys):
     text = _write(tmp_path / "a.txt", "héllo")  # é is two bytes
     out = tmp_path / "o.u16.bin"
     # Two bytes keep "h" and drop half of "é" (no decoding error); one token is too few for a file.
-    assert tokens.main(["--tokenizer", str(bpe_dir), str(text), str(out), "--max-bytes", "2", "-q"]) == 2
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), str(text), str(out), "--max-bytes", "2", "-q"]) == 2
     assert f"the inputs hold 1 tokens; a token file needs at least 2, so {out} was not written" in capsys.readouterr().err
-    assert tokens.main(["--tokenizer", str(bpe_dir), str(text), str(out), "--max-bytes", "3", "-q"]) == 0
+    assert tokens_cli.main(["--tokenizer", str(bpe_dir), str(text), str(out), "--max-bytes", "3", "-q"]) == 0
     np.testing.assert_array_equal(data.load_tokens(out), _encode(bpe_dir, "hé"))
 
 
@@ -236,7 +237,7 @@ def _bad_cases(tmp: Path, bpe_dir: Path):
 def test_error_lines_name_the_file_and_write_nothing(bpe_dir, tmp_path, capsys):
     for argv, want in _bad_cases(tmp_path, bpe_dir):
         before = _leftovers(tmp_path)
-        assert tokens.main(argv) == 2, argv
+        assert tokens_cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err == f"pstar-tokens: error: {err.split('error: ', 1)[1]}" and err.count("\n") == 1, err
         assert want in err, (want, err)
@@ -247,13 +248,13 @@ def test_existing_output_kept_on_error_and_interrupt(bpe_dir, tmp_path, capsys, 
     out = tmp_path / "out.u16.bin"
     out.write_bytes(b"keep")
     txt = _write(tmp_path / "in.txt", "text")
-    assert tokens.main([str(txt), str(out)]) == 2
+    assert tokens_cli.main([str(txt), str(out)]) == 2
     assert "already exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
 
     def interrupted(self, pieces):
         raise KeyboardInterrupt
     monkeypatch.setattr(tokens.ByteEncoder, "encode_batch", interrupted)
-    assert tokens.main([str(txt), str(out), "--overwrite"]) == 130
+    assert tokens_cli.main([str(txt), str(out), "--overwrite"]) == 130
     assert f"interrupted; {out} was left as it was" in capsys.readouterr().err
     assert out.read_bytes() == b"keep" and _leftovers(tmp_path) == ["in.txt", "out.u16.bin"]
 
@@ -265,7 +266,7 @@ def test_read_only_output_names_the_file(tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):  # what a read-only directory does (root ignores chmod, so fake it)
         raise PermissionError(13, "Permission denied", str(tmp_path / ".out.u16.bin.x.tmp"))
     monkeypatch.setattr(data, "create_temp_beside", refuse)
-    assert tokens.main([str(txt), str(out)]) == 2
+    assert tokens_cli.main([str(txt), str(out)]) == 2
     assert capsys.readouterr().err == f"pstar-tokens: error: cannot write {out}: Permission denied\n"
 
 
@@ -277,7 +278,7 @@ def test_full_disk_subprocess_leaves_no_partial_file(tmp_path):
     out.write_bytes(b"old!")
     script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
               "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
-              "from pstar_jax.tokens import main; sys.exit(main(sys.argv[1:]))")
+              "from pstar_jax.cli.tokens import main; sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-c", script, str(txt), str(out), "--overwrite"],
                           capture_output=True, text=True, env=env, timeout=120)
@@ -294,7 +295,7 @@ def test_progress_bar(tmp_path, capsys):
 
 def test_module_entry_point_has_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-m", "pstar_jax.tokens", str(tmp_path / "missing.txt"),
+    proc = subprocess.run([sys.executable, "-m", "pstar_jax.cli.tokens", str(tmp_path / "missing.txt"),
                            str(tmp_path / "out.u16.bin")], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"pstar-tokens: error: input file {tmp_path / 'missing.txt'} does not exist\n"
@@ -309,7 +310,7 @@ def test_module_entry_point_has_no_traceback(tmp_path):
 def test_eos_token_that_is_not_a_token_string_is_one_line(bpe_dir, tmp_path, eos, words):
     """transformers reads a string or an AddedToken dict there; an id is refused with the token to pass."""
     import shutil
-    from pstar_jax.tokens import load_tokenizer
+    from pstar_jax.data.tokenizer import load_tokenizer
     directory = tmp_path / "tok"
     shutil.copytree(bpe_dir, directory)
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))

@@ -8,10 +8,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pstar_models.gpt import build_model
-from pstar_jax.chunks import build_layout
-from pstar_jax.memory import Placement
-from pstar_jax.stages import StageFunctions, bind
-from pstar_jax.trace import trace_step
+from pstar_jax.engine.chunks import build_layout
+from pstar_jax.engine.memory import Placement
+from pstar_jax.engine.stages import StageFunctions, bind
+from pstar_jax.planner.trace import trace_step
 
 
 def traced(n_layer, batch=4, cache=None):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pstar_jax.train import main
+from pstar_jax.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "clip_scale", "step_s", "tokens_per_s", "trained_tokens",
@@ -85,7 +85,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, wo
 
 def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
     """The console entry point: exit status 2, one stderr line, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "pstar_jax.train", "--model", "nope", "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "pstar_jax.cli.train", "--model", "nope", "--quiet"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -134,7 +134,7 @@ def test_bad_flags_are_one_line_exit_2_before_any_work(tmp_path, capsys, argv, w
 
 @pytest.mark.parametrize("value, budget", [("1000000", 1_000_000), ("1e9", 10**9), ("0.5", 0.5)])
 def test_device_memory_bytes_are_not_read_as_fractions(value, budget):
-    from pstar_jax.train import parse_config
+    from pstar_jax.cli.train import parse_config
     assert parse_config(["--device-memory", value]).engine.device_memory == budget
 
 
@@ -197,7 +197,7 @@ def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp
 
 
 CONSOLE_SCRIPT = ("import sys, os; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
-                  "from pstar_jax.train import main; raise SystemExit(main(sys.argv[1:]))")
+                  "from pstar_jax.cli.train import main; raise SystemExit(main(sys.argv[1:]))")
 
 
 @pytest.mark.slow  # two processes, each compiling a model: ~100 s on the loaded 2-core VM

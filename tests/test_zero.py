@@ -14,10 +14,10 @@ from jax.sharding import Mesh
 
 from pstar_models.gpt import StagedGPT, preset
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig
-from pstar_jax.planning import chunked_engine
-from pstar_jax.machine import H200
-from pstar_jax.optim import default_tx
-from pstar_jax.zero import data_mesh
+from pstar_jax.planner.build import chunked_engine
+from pstar_jax.plan.machine import H200
+from pstar_jax.engine.optim import default_tx
+from pstar_jax.engine.zero import data_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, clip_norm=1.0)
@@ -83,7 +83,7 @@ def spawn(i, port, extra, log):
     env = dict(os.environ, PSTAR_COORDINATOR=f"127.0.0.1:{port}", PSTAR_NUM_PROCESSES="2", PSTAR_PROCESS_ID=str(i),
                PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # each process makes its own 2 devices
-    cmd = [sys.executable, "-m", "pstar_jax.train", "--local-devices", "2", "--quiet", "--precision", "fp32",
+    cmd = [sys.executable, "-m", "pstar_jax.cli.train", "--local-devices", "2", "--quiet", "--precision", "fp32",
            "--batch-size", "8", "--heartbeat-timeout", "5", *extra]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -101,7 +101,7 @@ def test_two_processes_match_single_process(tmp_path):
     procs = [spawn(i, port, ["--steps", "4", "--metrics-out", str(multi)], logs[i]) for i in range(2)]
     codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0, 0], (tmp_path / "p0.log").read_text()[-2000:] + (tmp_path / "p1.log").read_text()[-2000:]
-    ref = subprocess.run([sys.executable, "-m", "pstar_jax.train", "--local-devices", "4", "--quiet", "--precision",
+    ref = subprocess.run([sys.executable, "-m", "pstar_jax.cli.train", "--local-devices", "4", "--quiet", "--precision",
                           "fp32", "--batch-size", "8", "--steps", "4", "--metrics-out", str(single)],
                          cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                          capture_output=True, text=True, timeout=240)
@@ -122,7 +122,7 @@ def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
     assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
     assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "params"]  # written once, by all
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    base = [sys.executable, "-m", "pstar_jax.train", "--quiet", "--precision", "fp32", "--batch-size", "8",
+    base = [sys.executable, "-m", "pstar_jax.cli.train", "--quiet", "--precision", "fp32", "--batch-size", "8",
             "--steps", "4"]
     resumed = subprocess.run([*base, "--resume", "--checkpoint-dir", str(ck), "--metrics-out", str(metrics)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -139,7 +139,7 @@ def test_sft_zero_over_8_devices_equals_one_device_both_engines():
     """Packed rows with uneven trained tokens per device (one row each) and per micro-batch: the
     loss is divided once by the global count, so 8 devices equal 1 (losses, clipped AdamW params
     after 3 steps), in the chunked and the plain engine."""
-    from pstar_jax.plain import PlainEngine
+    from pstar_jax.engine.plain import PlainEngine
     from sft_batches import sft_steps
     steps = sft_steps(3, micro_batches=2, batch=8)
     per_row = [b.loss_mask.sum(axis=1) for s in steps for b in s]

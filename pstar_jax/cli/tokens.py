@@ -1,0 +1,126 @@
+"""pstar-tokens: text and JSONL files to a token file (pstar_jax.data.tokenizer), or with ``--chat``
+conversations to a packed SFT file (pstar_jax.data.sft)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from pstar_jax.config.errors import DataError
+from pstar_jax.data import token_files as data
+from pstar_jax.data.chat import FORMATS
+from pstar_jax.data.sft import make_sft_file, summary
+from pstar_jax.data.tokenizer import check_not_an_input, make_token_file
+
+
+def _split_paths(paths: Sequence[str], output: str | None) -> tuple[str, list[str]]:
+    """(OUT, inputs). With -o every path is an input. Without it, the old positional form: OUT is the
+    one path named like a token file (*.u16.bin, *.u32.bin), first or last; anything else is ambiguous
+    (``OUT.u16.bin IN.u16.bin`` once overwrote the file meant as input), so it is refused."""
+    if output is not None:
+        return output, list(paths)
+    named = [i for i, p in enumerate(paths) if data.is_token_file_name(p)]
+    if len(named) == 1 and named[0] in (0, len(paths) - 1):
+        i = named[0]
+        return paths[i], list(paths[:i]) + list(paths[i + 1:])
+    shown = " ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
+    raise DataError(f"cannot tell the output among {shown or 'no paths'}; name it with -o: "
+                    f"pstar-tokens -o OUT.u16.bin INPUTS...")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pstar-tokens", usage="%(prog)s [options] -o OUT.u16.bin|OUT.u32.bin|OUT.sft.u16.bin INPUTS...",
+        description="Make a token file: byte-level (vocab 256) by default, or with a Hugging Face "
+                    "tokenizer. .jsonl inputs hold one document per line; other inputs are one "
+                    "document each. With --chat: conversations (JSONL) rendered with the checkpoint's "
+                    "chat template into a packed SFT file, trained on the assistant's tokens only.")
+    parser.add_argument("paths", nargs="*", metavar="INPUT", help="input files, in order (without -o, the "
+                        "one path named *.u16.bin/*.u32.bin, first or last, is the output)")
+    parser.add_argument("-o", "--output", default=None, metavar="OUT", help="the token file to write")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR_OR_JSON",
+                        help="a tokenizer.json or a directory holding one (default: bytes)")
+    parser.add_argument("--eos-token", default=None,
+                        help="end-of-text token (default: eos_token of tokenizer_config.json)")
+    parser.add_argument("--field", default="text", help="JSONL field holding the text")
+    parser.add_argument("--default-corpus", action="store_true", help="use Python's stdlib sources")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="read at most this many input bytes (a document boundary counts 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (never an input)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    chat = parser.add_argument_group("conversations (--chat)")
+    chat.add_argument("--chat", action="store_true", help="conversation JSONL to a packed SFT file "
+                      "(OUT.sft.u16.bin); needs --tokenizer DIR and --seq-len")
+    chat.add_argument("--chat-format", default=None, choices=FORMATS,
+                      help="the JSONL format (default: detected per file from its first valid line)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template (default: the tokenizer's own)")
+    chat.add_argument("--seq-len", type=int, default=None, help="the training sequence length: rows hold "
+                      "seq_len + 1 tokens")
+    chat.add_argument("--train-on-prompt", action="store_true",
+                      help="train on every token, not only the assistant's")
+    chat.add_argument("--truncate", action="store_true", help="keep the beginning of an example longer than "
+                      "a row (default: drop it)")
+    chat.add_argument("--on-bad-example", choices=("error", "skip"), default="error",
+                      help="a malformed line stops with its file:line (error, the default) or is skipped and counted")
+    chat.add_argument("--seed", type=int, default=0, help="packing seed (default: 0)")
+    return parser
+
+
+_CHAT_ONLY = ("chat_format", "chat_template", "seq_len", "train_on_prompt", "truncate")
+
+
+def _run_chat(args: argparse.Namespace, out: str, inputs: list[str]) -> str:
+    if args.tokenizer is None or args.seq_len is None:
+        raise DataError("--chat needs --tokenizer DIR (the checkpoint's Hugging Face tokenizer directory) "
+                        "and --seq-len (the training sequence length)")
+    for flag in ("default_corpus", "max_bytes"):
+        if getattr(args, flag) not in (None, False):
+            raise DataError(f"--{flag.replace('_', '-')} does not apply to --chat")
+    info = make_sft_file(out, inputs, args.tokenizer, args.seq_len, chat_format=args.chat_format,
+                         chat_template=args.chat_template, train_on_prompt=args.train_on_prompt,
+                         truncate=args.truncate, on_bad_example=args.on_bad_example, seed=args.seed,
+                         eos_token=args.eos_token, overwrite=args.overwrite)
+    lines = [f"skipped {line}" for line in info["skipped_named"]]
+    if info["skipped"] > len(info["skipped_named"]):
+        lines.append(f"... and {info['skipped'] - len(info['skipped_named']):,} more skipped")
+    return "\n".join(lines + [summary(out, info)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pstar-tokens``: writes a token file from text and JSONL files or the default corpus, or with
+    ``--chat`` a packed SFT file from conversations."""
+    parser = build_parser()
+    try:
+        args = parser.parse_intermixed_args(argv)  # inputs may come before and after the options
+    except SystemExit as exit_:  # --help or a usage error, already printed by argparse
+        return exit_.code if isinstance(exit_.code, int) else 0
+    out = None
+    try:
+        out, inputs = _split_paths(args.paths, args.output)
+        check_not_an_input(Path(out), [Path(p) for p in inputs])
+        if args.chat:
+            print(_run_chat(args, out, inputs))
+            return 0
+        given = [f for f in _CHAT_ONLY if getattr(args, f) not in (None, False)]
+        if given:
+            raise DataError(f"--{given[0].replace('_', '-')} needs --chat")
+        info = make_token_file(out, inputs, tokenizer=args.tokenizer, eos_token=args.eos_token,
+                               field=args.field, default_corpus=args.default_corpus,
+                               max_bytes=args.max_bytes, overwrite=args.overwrite,
+                               progress=False if args.quiet else None)
+    except (DataError, OSError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; {out or 'the output'} was left as it was", file=sys.stderr)
+        return 130
+    print(f"wrote {info['num_tokens']:,} {info['dtype']} tokens to {out} (vocabulary "
+          f"{info['vocab_size']:,}, eos id {info['eos_id']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

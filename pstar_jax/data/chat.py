@@ -1,0 +1,407 @@
+"""Conversations for supervised fine-tuning: the formats people have, the checkpoint's chat template,
+and which tokens are the assistant's.
+
+A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``. JSONL files
+hold one per line in one of four formats (``FORMATS``): ``messages`` (OpenAI/HF), alpaca
+(``instruction``, optional ``input``, ``output``, optional ``system``), ShareGPT (``conversations``
+of ``{"from": "system"|"human"|"gpt", "value"}``) or prompt/completion.
+
+``ChatTemplate`` renders a conversation exactly as transformers' ``apply_chat_template`` does (the
+same Jinja environment, filters, globals and special-token variables; the text is then tokenized
+with ``add_special_tokens=False`` since the template writes BOS itself), so the ids equal theirs.
+The assistant's tokens (the trained ones) come from the template's ``{% generation %}`` marks where
+it has them; otherwise from rendering the conversation's prefixes: the text between
+``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])`` is assistant
+turn i with its end-of-turn token(s). Character spans become token spans through the tokenizer's
+offsets: a token overlapping a span is trained (transformers' assistant mask does the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from pstar_jax.data.token_files import io_errors
+from pstar_jax.config.errors import DataError
+
+FORMATS = ("messages", "alpaca", "sharegpt", "prompt-completion")
+ROLES = ("system", "user", "assistant")
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+# Variables transformers passes to every template (its special_tokens_map), when the config sets them.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+                       "additional_special_tokens")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Conversation = list[dict[str, str]]
+
+
+class BadExample(ValueError):
+    """One input line that is not a usable conversation; its text says what is wrong."""
+
+
+# -- formats ----------------------------------------------------------------------------------
+
+
+def detect_format(record: Any) -> str | None:
+    """The format a JSON record's keys name, or None."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "prompt" in record and "completion" in record:
+        return "prompt-completion"
+    return None
+
+
+def _text(record: dict, field: str, optional: bool = False) -> str | None:
+    if field not in record or (optional and record[field] is None):
+        if optional:
+            return None
+        raise BadExample(f"has no {field!r} field")
+    if not isinstance(value := record[field], str):
+        raise BadExample(f"field {field!r} holds {type(value).__name__}, not text")
+    _check_text(value, f"field {field!r}")
+    return value
+
+
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON allows "\ud800"; no tokenizer takes it
+        raise BadExample(f"{what} holds an unpaired surrogate escape, not text") from None
+
+
+def _turns(items: Any, field: str, role_key: str, text_key: str, roles: dict[str, str]) -> Conversation:
+    if not isinstance(items, list):
+        raise BadExample(f"field {field!r} holds {type(items).__name__}, not a list of turns")
+    turns = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadExample(f"{field}[{i}] is {type(item).__name__}, not an object")
+        for key in (role_key, text_key):
+            if key not in item:
+                raise BadExample(f"{field}[{i}] has no {key!r}")
+        role, content = item[role_key], item[text_key]
+        if not isinstance(role, str) or role not in roles:
+            raise BadExample(f"{field}[{i}] has the unknown {role_key} {role!r} (known: {', '.join(roles)})")
+        if not isinstance(content, str):
+            raise BadExample(f"{field}[{i}].{text_key} holds {type(content).__name__}, not text")
+        _check_text(content, f"{field}[{i}].{text_key}")
+        turns.append({"role": roles[role], "content": content})
+    return turns
+
+
+def to_conversation(record: Any, format: str) -> Conversation:
+    """The conversation a record of ``format`` holds; BadExample says what is wrong with it."""
+    if not isinstance(record, dict):
+        raise BadExample(f"is {type(record).__name__}, not a JSON object")
+    if format == "messages":
+        if "messages" not in record:
+            raise BadExample("has no 'messages' field")
+        conv = _turns(record["messages"], "messages", "role", "content", {r: r for r in ROLES})
+    elif format == "sharegpt":
+        if "conversations" not in record:
+            raise BadExample("has no 'conversations' field")
+        conv = _turns(record["conversations"], "conversations", "from", "value", _SHAREGPT_ROLES)
+    elif format == "alpaca":
+        system, instruction = _text(record, "system", True), _text(record, "instruction")
+        extra, output = _text(record, "input", True), _text(record, "output")
+        conv = [{"role": "system", "content": system}] if system else []
+        conv += [{"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")},
+                 {"role": "assistant", "content": output}]
+    elif format == "prompt-completion":
+        conv = [{"role": "user", "content": _text(record, "prompt")},
+                {"role": "assistant", "content": _text(record, "completion")}]
+    else:
+        raise DataError(f"unknown chat format {format!r}; choose one of {', '.join(FORMATS)}")
+    answers = [m for m in conv if m["role"] == "assistant"]
+    if not answers:
+        raise BadExample("has no assistant turn, so nothing would be trained")
+    if any(not m["content"].strip() for m in answers):
+        raise BadExample("has an empty assistant turn")
+    return conv
+
+
+@dataclasses.dataclass
+class BadLines:
+    """Counts the bad lines; ``skip=False`` makes the first one an error."""
+
+    skip: bool = False
+    count: int = 0
+    named: list[str] = dataclasses.field(default_factory=list)
+    keep: int = 5
+
+    def add(self, where: str, reason: str) -> None:
+        line = f"{where} {reason}"
+        if not self.skip:
+            raise DataError(f"{line}; fix it or pass --on-bad-example skip")
+        self.count += 1
+        if len(self.named) < self.keep:
+            self.named.append(line)
+
+
+def read_conversations(path: str | os.PathLike, format: str | None = None,
+                       bad: BadLines | None = None) -> Iterator[tuple[Conversation, str]]:
+    """(conversation, "FILE:LINE") for each usable line of a JSONL file; the format is detected from
+    the first valid line unless given. A bad line goes to ``bad`` (default: an error)."""
+    path, bad = Path(path), bad if bad is not None else BadLines()
+    if format is not None and format not in FORMATS:
+        raise DataError(f"unknown chat format {format!r}; choose one of {', '.join(FORMATS)}")
+    with io_errors(path, "read"), open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                bad.add(where, f"is not JSON ({getattr(e, 'msg', e)})")
+                continue
+            if format is None and (format := detect_format(record)) is None:
+                bad.add(where, "has none of the fields messages, conversations, instruction+output, "
+                        "prompt+completion (choose a format with --chat-format)")
+                continue
+            try:
+                yield to_conversation(record, format), where
+            except BadExample as e:
+                bad.add(where, str(e))
+
+
+# -- the template -----------------------------------------------------------------------------
+
+
+def _environment() -> Any:
+    """transformers' Jinja environment for chat templates (utils/chat_template_utils.py)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class AssistantTracker(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: records the character span of its body."""
+        tags = {"generation"}
+
+        def __init__(self, environment: Any) -> None:
+            super().__init__(environment)
+            environment.extend(activate_tracker=self.activate_tracker)
+            self._blocks: list[str] | None = None
+            self._spans: list[tuple[int, int]] | None = None
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(lineno)
+
+        @jinja2.pass_eval_context
+        def _generation_support(self, context: Any, caller: Any) -> str:
+            rv = caller()
+            if self._blocks is not None:
+                start = len("".join(self._blocks))
+                self._spans.append((start, start + len(rv)))
+            return rv
+
+        def activate_tracker(self, blocks: list[str], spans: list[tuple[int, int]]) -> None:
+            self._blocks, self._spans = blocks, spans
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # theirs: no HTML escaping, unlike Jinja's own
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[AssistantTracker, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return env
+
+
+def _token_text(value: Any) -> Any:
+    """A special token of tokenizer_config.json: a string, or a serialised AddedToken {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    if isinstance(value, list):
+        return [_token_text(v) for v in value]
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    with io_errors(path, "read"):
+        raw = path.read_bytes()
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise DataError(f"{path} is not a JSON object")
+    return value
+
+
+def template_text(tokenizer_dir: Path, config: dict, template_file: str | os.PathLike | None) -> tuple[str, str]:
+    """(template, where it came from): --chat-template, chat_template.jinja, or tokenizer_config's."""
+    if template_file is not None:
+        path = Path(template_file)
+        with io_errors(path, "read"):
+            return path.read_text(encoding="utf-8"), str(path)
+    if (beside := tokenizer_dir / "chat_template.jinja").is_file():  # transformers prefers the file too
+        with io_errors(beside, "read"):
+            return beside.read_text(encoding="utf-8"), str(beside)
+    where, template = str(tokenizer_dir / "tokenizer_config.json"), config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise DataError(f"{where} has chat templates {sorted(map(str, named))} but no 'default' one; "
+                            f"pass --chat-template FILE")
+        template, where = named["default"], f"{where} (template 'default')"
+    if not isinstance(template, str) or not template:
+        raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template (no chat_template in "
+                        f"tokenizer_config.json, no chat_template.jinja); pass --chat-template FILE")
+    return template, where
+
+
+@dataclasses.dataclass
+class ChatTemplate:
+    """A checkpoint's chat template with its tokenizer (a ``tokenizers.Tokenizer``)."""
+
+    source: str
+    name: str  # where the template came from, for messages
+    tokenizer: Any
+    variables: dict[str, Any]  # the special tokens, as template variables
+    eos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        import jinja2
+        try:
+            self._template = _environment().from_string(self.source)
+        except jinja2.TemplateError as e:
+            raise DataError(f"the chat template {self.name} is not valid Jinja: {e}") from None
+        self.has_generation_marks = bool(_GENERATION_TAG.search(self.source))
+        self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+    @classmethod
+    def from_tokenizer_dir(cls, tokenizer_dir: str | os.PathLike, template_file: str | os.PathLike | None = None,
+                           eos_token: str | None = None) -> ChatTemplate:
+        from pstar_jax.data.tokenizer import load_tokenizer
+        tokenizer_dir = Path(tokenizer_dir)
+        if tokenizer_dir.is_file():
+            tokenizer_dir = tokenizer_dir.parent
+        encoder = load_tokenizer(tokenizer_dir, eos_token)
+        config_path = tokenizer_dir / "tokenizer_config.json"
+        config = _read_json(config_path) if config_path.is_file() else {}
+        source, where = template_text(tokenizer_dir, config, template_file)
+        variables = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_NAMES if config.get(k)}
+        return cls(source, where, encoder.tokenizer, variables, encoder.eos_id)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def _render(self, conversation: Conversation, add_generation_prompt: bool,
+                spans: list[tuple[int, int]] | None = None) -> str:
+        import jinja2
+        kwargs = dict(self.variables, messages=conversation, tools=None, documents=None,
+                      add_generation_prompt=add_generation_prompt)
+        try:
+            if spans is None:
+                return self._template.render(**kwargs)
+            blocks: list[str] = []
+            self._template.environment.activate_tracker(blocks, spans)
+            try:
+                for block in self._template.generate(**kwargs):
+                    blocks.append(block)
+            finally:
+                self._template.environment.activate_tracker(None, None)
+            return "".join(blocks)
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            # raise_exception's refusals, and a template's own failures on this conversation
+            raise BadExample(f"is refused by the chat template {self.name}: {e}") from None
+
+    def render(self, conversation: Conversation, add_generation_prompt: bool = False) -> str:
+        return self._render(conversation, add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def assistant_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character span of each assistant turn (with its end-of-turn)."""
+        if self.has_generation_marks:
+            spans: list[tuple[int, int]] = []
+            return self._render(conversation, False, spans), spans
+        full, spans = self._render(conversation, False), []
+        for i, message in enumerate(conversation):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(conversation[:i], True)
+            through = full if i == len(conversation) - 1 else self._render(conversation[:i + 1], False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
+                                f"other text than the whole conversation begins with, so the assistant's tokens "
+                                f"cannot be found; give a template with {{% generation %}} marks (--chat-template) "
+                                f"or pass --train-on-prompt")
+            if message["content"].strip() not in through[len(before):]:
+                raise DataError(f"the chat template {self.name} does not render an assistant turn where its "
+                                f"prefixes say, so the assistant's tokens cannot be found; give a template with "
+                                f"{{% generation %}} marks (--chat-template) or pass --train-on-prompt")
+            spans.append((len(before), len(through)))
+        return full, spans
+
+    def encode_with_mask(self, conversation: Conversation, train_on_prompt: bool = False
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids uint32, labels uint8): 1 on the tokens of the assistant's turns (all with train_on_prompt)."""
+        return self.encode_batch_with_mask([self.prepare(conversation, train_on_prompt)])[0]
+
+    def prepare(self, conversation: Conversation, train_on_prompt: bool = False
+                ) -> tuple[str, list[tuple[int, int]] | None]:
+        """The rendered text and its trained character spans, None for all (BadExample if the
+        template refuses the conversation)."""
+        if train_on_prompt:
+            return self.render(conversation), None
+        return self.assistant_spans(conversation)
+
+    def encode_batch_with_mask(self, prepared: list[tuple[str, list[tuple[int, int]] | None]]
+                               ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tokenizes many ``prepare``d texts at once (the tokenizers library spreads them over threads)."""
+        out = []
+        for (_, spans), encoding in zip(prepared, self.tokenizer.encode_batch([t for t, _ in prepared],
+                                                                               add_special_tokens=False)):
+            ids = np.asarray(encoding.ids, np.uint32)
+            labels = np.full(len(ids), spans is None, np.uint8)
+            if spans and len(ids):
+                offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+                for start, end in spans:  # a token overlapping [start, end) is trained
+                    labels[(offsets[:, 1] > start) & (offsets[:, 0] < end)] = 1
+            out.append((ids, labels))
+        return out
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The special tokens that close an assistant turn, found on a probe conversation."""
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        try:
+            text, spans = self.assistant_spans(probe)
+        except (BadExample, DataError):
+            return []
+        specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        found = []
+        for start, end in spans:
+            tail = text[start:end]
+            if "Hello" not in tail:
+                continue
+            tail = tail[tail.index("Hello") + len("Hello"):]
+            for token in self.encode(tail):
+                if self.tokenizer.id_to_token(token) in specials:
+                    found.append(token)
+                    break
+        return sorted(set(found))

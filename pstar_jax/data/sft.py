@@ -1,0 +1,134 @@
+"""``pstar-tokens --chat``: conversation JSONL files to a packed SFT file (pstar_jax.data.packing).
+
+Conversations are read (pstar_jax.data.chat), rendered with the checkpoint's chat template and tokenized
+in batches; an example longer than a row (seq_len + 1 positions) is dropped, or with ``truncate``
+cut to its first seq_len + 1 tokens if a trained target remains. The examples are held as flat
+numpy arrays (a few bytes a token), packed, and written straight into the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from pstar_jax.data import packing
+from pstar_jax.data.chat import BadExample, BadLines, ChatTemplate, Conversation, read_conversations
+from pstar_jax.config.errors import DataError
+
+BATCH_EXAMPLES = 512  # conversations per encode_batch call
+
+
+@dataclasses.dataclass
+class Counts:
+    read: int = 0
+    skipped: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+
+def _prepared(conversations: Iterable[tuple[Conversation, str]], template: ChatTemplate, train_on_prompt: bool,
+              bad: BadLines) -> Iterator[list[tuple[str, list | None]]]:
+    batch = []
+    for conversation, where in conversations:
+        try:
+            batch.append(template.prepare(conversation, train_on_prompt))
+        except BadExample as e:
+            bad.add(where, str(e))
+            continue
+        if len(batch) == BATCH_EXAMPLES:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def encode_examples(conversations: Iterable[tuple[Conversation, str]], template: ChatTemplate, row_len: int, *,
+                    train_on_prompt: bool = False, truncate: bool = False, bad: BadLines | None = None,
+                    counts: Counts | None = None) -> packing.Examples:
+    """The examples (ids, labels) of ``conversations`` that fit ``row_len`` positions, counted in ``counts``."""
+    bad, counts = bad if bad is not None else BadLines(), counts if counts is not None else Counts()
+    tokens, labels, lengths = [], [], []
+    for batch in _prepared(conversations, template, train_on_prompt, bad):
+        kept_ids, kept_labels = [], []
+        for ids, mask in template.encode_batch_with_mask(batch):
+            counts.read += 1
+            if len(ids) > row_len:
+                if not truncate or not mask[1:row_len].any():  # position 0 is never a target
+                    counts.dropped += 1
+                    continue
+                ids, mask = ids[:row_len], mask[:row_len]
+                counts.truncated += 1
+            elif not mask[1:].any():
+                counts.dropped += 1
+                continue
+            kept_ids.append(ids)
+            kept_labels.append(mask)
+        if kept_ids:
+            tokens.append(np.concatenate(kept_ids))
+            labels.append(np.concatenate(kept_labels))
+            lengths.append(np.asarray([len(i) for i in kept_ids], np.int64))
+    counts.skipped = bad.count
+    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)  # noqa: E731
+    return packing.Examples(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
+
+
+def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], tokenizer_dir: str | os.PathLike,
+                  seq_len: int, *, chat_format: str | None = None, chat_template: str | os.PathLike | None = None,
+                  train_on_prompt: bool = False, truncate: bool = False, on_bad_example: str = "error",
+                  seed: int = 0, eos_token: str | None = None, overwrite: bool = False) -> dict:
+    """Writes packed SFT file ``out`` from conversation JSONL ``inputs``; returns its sidecar, with
+    ``skipped_named`` (the first bad lines) and ``seconds``."""
+    from pstar_jax.data.tokenizer import _check_input, check_not_an_input
+    start = time.perf_counter()
+    out, inputs = Path(out), [Path(p) for p in inputs]
+    if not inputs:
+        raise DataError("give the conversation JSONL files to read")
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be >= 1, got {seq_len}")
+    if not 0 <= seed < 2**63:
+        raise DataError(f"--seed must be a whole number >= 0, got {seed}")
+    if on_bad_example not in ("skip", "error"):
+        raise DataError(f"--on-bad-example must be skip or error, got {on_bad_example!r}")
+    for path in inputs:
+        _check_input(path)
+    check_not_an_input(out, inputs)
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token)
+    packing.check_packed_destination(out, template.vocab_size, overwrite)  # before the work, not after
+    bad, counts = BadLines(skip=on_bad_example == "skip"), Counts()
+    conversations = (item for path in inputs for item in read_conversations(path, chat_format, bad))
+    examples = encode_examples(conversations, template, seq_len + 1, train_on_prompt=train_on_prompt,
+                               truncate=truncate, bad=bad, counts=counts)
+    if not counts.read:
+        raise DataError(f"the inputs hold no usable conversation ({counts.skipped} skipped), so {out} was not written")
+    if not len(examples.lengths):
+        raise DataError(f"no example fits --seq-len {seq_len} ({counts.read} read, {counts.skipped} skipped, "
+                        f"{counts.dropped} dropped), so {out} was not written; raise --seq-len or pass --truncate")
+    row_of, offset_of, rows = packing.assign_rows(examples.lengths, seq_len + 1, seed)
+    with packing.PackedWriter(out, rows, seq_len, template.vocab_size, overwrite) as writer:
+        packing.fill_rows(examples, row_of, offset_of, writer.rows)
+        first = np.zeros_like(examples.labels)
+        first[examples.starts] = 1  # an example's first token is never a target
+        info = packing.sidecar_info(
+            writer.rows, vocab_size=template.vocab_size, eos_id=template.eos_id,
+            tokenizer=str(Path(tokenizer_dir).resolve()), chat_template=template.name,
+            chat_template_sha256=template.sha256, examples=int(len(examples.lengths)),
+            tokens=int(examples.lengths.sum()), trained_tokens=int(np.count_nonzero(examples.labels & (1 - first))),
+            read=counts.read, skipped=counts.skipped, dropped=counts.dropped, truncated=counts.truncated,
+            train_on_prompt=train_on_prompt, seed=seed, end_of_turn_ids=template.end_of_turn_ids())
+        info = writer.commit(info)
+    return {**info, "skipped_named": bad.named, "seconds": time.perf_counter() - start}
+
+
+def summary(out: str | os.PathLike, info: dict) -> str:
+    """The one line pstar-tokens --chat prints."""
+    seconds = max(info["seconds"], 1e-9)
+    return (f"wrote {out}: {info['read']:,} examples read, {info['skipped']:,} skipped, {info['truncated']:,} "
+            f"truncated, {info['dropped']:,} dropped; {info['rows']:,} rows of {info['seq_len'] + 1:,}, "
+            f"{info['tokens']:,} tokens, {info['trained_tokens']:,} trained; packing efficiency "
+            f"{100 * info['real_position_fraction']:.1f}%; {info['read'] / seconds:,.0f} examples/s, "
+            f"{info['tokens'] / seconds:,.0f} tokens/s")

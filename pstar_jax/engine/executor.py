@@ -1,0 +1,583 @@
+"""The chunked engine: one training step run stage by stage over chunks, as the plan says.
+
+Per micro-batch: forward through the stages, keeping only each stage's input (activation
+checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
+every stage). A stage input is an item of the store beside the chunks (key ("act", stage,
+micro-batch)): the plan keeps it on the device or sends it to pinned host memory after its
+forward and fetches it back ahead of its backward, and the store counts its bytes. The last stage computes its loss sum, scaled by 1 / the step's global count of
+trained tokens, and its gradient in one call;
+backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
+into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
+are dropped and its grad takes their place (14 bytes per parameter in all).
+
+The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
+first forward stage that reads c, where its copies hide under the forward's compute (see
+schedule.py). The math is unchanged: the update uses step k's gradient and clip scale. A chunk
+updated on the host sends its grad up to the host right after its last backward use, and every
+host update is begun (``ChunkOptimizer.begin_update``: on a worker thread) as soon as step k's
+norm is known, at the end of ``step``: the host computes them while the caller goes on and the
+device runs step k+1's forward, which waits for chunk c's update only at c's moment, to fetch
+its new params. Between steps each chunk's bf16 slot (the store key ("slot", c)) holds its
+pending gradient, or its current params when no update is pending (a host update under way owns
+its chunk's slot, master and state until that moment); ``flush`` applies a pending update at
+once, and everything that reads or saves state calls it.
+
+Placement is the plan's: before each moment (or during the previous one, when the plan says
+prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
+performs exactly the plan's evictions and fetches, and the store refuses anything that would
+break the moment's device budget. The executor never decides placement itself.
+
+A frozen chunk (``trainable`` false for its tensors, see chunks.py) is its compute-dtype params
+alone, store key ("param", c): one host copy, and a device copy while the plan keeps one there.
+No grad, master or optimizer state exists for it; evicting it drops the device copy (nothing
+goes back up); stages differentiate only their trainable tensors.
+
+``evaluate`` runs a forward-only pass (held-out loss) between steps by a plan of its own
+(plan.plan_forward): the pending update applied first, no gradients, no optimizer work, and the
+slots put back where the training plan starts a step.
+
+The engine receives its plan finished (planning.chunked_engine plans, then builds it) and asks
+planning for more only through its ``Replanner``: the plan of a new batch shape, and the
+forward-only plan of an evaluation. It never imports the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from pstar_jax import compat
+from pstar_jax.data.batch import Batch, as_batch, check_batches, row_counts, trained_count, with_dropout_seeds
+from pstar_jax.engine.chunks import ChunkLayout, pack_chunk, unpack
+from pstar_jax.config import EngineConfig, format_bytes
+from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
+from pstar_jax.plan.machine import Machine
+from pstar_jax.engine.memory import ChunkStore, Placement, Space
+from pstar_jax.model.staged import StagedModel
+from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
+                             zeros_chunk)
+from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.replay import PlanMoment
+from pstar_jax.plan.schedule import Access, staged_after
+from pstar_jax.engine.zero import replicated_value, to_numpy
+
+if TYPE_CHECKING:  # a type only: planning builds engines, the engine never calls into it
+    from pstar_jax.planner.build import Planned
+
+
+class Replanner(Protocol):
+    """The narrow way back to planning for a built engine (planning.EnginePlanner)."""
+    machine: Machine
+    host_bytes: int  # per device
+
+    def for_batch(self, batch_shape: tuple[int, int]) -> "Planned":
+        """The plan for another global micro-batch shape, with the engine's layout, stage functions
+        and optimizer placement; ConfigError when it does not fit."""
+        ...
+
+    def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        """The forward-only plan of an evaluation that starts and ends where ``training`` starts a
+        step; ConfigError when it does not fit."""
+        ...
+
+
+class ChunkedEngine:
+    """Model data in chunks placed by the plan; one step runs stage by stage (the Engine protocol)."""
+    kind = "chunked"
+
+    def __init__(self, model: StagedModel, cfg: EngineConfig, planned: "Planned", replanner: Replanner,
+                 make_tx: TxFactory, seed: int = 0, clip_norm: float | None = 1.0, init_params: Any = None,
+                 skip_nonfinite: bool = False):
+        """Carry out ``planned`` (a fitting plan for ``model`` under ``cfg``: its layout, stage
+        functions and placement); ``replanner`` answers for other batch shapes and evaluations.
+        ``cfg.device_budget_bytes`` is all the device memory the engine may use per device, chunks
+        and working memory together. Build one with planning.chunked_engine."""
+        if not planned.plan.fits:
+            raise ValueError(f"an engine needs a plan that fits: {planned.plan.problem}")
+        self.cfg = cfg
+        self.clip_norm = clip_norm
+        self.replanner = replanner
+        self.machine, self.host_bytes = replanner.machine, replanner.host_bytes
+        self.placement = Placement(planned.fns.mesh)
+        self.n_devices = self.placement.n_devices
+        self.param_dtype = cfg.compute_dtype
+        self.make_tx = make_tx
+        self.model = model
+        self.layout, self.bound, self.fns = planned.layout, planned.bound, planned.fns
+        self.optimizer = ChunkOptimizer(make_tx, self.placement, self.param_dtype)
+        self._plans: dict[tuple[int, int], Planned] = {tuple(planned.batch_shape): planned}
+        self.plan = planned.plan
+        self.device_budget_bytes = planned.device_budget_bytes
+        self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
+        self.store = ChunkStore(self.placement, self.device_budget_bytes)
+        # Device-resident optimizer state sits beside each moment's chunk capacity (same in every plan).
+        self.store.reserve(sum(self.plan.opt_on_device) * self.plan.opt_state_bytes)
+        self.trained_chunks = self.layout.trainable_chunks
+        self.skip_nonfinite = skip_nonfinite
+        # The clip scale of the update pending in the slots; None: the slots hold params (no update).
+        self._pending_clip: jax.Array | None = None
+        self._staged: set[int] = set()  # chunks whose streamed state is on the device
+        # Host updates under way (begun when the last step's norm was known): chunk -> its result.
+        self._begun: dict[int, PendingUpdate] = {}
+        self.seed = seed  # also the dropout masks' (with the step, micro-batch and row)
+        self._init_chunks((lambda name: model.init_tensor(name, seed)) if init_params is None
+                          else init_params.__getitem__)
+        # Replicated exactly as in the trace, so the step reuses the trace's compilations.
+        self._offsets = [self.placement.put(np.asarray(b.offset_data, np.int32), Space.DEVICE, replicated=True)
+                         for b in self.bound]
+        self.step_count = 0
+        # (batch shape, micro-batches) -> (the training plan it starts from, the forward-only plan)
+        self._eval_plans: dict[tuple, tuple[Plan, Plan]] = {}
+        # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
+        # live non-model bytes beside the trace's prediction; None on a CPU.
+        self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
+
+    # -- planning -----------------------------------------------------------------------------
+    @property
+    def item_bytes(self) -> int:
+        """One param (or grad) chunk, per device."""
+        return self.layout.chunk_numel * jnp.dtype(self.param_dtype).itemsize // self.n_devices
+
+    @property
+    def model_data_bytes(self) -> int:
+        """Per device: params (their grads take their place) + master and optimizer state of the
+        trainable chunks; the params alone of the frozen ones."""
+        return self.layout.n_chunks * self.item_bytes + len(self.trained_chunks) * self.plan.opt_state_bytes
+
+    def _params_key(self, c: int) -> tuple[str, int]:
+        """The store key of chunk c's current params between steps: a trainable chunk's slot, a
+        frozen chunk's params."""
+        return ("param", c) if self.layout.is_frozen(c) else ("slot", c)
+
+    def plan_for(self, batch_shape: tuple[int, int]) -> Planned:
+        """The plan for a micro-batch shape (cached: a new shape makes a new plan)."""
+        if batch_shape not in self._plans:
+            self._plans[batch_shape] = self.replanner.for_batch(batch_shape)
+        return self._plans[batch_shape]
+
+    def summary(self) -> str:
+        p, n = self.plan, len(self.trained_chunks)
+        on_device, streamed = sum(p.opt_on_device), sum(p.opt_streamed)
+        frozen = self.layout.n_chunks - n
+        return "\n".join([
+            f"chunked engine: {self.layout.numel:,} params in {self.layout.n_chunks} chunks of "
+            f"{self.layout.chunk_numel:,} elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used"
+            f"{f', {frozen} frozen' if frozen else ''}), {self.n_devices} device(s)",
+            f"plan: device memory {format_bytes(self.device_budget_bytes)} (peak {format_bytes(p.peak_device_bytes)}), "
+            f"host {format_bytes(p.peak_host_bytes)} of {format_bytes(self.host_bytes)}; model data "
+            f"{format_bytes(self.model_data_bytes)}",
+            f"plan: {100 * p.resident_fraction:.0f}% of param chunks stay on the device; Adam on the device for "
+            f"{on_device} chunks, on the host for {n - on_device - streamed}, streamed through the device for "
+            f"{streamed}; per step {format_bytes(p.h2d_bytes)} h2d, "
+            f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}",
+            f"plan: {p.stage_inputs_line()}"])
+
+    def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
+        """Master and optimizer state where the plan keeps them; params in the slots, placed as at
+        the plan's step start.
+
+        One chunk at a time: the model's tensors are made (or read) for that chunk only, so a model
+        far larger than one device or than host memory never exists whole."""
+        initial = dict(self.plan.initial_device)
+        for c in range(self.layout.n_chunks):
+            chunk = pack_chunk(self.layout, c, tensor)
+            if jax.process_count() > 1:  # each process cuts its own shards from the same values
+                chunk = to_numpy(chunk)
+            key = self._params_key(c)
+            dirty = initial.get(key)
+            if not self.layout.is_frozen(c):
+                master = self.placement.put(chunk, self.opt_space[c])
+                self.store.put(("opt", c), self.optimizer.init(master))
+                self.store.put(("master", c), master)
+            self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
+                                                   Space.DEVICE if dirty else Space.HOST))
+            if dirty is False:  # on the device with a valid host copy
+                self.store.get(key, Space.DEVICE)
+        self.store.traffic.reset()
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        """One optimizer step over micro-batches (``Batch``es, or (tokens, targets) pairs of plain
+        data): this process's rows of each. The loss is the mean over the step's trained tokens.
+
+        Runs the previous step's update and this step's forward and backward; this step's update
+        is left pending (``flush`` applies it). Raises DataError for ids outside the vocabulary."""
+        if len(micro_batches) != self.cfg.micro_batches:
+            raise ValueError(f"expected {self.cfg.micro_batches} micro-batches, got {len(micro_batches)}")
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
+        rows, seq_len = micro_batches[0].shape  # this process's rows of the global micro-batch
+        if getattr(self.model, "dropout_seeded", False):  # seeds by global row: any device count
+            micro_batches = [with_dropout_seeds(b, self.seed, self.step_count, m, jax.process_index() * rows)
+                             for m, b in enumerate(micro_batches)]
+        planned = self.plan_for((rows * jax.process_count(), seq_len))
+        plan, accesses = planned.plan, planned.accesses
+        start = time.perf_counter()
+        self.store.traffic.reset()
+        self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
+        if plan is not self.plan:  # another batch shape: move to the new plan's starting state
+            self._place_slots(plan)
+            self.plan = plan
+        count, scale = self.fns.count(self._put_counts(micro_batches))
+        run = _StepState(scale=scale)
+        clip, self._pending_clip = self._pending_clip, None
+        moments = plan.moments
+        staging = staged_after(accesses)
+        self.store.limit(moments[0].capacity_bytes)
+        self._stage(accesses[u].index for u in staging.get(-1, ()))
+        for t, (moment, access) in enumerate(zip(moments, accesses)):
+            if not moment.prefetch:
+                self._act(moment, moment.capacity_bytes)
+            with jax.profiler.TraceAnnotation(f"pstar {access.phase} {access.index}"):  # named in --profile traces
+                if access.phase == "adam":
+                    self._adam(access.index, clip)
+                else:
+                    self._run(access, run, micro_batches)
+                    for key in access.to_host:  # a final grad bound for host Adam
+                        self.store.evict(key)
+            if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
+                self._measure_moment(run)
+            if t + 1 < len(moments) and moments[t + 1].prefetch:
+                self._act(moments[t + 1], min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+            self._stage(accesses[u].index for u in staging.get(t, ()))
+            for key in access.drops:
+                self.store.drop(key)
+        # sync: the step's time covers its work, and a bad step is caught before its update
+        loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
+        trained = trained_count(replicated_value(count))
+        end = time.perf_counter()
+        skip = not (np.isfinite(loss) and np.isfinite(sumsq))
+        if skip and not self.skip_nonfinite:  # the slots' grads are dropped: params stay as they were
+            raise NonFiniteLoss(self.step_count, loss, float(np.sqrt(sumsq)))
+        self.step_count += 1
+        self._pending_clip = None if skip else clip_scale(sum(run.sumsq), self.clip_norm)
+        if self._pending_clip is not None:
+            self._begin_host_updates(accesses, self._pending_clip)
+        grad_norm = float(np.sqrt(sumsq))
+        return StepResult(loss=loss, grad_norm=grad_norm, step_s=end - start,
+                          clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
+                          device_chunk_peak_bytes=self.store.peak_device_bytes,
+                          predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
+                          trained_tokens=trained)
+
+    # -- held-out loss ------------------------------------------------------------------------
+    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        """The forward-only plan of an evaluation over ``micro_batches`` micro-batches of the global
+        ``batch_shape``, starting and ending where the current training plan starts a step
+        (cached). Raises ConfigError when it does not fit."""
+        key = (tuple(batch_shape), micro_batches)
+        cached = self._eval_plans.get(key)
+        if cached is None or cached[0] is not self.plan:
+            self._eval_plans[key] = cached = (self.plan, self.replanner.for_evaluation(self.plan, key[0], micro_batches))
+        return cached[1]
+
+    def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over the trained tokens of all micro-batches (this process's rows of each):
+        forward only, no gradients, no optimizer work, the current params (a pending update is
+        applied first). Chunks move as the forward-only plan says, and afterwards sit where the
+        training plan starts a step; the store's traffic counts the evaluation's copies alone."""
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
+        self.flush()
+        rows, seq_len = micro_batches[0].shape
+        plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
+        self.store.traffic.reset()
+        self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
+        _, scale = self.fns.count(self._put_counts(micro_batches))
+        moments, losses, x, batch = plan.moments, [], None, None
+        for t, moment in enumerate(moments):
+            if not moment.prefetch:
+                self._act(self._in_slots(moment), moment.capacity_bytes)
+            i = moment.index
+            if moment.phase in ("fwd", "loss"):
+                params = tuple(self.store.get(self._params_key(c), Space.DEVICE) for c in self.bound[i].chunks)
+                if i == 0:
+                    batch = self._put_batch(micro_batches[moment.micro])
+                    x = batch.tokens
+                if moment.phase == "fwd":
+                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
+                else:
+                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
+            if t + 1 < len(moments) and moments[t + 1].prefetch:
+                self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+        self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
+        return replicated_value(sum(losses) * scale)  # sync
+
+    def flush(self) -> None:
+        """Apply the pending update now; afterwards the slots hold the current params, placed where
+        the plan starts a step. Between steps no activations are live, so the whole device budget
+        is room for it."""
+        clip, self._pending_clip = self._pending_clip, None
+        if clip is None:
+            return
+        self.store.limit(None)
+        for c in self.trained_chunks:
+            space = self._update_space(c)
+            if space is Space.DEVICE:  # the grad (and streamed state) come down
+                self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if self.plan.opt_streamed[c] else 0))
+            self._adam(c, clip)
+            self.store.put(("slot", c), self.store.take(("param", c), space))
+        self._place_slots(self.plan)
+
+    def _make_room(self, c: int, nbytes: int) -> None:
+        """Evict other slots (and frozen params) until ``nbytes`` more fit on the device (flush only)."""
+        for key in self.store.device_resident(("slot", "param")):
+            if self.store.bytes[Space.DEVICE] + nbytes <= self.store.budget_bytes:
+                return
+            if key != ("slot", c):
+                self.store.evict(key)
+
+    def _place_slots(self, plan: Plan) -> None:
+        """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
+        self.store.limit(None)
+        initial = dict(plan.initial_device)
+        for key in self.store.device_resident(("slot", "param")):  # between steps "param" keys are frozen chunks
+            if key not in initial:
+                self.store.evict(key)
+        for key, dirty in initial.items():
+            self.store.get(key, Space.DEVICE)
+            if dirty:
+                self.store.drop_copy(key, Space.HOST)
+            else:
+                self.store.get(key, Space.HOST)
+
+    def _act(self, moment: PlanMoment, capacity_bytes: int) -> None:
+        """The plan's evictions, then its fetches, under the moment's device budget."""
+        self.store.limit(capacity_bytes)
+        for key in moment.evict:
+            self.store.evict(key)
+        for key in moment.fetch:
+            self.store.get(key, Space.DEVICE)
+
+    def _stage(self, chunks: Iterable[int]) -> None:
+        """Send these chunks' streamed optimizer state down ahead of their updates; the plan counts
+        it as device memory of the moments in between."""
+        for c in chunks:
+            self._staged.add(c)
+            self.store.reserve(self.plan.opt_state_bytes)
+            for kind in ("master", "opt"):
+                self.store.get((kind, c), Space.DEVICE)
+
+    def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
+        i = a.index
+        if not a.needs:  # a backward below the lowest trainable stage: no gradient is wanted
+            return
+        params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
+        key = ("act", i, a.micro)  # the stage's input, when it is not the batch's tokens
+        if a.phase == "fwd":
+            if i == 0:  # the micro-batch's side inputs stay live until its first stage's backward
+                run.batch = self._put_batch(micro_batches[a.micro])
+                run.x = run.batch.tokens
+            else:  # the forward below made it: the store owns it from now on (run.x lets go of it)
+                self.store.put(key, run.x)
+                run.x = None
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
+            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
+            return
+        grads = self._grads(i)
+        if a.phase == "head":
+            self.store.put(key, run.x)
+            run.x = None
+            loss, run.g, grads = self.fns.head(self.bound[i])(
+                params, self._offsets[i], self.store.get(key, Space.DEVICE), run.batch, grads, run.scale)
+            run.losses.append(loss)
+        else:
+            x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
+            run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
+                params, self._offsets[i], x, run.batch, run.g, grads)
+        last = a.micro == self.cfg.micro_batches - 1
+        for c, grad in zip(self.bound[i].grad_chunks, grads):
+            self.store.put(("slot", c), grad)
+            if last and ("param", c) in a.drops:
+                run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
+
+    def _measure_moment(self, run: "_StepState") -> None:
+        jax.block_until_ready((run.x, run.g))  # sync: first step only, to read the allocator
+        in_use = self.device_memory_in_use() or 0
+        self.measured_non_model.append(in_use - self.store.bytes[Space.DEVICE])
+
+    def _put_batch(self, batch: Batch) -> Batch:
+        """This process's rows of the global micro-batch, every field sharded over the data axis."""
+        sharding = self.placement.sharding(Space.DEVICE)
+        return Batch(*(None if field is None else jax.make_array_from_process_local_data(sharding, np.asarray(field))
+                       for field in batch))
+
+    def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
+        """[M, B] trained targets per row, rows sharded: the device sums them to the global count."""
+        sharding = self.placement.sharding(Space.DEVICE, P(None, "data"))
+        return jax.make_array_from_process_local_data(sharding, row_counts(micro_batches))
+
+    def _grads(self, i: int) -> tuple[jax.Array, ...]:
+        """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
+        out = []
+        for c in self.bound[i].grad_chunks:
+            key = ("slot", c)
+            if key in self.store:
+                out.append(self.store.take(key, Space.DEVICE))
+            else:
+                out.append(zeros_chunk(self.layout.chunk_numel, self.param_dtype,
+                                       self.placement.sharding(Space.DEVICE)))
+        return tuple(out)
+
+    def _update_space(self, c: int) -> Space:
+        """Where chunk c's update runs: where its state lives, or the device when it is streamed."""
+        return Space.DEVICE if self.plan.opt_streamed[c] else self.opt_space[c]
+
+    def _begin_host_updates(self, accesses: Sequence[Access], clip: jax.Array) -> None:
+        """Start the pending update of every host-updated chunk, in the order the next step needs
+        their params; their grads, masters and states leave the store until ``_adam`` takes the
+        results. The grads went up to the host during the backward (the plan's ``to_host``)."""
+        for a in accesses:
+            c = a.index
+            if a.phase == "adam" and self._update_space(c) is Space.HOST and c not in self._begun:
+                inputs = (self.store.take((kind, c), Space.HOST) for kind in ("slot", "master", "opt"))
+                self._begun[c] = self.optimizer.begin_update(Space.HOST, *inputs, clip, self.layout.n_decay[c])
+
+    def _discard_begun(self) -> None:
+        """Wait for the host updates under way and forget their results (the state is being
+        replaced); their buffers are the updates' own until they end."""
+        begun, self._begun = self._begun, {}
+        for pending in begun.values():
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - the results are discarded either way
+                pass
+
+    def _adam(self, c: int, clip: jax.Array | None) -> None:
+        """Chunk c's update from the grad in its slot, or the result of the one begun after the
+        last step; with ``clip`` None nothing is pending (the slot holds params): the same moves,
+        and the params are cast from the master again."""
+        home, space = self.opt_space[c], self._update_space(c)
+        if c in self._begun:
+            master, state, params = self._begun.pop(c).result()
+        else:
+            grad = self.store.take(("slot", c), space)
+            master = self.store.take(("master", c), space)  # streamed: staged already
+            state = self.store.take(("opt", c), space)
+            if clip is None:
+                master, state, params = self.optimizer.keep(space, grad, master, state)
+            else:
+                master, state, params = self.optimizer.update(space, grad, master, state, clip,
+                                                              self.layout.n_decay[c])
+        for key, value in ((("master", c), master), (("opt", c), state)):
+            self.store.put(key, value)
+            if space is not home:  # streamed: back up at once (the plan counts both trips)
+                self.store.evict(key)
+        if c in self._staged:
+            self._staged.discard(c)
+            self.store.reserve(-self.plan.opt_state_bytes)
+        self.store.put(("param", c), params)
+
+    # -- state for checkpoints -----------------------------------------------------------------
+    def state(self) -> dict:
+        """The trainable chunks as stored (one copy each), the pending update applied first:
+        {"param"|"master"|"opt": {"c": value}}. Frozen chunks are the base the engine was built
+        from, not state: a checkpoint records where that base came from (base_record.py) instead of
+        holding it (a 70B bf16 base would be 140 GB per checkpoint)."""
+        self.flush()
+        kept = self.trained_chunks
+        return {"param": {str(c): self.store.peek(("slot", c)) for c in kept},
+                "master": {str(c): self.store.peek(("master", c)) for c in kept},
+                "opt": {str(c): self.store.peek(("opt", c)) for c in kept}}
+
+    def abstract_state(self, layout: ChunkLayout | None = None, chunks: Sequence[int] | None = None) -> dict:
+        """Shapes and shardings ``state()`` has (for ``layout``, default ours; ``chunks``, default
+        its trainable ones): params on the host, master and optimizer state where the plan keeps
+        them (a frozen chunk, saved by earlier versions, on the host)."""
+        layout = layout or self.layout
+        chunks = layout.trainable_chunks if chunks is None else chunks
+        numel = layout.chunk_numel
+        opt = jax.eval_shape(self.optimizer.make_tx(jnp.ones((), jnp.float32)).init,
+                             jax.ShapeDtypeStruct((numel,), jnp.float32))
+
+        def placed(x, space):
+            spec = self.placement.sharding(space, P("data") if x.ndim else P())
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
+
+        def space(c):
+            return self.opt_space[c] if c < len(self.opt_space) and not layout.is_frozen(c) else Space.HOST
+        return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
+                          for c in chunks},
+                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c)) for c in chunks},
+                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt)
+                        for c in chunks if not layout.is_frozen(c)}}
+
+    def load_state(self, state: dict, step: int) -> None:
+        """Replace the chunk state ``state`` holds (arrays or numpy in our layout) and set the step
+        count; a pending update is discarded. Frozen chunks it lacks keep the base they hold; one it
+        has (a checkpoint of an earlier version, which saved them) takes its saved params."""
+        self.store.limit(None)
+        self._pending_clip = None
+        self._discard_begun()
+        given = [c for c in range(self.layout.n_chunks) if str(c) in state["param"]]
+        for c in given:
+            for kind in ("param", "slot", "master", "opt"):
+                if (kind, c) in self.store:
+                    self.store.drop((kind, c))
+        for c in given:
+            self.store.put(self._params_key(c), self.placement.put(state["param"][str(c)], Space.HOST))
+            if not self.layout.is_frozen(c):  # a frozen chunk's saved master is its params again
+                self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
+                self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
+        self._place_slots(self.plan)
+        self.store.traffic.reset()
+        self.step_count = step
+
+    # -- reading state ------------------------------------------------------------------------
+    def params(self, kind: str = "master") -> dict[str, np.ndarray]:
+        """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
+        pending update is applied first."""
+        self.flush()
+        return unpack(self.layout, [self._chunk_values(kind, c) for c in range(self.layout.n_chunks)])
+
+    def _chunk_values(self, kind: str, c: int) -> np.ndarray:
+        """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy."""
+        if self.layout.is_frozen(c):
+            value = to_numpy(self.store.peek(("param", c)))
+            return value.astype(np.float32) if kind == "master" else value
+        return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
+
+    def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
+        """Tensors by name in model order, read one chunk at a time (an export streams the model
+        through host memory chunk by chunk); the pending update is applied first."""
+        self.flush()
+        by_chunk: dict[int, list] = {}
+        for s in self.layout.slots:
+            by_chunk.setdefault(s.chunk, []).append(s)
+        for c in range(self.layout.n_chunks):
+            chunk = self._chunk_values(kind, c)
+            for s in by_chunk.get(c, ()):
+                yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
+
+    def _in_slots(self, moment: PlanMoment) -> PlanMoment:
+        """A forward-only moment with its items ("param", c) named as the store holds them between
+        steps (``_params_key``: the slot ("slot", c) of a trainable chunk)."""
+        def slot(item):
+            return self._params_key(item[1])
+        return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
+
+    def device_memory_in_use(self) -> int | None:
+        """What the backend's allocator holds now (None on a CPU): for checking the trace."""
+        stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
+        return stats.get("bytes_in_use") if stats else None
+
+
+# State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).
+_FLUSHED_KEYS = {"param": "slot", "master": "master", "opt": "opt"}
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What flows between the moments of one step."""
+    scale: jax.Array
+    x: Any = None
+    g: Any = None
+    batch: Any = None
+    losses: list = dataclasses.field(default_factory=list)
+    sumsq: list = dataclasses.field(default_factory=list)

@@ -1,0 +1,350 @@
+"""The model protocol: a model is a chain of stages, each a pure function of its parameters.
+
+pstar_jax never imports a model. A model hands over (``StagedModel``):
+  * ``param_shapes()``: every parameter tensor by name, in model order (this order decides the
+    chunk layout, so a stage's tensors land in consecutive chunks);
+  * ``init_tensor(name, seed)``: one fp32 tensor, made alone (so a huge model is initialised a
+    chunk at a time);
+  * ``stages(compute_dtype)``: the chain. Every stage is ``apply(params, x, batch)``, ``batch``
+    the micro-batch's ``Batch`` (pstar_jax.data.batch: tokens, targets, loss_mask, segment_ids,
+    positions, all [B, L]; a [B] dropout seed or None, mixed with the stage's index by the
+    engine, see ``stage_seeds``). The first stage gets x = batch.tokens and returns h_BxLxD,
+    middle stages map h to h, the last maps h to the scalar SUM of its masked token losses (the engine
+    divides once by the step's global count of trained tokens);
+  * ``seq_len`` and ``vocab_size``.
+Optional, with defaults here: ``decays(name)`` (whether weight decay applies; default: tensors
+of two or more dimensions), ``flops_per_token()`` (forward+backward model FLOPs per token with
+every tensor trained; default 6 per matmul parameter; ``flops_per_token(model, frozen)`` here
+takes 2 per parameter off for frozen tensors) and ``supports_packing`` (True when attention and
+positions follow ``batch.segment_ids`` and ``batch.positions``; a model without it is refused
+packed rows, whose examples it would mix).
+
+A stage's ``apply`` receives its tensors as a tuple in ``param_names`` order, already in the
+compute dtype. Stages that share one ``apply`` object (the identical transformer blocks) share
+one compiled function, so ``apply`` must depend only on shapes. A tensor may be read by more
+than one stage (tied embeddings); its gradients add up.
+
+``NNXStaged`` turns a Flax NNX decoder (an embedding, a list of identical blocks, a head) into
+this protocol, so a model module only defines the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pstar_jax.data.batch import PER_POSITION, Batch, mix_seeds
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    param_names: tuple[str, ...]
+    apply: Callable[..., jax.Array]
+
+
+@runtime_checkable
+class StagedModel(Protocol):
+    seq_len: int
+    vocab_size: int
+
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]: ...
+
+    def init_tensor(self, name: str, seed: int) -> jax.Array: ...
+
+    def stages(self, compute_dtype: Any) -> Sequence[Stage]: ...
+
+
+def decays(model: StagedModel, name: str) -> bool:
+    """Whether weight decay applies to a tensor: the model's choice, else matrices only."""
+    if hasattr(model, "decays"):
+        return bool(model.decays(name))
+    return len(model.param_shapes()[name]) >= 2
+
+
+def n_params(model: StagedModel) -> int:
+    return sum(math.prod(s) for s in model.param_shapes().values())
+
+
+def flops_per_token(model: StagedModel, frozen: Collection[str] = ()) -> float:
+    """The model's count, else 6 FLOPs (forward and backward) per parameter outside the first
+    stage's lookups (attention's own matmuls are the model's to add).
+
+    A ``frozen`` tensor needs no weight gradient: 4 FLOPs per parameter (forward 2, input
+    gradient 2), so 2 per parameter less for every frozen tensor a later stage reads (a tensor
+    only the first stage reads is a lookup, which no count includes). A LoRA adapter trains:
+    its 6 cover its forward, its weight gradient and the input gradient through it."""
+    if hasattr(model, "flops_per_token") and not frozen:
+        return float(model.flops_per_token())
+    shapes = model.param_shapes()
+    later = {n for s in list(model.stages(jnp.float32))[1:] for n in s.param_names}
+    total = float(model.flops_per_token()) if hasattr(model, "flops_per_token") else \
+        6.0 * sum(math.prod(shapes[n]) for n in later)
+    return total - 2.0 * sum(math.prod(shapes[n]) for n in later & set(frozen))
+
+
+def init_params(model: StagedModel, seed: int) -> dict[str, jax.Array]:
+    """All tensors by name, from ``init_tensor``."""
+    return {name: model.init_tensor(name, seed) for name in model.param_shapes()}
+
+
+def validate_stages(stages: Sequence[Stage], param_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ValueError if the chain reads unknown tensors or leaves one unused."""
+    if len(stages) < 2:
+        raise ValueError("a staged model needs at least two stages (first and last)")
+    used: set[str] = set()
+    for stage in stages:
+        unknown = [n for n in stage.param_names if n not in param_shapes]
+        if unknown:
+            raise ValueError(f"stage {stage.name} reads unknown parameters {unknown}")
+        used.update(stage.param_names)
+    unused = [n for n in param_shapes if n not in used]
+    if unused:
+        raise ValueError(f"parameters {unused} are read by no stage")
+
+
+def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Callable] | None = None
+                 ) -> Callable[..., jax.Array]:
+    """The whole model as one function ``loss_fn(params, batch)`` of a name->tensor mapping: the
+    mean loss over the batch's trained tokens. ``loss_fn(params, tokens, targets)`` is plain data.
+
+    ``remat_block`` wraps every middle stage's apply (jax.checkpoint with a policy)."""
+    def loss_fn(params: Mapping[str, jax.Array], batch: Any, targets: Any = None) -> jax.Array:
+        if targets is not None:  # plain data, made with jnp so that it traces under jit
+            B, L = jnp.shape(batch)
+            batch = Batch(jnp.asarray(batch, jnp.int32), jnp.asarray(targets, jnp.int32), jnp.ones((B, L)),
+                          jnp.ones((B, L), jnp.int32), jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+
+        def take(stage: Stage) -> tuple[jax.Array, ...]:
+            return tuple(params[n] for n in stage.param_names)
+        h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
+        for i, stage in enumerate(stages[1:-1], 1):
+            apply = remat_block(stage.apply) if remat_block else stage.apply
+            h = apply(take(stage), h, stage_seeds(batch, i))
+        count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
+        return stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)) / count
+    return loss_fn
+
+
+def stage_seeds(batch: Batch, stage_index: Any) -> Batch:
+    """The batch a stage sees: each row's dropout seed mixed with the stage's index (data, so
+    identical blocks still share one compiled function), so every layer draws its own masks."""
+    if batch.dropout_seed is None:
+        return batch
+    index = jnp.full(jnp.shape(batch.dropout_seed), stage_index, jnp.uint32)
+    return batch._replace(dropout_seed=mix_seeds(jnp.asarray(batch.dropout_seed, jnp.uint32), index))
+
+
+def cast_params(params: Mapping[str, jax.Array], dtype: Any) -> dict[str, jax.Array]:
+    return {n: p.astype(dtype) for n, p in params.items()}
+
+
+def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Cross entropy of every token, [B, L], in float32 whatever the logits' dtype."""
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+
+
+def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Mean token cross entropy, in float32 whatever the logits' dtype."""
+    return token_cross_entropy(logits_BxLxV, targets_BxL).mean()
+
+
+def masked_loss_sum(token_losses_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
+    """The sum of the trained tokens' losses (what the last stage returns)."""
+    return jnp.sum(token_losses_BxL * loss_mask_BxL.astype(token_losses_BxL.dtype))
+
+
+# -- Flax NNX decoders as staged models ----------------------------------------------------------
+
+def _path(name: str) -> tuple:
+    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+
+
+def _flat(state: nnx.State) -> dict[str, Any]:
+    return {".".join(map(str, path)): var.get_value() if hasattr(var, "get_value") else var
+            for path, var in nnx.to_flat_state(state)}
+
+
+def _variables(state: nnx.State) -> dict[str, Any]:
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+
+
+def _merge(graph: Any, names: Sequence[str], values: Sequence[Any]) -> nnx.Module:
+    return nnx.merge(graph, nnx.from_flat_state(list(zip(map(_path, names), values))))
+
+
+def _first_use(fn: Callable, names: Sequence[str], values: Sequence[Any], *args: Any) -> list[str]:
+    """The tensors ``fn(values, *args)`` reads, in the order its trace first reads them."""
+    closed = jax.make_jaxpr(fn)(tuple(values), *args)
+    invars = closed.jaxpr.invars[:len(names)]
+    position = {v: i for i, v in enumerate(invars)}
+    order: list[str] = []
+    for eqn in closed.jaxpr.eqns:
+        for var in eqn.invars:
+            i = None if hasattr(var, "val") else position.get(var)  # literals have values
+            if i is not None and names[i] not in order:
+                order.append(names[i])
+    for var in closed.jaxpr.outvars:
+        i = None if hasattr(var, "val") else position.get(var)
+        if i is not None and names[i] not in order:
+            order.append(names[i])
+    return order
+
+
+class NNXStaged:
+    """A Flax NNX decoder as a staged model: an embed stage, one stage per block, a head stage.
+
+    ``make(rngs, n_blocks)`` builds the module with ``n_blocks`` blocks (its init scales still
+    follow the real depth ``n_layer``). The module provides a method ``embed(tokens_BxL) ->
+    h_BxLxD``, a list attribute ``blocks`` of identical blocks (``block(h) -> h``) and a method
+    ``logits(h_BxLxD) -> logits_BxLxV`` (other method names: ``embed=``, ``logits=``). A module
+    whose class sets ``supports_packing = True`` is called ``embed(tokens, positions=...)`` and
+    ``block(h, segment_ids=..., positions=...)`` with the batch's [B, L] arrays (attention then
+    stays within each example of a packed row); others are refused packed rows. The head stage
+    is the module's method ``loss_sum(h_BxLxD, targets_BxL, weights_BxL) -> scalar`` (name
+    ``loss_sum=``) where it has one: the sum of weighted token losses, computed however the
+    module likes (the models here tile it, pstar_jax.model.loss, so N x V logits never exist). A
+    module without it is read through ``logits``: ``loss(logits, targets)`` gives each token's
+    loss ([B, L]) and the head returns their sum over the loss mask.
+    Tensor names are the module's state paths joined with '.'
+    ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
+    initialised alone by the module's own initialisers (a jit that builds the module and keeps
+    one tensor; XLA drops the rest), from a key folded from the seed and the tensor's index."""
+
+    def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
+                 vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
+                 decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
+                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum"):
+        self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
+        self._decays, self._flops = decays, flops_per_token
+        one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
+        outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
+        has_loss_sum = callable(getattr(outer, loss_sum, None))
+        self.name = type(outer).__name__
+        self.supports_packing = packing = bool(getattr(outer, "supports_packing", False))
+        self._block_graph, block_state = nnx.split(one.blocks[0], nnx.Param)
+        self._outer_graph, outer_state = nnx.split(outer, nnx.Param)
+        block = _flat(block_state)
+        outer_flat = _flat(outer_state)
+        self._outer_names = tuple(outer_flat)
+        self._outer_zeros = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in outer_flat.values())
+        # Only for tracing which tensors are read: a batch of one row of two positions.
+        fake = Batch(*(jax.ShapeDtypeStruct((1, 2), jnp.float32 if f == "loss_mask" else jnp.int32)
+                       for f in PER_POSITION))
+        # A module that draws dropout masks (LoRA dropout) says so; the engines then give each
+        # row a dropout seed (Batch.dropout_seed), which its blocks get as ``dropout_seed=``.
+        self.dropout_seeded = bool(getattr(outer, "dropout_seeded", False))
+
+        def embed_call(module: nnx.Module, tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
+            method = getattr(module, embed)
+            return method(tokens_BxL, positions=batch.positions) if packing else method(tokens_BxL)
+
+        def block_call(block_module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            seeded = {} if batch.dropout_seed is None else {"dropout_seed": batch.dropout_seed}
+            if packing:
+                return block_module(h_BxLxD, segment_ids=batch.segment_ids, positions=batch.positions, **seeded)
+            return block_module(h_BxLxD, **seeded)
+        self._embed_call = embed_call
+
+        def head_call(module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            if has_loss_sum:
+                return getattr(module, loss_sum)(h_BxLxD, batch.targets, batch.loss_mask)
+            return masked_loss_sum(loss(getattr(module, logits)(h_BxLxD), batch.targets), batch.loss_mask)
+
+        def outer_embed(v, x, batch):
+            return embed_call(_merge(self._outer_graph, self._outer_names, v), x, batch)
+
+        def outer_head(v, h, batch):
+            return head_call(_merge(self._outer_graph, self._outer_names, v), h, batch)
+        h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
+        self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
+        self._head_names = tuple(_first_use(outer_head, self._outer_names, self._outer_zeros, h, fake))
+        def one_block(v, x, batch):
+            return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
+        self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
+        missing = [n for n in block if n not in self._block_names]
+        self._block_names += tuple(missing)  # read by nothing: validate_stages names them
+        shapes = {n: tuple(outer_flat[n].shape) for n in self._embed_names}
+        shapes.update({f"blocks.{i}.{n}": tuple(block[n].shape) for i in range(n_layer) for n in self._block_names})
+        shapes.update({n: tuple(outer_flat[n].shape) for n in (*self._head_names, *outer_flat) if n not in shapes})
+        self._shapes = shapes
+        # Initialisation keys: base tensors first, LoRA adapters (nnx.LoRAParam) after them, so a
+        # base tensor's key (and value) is the same with or without adapters.
+        adapters = {n for n, v in _variables(outer_state).items() if isinstance(v, nnx.LoRAParam)} | {
+            f"blocks.{i}.{n}" for n, v in _variables(block_state).items() if isinstance(v, nnx.LoRAParam)
+            for i in range(n_layer)}
+        self._index = {n: i for i, n in enumerate(sorted(shapes, key=lambda n: n in adapters))}
+
+        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            return block_call(_merge(self._block_graph, self._block_names, params), h_BxLxD, batch)
+        self._block_apply = block_apply  # one object: every block stage shares its compilation
+
+        def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
+        self._head_apply = head_apply
+        self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
+        self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}
+
+    def _outer(self, names: Sequence[str], params: Sequence[jax.Array]) -> nnx.Module:
+        """The module without blocks, holding ``params``; the tensors a stage does not read are
+        zeros that XLA removes (nothing reads them)."""
+        given = dict(zip(names, params))
+        dtype = params[0].dtype if params else jnp.float32
+        values = [given[n] if n in given else jnp.zeros(z.shape, dtype) for n, z in zip(self._outer_names,
+                                                                                          self._outer_zeros)]
+        return _merge(self._outer_graph, self._outer_names, values)
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def param_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def stages(self, compute_dtype: Any) -> list[Stage]:
+        dtype = jnp.dtype(compute_dtype)
+        if dtype not in self._embed_applies:
+            def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
+                return self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch).astype(dtype)
+            self._embed_applies[dtype] = embed_apply
+        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
+                  for i in range(self.n_layer)]
+        return [Stage("embed", self._embed_names, self._embed_applies[dtype]), *blocks,
+                Stage("head", self._head_names, self._head_apply)]
+
+    def init_tensor(self, name: str, seed: int) -> jax.Array:
+        parts = name.split(".")
+        in_block = parts[0] == "blocks" and name not in self._outer_names
+        key = "blocks.0." + ".".join(parts[2:]) if in_block else name
+        if key not in self._init_fns:
+            n_blocks = 1 if in_block else 0
+            self._init_fns[key] = jax.jit(lambda k: jnp.asarray(
+                _flat(nnx.state(self.make(nnx.Rngs(k), n_blocks), nnx.Param))[key], jnp.float32))
+        return self._init_fns[key](jax.random.fold_in(jax.random.key(seed), self._index[name]))
+
+    def init_params(self, seed: int) -> dict[str, jax.Array]:
+        return init_params(self, seed)
+
+    def decays(self, name: str) -> bool:
+        return self._decays(name) if self._decays else len(self._shapes[name]) >= 2
+
+    def n_params(self) -> int:
+        return n_params(self)
+
+    def flops_per_token(self) -> float:
+        if self._flops is not None:
+            return float(self._flops)
+        lookups = set(self._embed_names) - set(self._head_names)
+        return 6.0 * sum(math.prod(s) for n, s in self._shapes.items() if n not in lookups)
+
+    def module(self, params: Mapping[str, Any]) -> nnx.Module:
+        """The whole NNX module holding ``params`` (names as ``param_shapes``), e.g. for inference."""
+        if set(params) != set(self._shapes):
+            missing, extra = sorted(set(self._shapes) - set(params)), sorted(set(params) - set(self._shapes))
+            raise ValueError(f"params do not match the model: missing {missing}, unexpected {extra}")
+        graph = nnx.split(nnx.eval_shape(lambda: self.make(nnx.Rngs(0), self.n_layer)), nnx.Param)[0]
+        names = tuple(params)
+        return _merge(graph, names, tuple(params[n] for n in names))

@@ -1,0 +1,227 @@
+"""Sequence tiles: run a function over tiles of positions so its intermediates are never whole.
+
+``map_tiles`` runs a body over tiles in a loop with its own backward (a jax.custom_vjp): the
+forward keeps only the tiles' inputs, the backward recomputes one tile at a time. Tensors every
+tile reads (a layer's weights, attention's keys and values) are the loop's constants; their
+gradients add up tile by tile in float32 sums the backward carries, rounded once at the end,
+while the constants themselves stay in their own dtype. The loops' output buffers are created
+where they are used (``zeros_after``), not at the start of the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+TILE_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBudget:
+    """The largest intermediate one tile may hold, per kind, in bytes: the head's float32 logits
+    (pstar_jax.model.loss), attention's float32 scores (pstar_jax.model.attention) and the MLP's hidden
+    activations. A sequence whose whole intermediate fits runs as one tile, the plain call; the
+    models take one of these so that tests can force many tiles at tiny shapes."""
+    logits_bytes: int = TILE_BYTES
+    scores_bytes: int = TILE_BYTES
+    mlp_bytes: int = TILE_BYTES
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TileBudget.{field.name} must be a positive number of bytes, got {value!r}")
+
+
+def split_tiles(n: int, tile: int) -> tuple[int, int]:
+    """(number of tiles, size of each) covering n positions with tiles of at most ``tile``.
+
+    The fewest tiles that divide n exactly, when at most twice the fewest possible: the tiles
+    are then a reshape of the sequence, where padding would copy it whole (one copy of a
+    stage's input or output per tiled pass, 2 bytes x d_model per token each in bf16). Else
+    equal tiles, the padding below one position per tile."""
+    if n <= 0 or tile <= 0:
+        raise ValueError(f"split_tiles needs positive n and tile, got {n} and {tile}")
+    fewest = -(-n // tile)
+    for n_tiles in range(fewest, min(2 * fewest, n) + 1):
+        if n % n_tiles == 0:
+            return n_tiles, n // n_tiles
+    return fewest, -(-n // fewest)
+
+
+def rows_within(n: int, row_bytes: int, tile_bytes: int) -> int:
+    """Rows per tile so that a tile of ``row_bytes`` rows fits ``tile_bytes``: at least 1, at most
+    n, a multiple of 8 when it can be (for the matmuls)."""
+    if n <= 0 or row_bytes <= 0 or tile_bytes <= 0:
+        raise ValueError(f"rows_within needs positive n, row_bytes, tile_bytes; got {n}, {row_bytes}, {tile_bytes}")
+    rows = max(1, tile_bytes // row_bytes)
+    return min(n, rows - rows % 8 if rows >= 8 else rows)
+
+
+def to_tiles(x: jax.Array, axis: int, n_tiles: int, tile: int, pad_value: Any = 0) -> jax.Array:
+    """x with ``axis`` padded to n_tiles * tile and split: the tiles become a new leading axis."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n_tiles * tile - x.shape[axis])
+    x = jnp.pad(x, pad, constant_values=pad_value)
+    x = x.reshape(x.shape[:axis] + (n_tiles, tile) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def from_tiles(y: jax.Array, axis: int, n: int) -> jax.Array:
+    """The inverse of ``to_tiles`` for a per-position output: tiles back along ``axis``, cut to n."""
+    y = jnp.moveaxis(y, 0, axis)
+    y = y.reshape(y.shape[:axis] + (y.shape[axis] * y.shape[axis + 1],) + y.shape[axis + 2:])
+    return jax.lax.slice_in_dim(y, 0, n, axis=axis)
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _sum_dtype(x: Any) -> Any:
+    """float32 for floating types narrower than it: gradients add up in float32 across tiles."""
+    return jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
+
+
+def zeros_after(shape: tuple[int, ...], dtype: Any, after: jax.Array) -> jax.Array:
+    """Zeros that the compiler cannot create before ``after`` exists. A loop's output buffers
+    (zeros a loop writes into) depend on nothing, and XLA's CPU scheduler creates them at the
+    program's start: in a stage's backward every loop's buffers were then alive at once, through
+    the recomputed forward (llama-3.1-8b: 10 bytes x d_model per token of them). A factor of one
+    computed from ``after`` (never NaN: isfinite is 0 or 1) moves each to where it is used."""
+    unit = jnp.isfinite(jnp.ravel(after)[0]).astype(dtype)
+    return jnp.zeros(shape, dtype) * unit
+
+
+def _first_floating(*trees: Any) -> jax.Array | None:
+    return next((x for t in trees for x in jax.tree.leaves(t) if _floating(x) and x.size), None)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, after: jax.Array | None) -> jax.Array:
+    return jnp.zeros(shape, dtype) if after is None else zeros_after(shape, dtype, after)
+
+
+def _buffers(shapes: Any, n: int, after: jax.Array | None) -> Any:
+    """Zeros shaped [n, ...] for each of ``shapes``: where a loop writes one value per tile."""
+    return jax.tree.map(lambda s: _zeros((n,) + tuple(s.shape), s.dtype, after), shapes)
+
+
+def _with(leaves: list, at: list[int], values: Any) -> list:
+    """``leaves`` with ``values`` in the places ``at``."""
+    out = list(leaves)
+    for k, v in zip(at, values):
+        out[k] = v
+    return out
+
+
+def _at(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _put(buffers: Any, values: Any, i: Any) -> Any:
+    return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0), buffers, values)
+
+
+def _forward(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> Any:
+    n = jax.tree.leaves(xs)[0].shape[0]
+    shapes = jax.eval_shape(lambda c, x, h: body(c, x, *h), consts, _at(xs, 0), hoisted)
+    out = _buffers(shapes, n, _first_floating(xs, consts))
+    return jax.lax.fori_loop(0, n, lambda i, out: _put(out, body(consts, _at(xs, i), *hoisted), i), out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _map_tiles(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> Any:
+    return _forward(body, consts, hoisted, xs)
+
+
+def _map_tiles_fwd(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> tuple[Any, tuple]:
+    return _forward(body, consts, hoisted, xs), (consts, hoisted, xs)
+
+
+def _map_tiles_bwd(body: Callable[..., Any], residuals: tuple, ct_ys: Any) -> tuple:
+    """Tile by tile in reverse order, as autodiff of the forward loop would run: each tile's
+    forward recomputed under jax.vjp, its input's gradient written into its place, the
+    gradients of the constants (and of what body closes over) added into sums carried across
+    tiles, float32 for narrower floats and rounded once at the end. Integer inputs (positions,
+    segment ids) have no gradient."""
+    consts, hoisted, xs = residuals
+    n = jax.tree.leaves(xs)[0].shape[0]
+    shared, shared_def = jax.tree.flatten((consts, hoisted))
+    tiles, tiles_def = jax.tree.flatten(xs)
+    shared_f = [k for k, x in enumerate(shared) if _floating(x)]
+    tiles_f = [k for k, x in enumerate(tiles) if _floating(x)]
+    after = _first_floating(ct_ys)
+
+    def tile_grads(i, carry):
+        sums, d_tiles = carry
+        j = n - 1 - i
+        x_j = _at(tiles, j)
+
+        def tile_fn(shared_part, tile_part):
+            cs, h = jax.tree.unflatten(shared_def, _with(shared, shared_f, shared_part))
+            return body(cs, jax.tree.unflatten(tiles_def, _with(x_j, tiles_f, tile_part)), *h)
+        _, vjp = jax.vjp(tile_fn, [shared[k] for k in shared_f], [x_j[k] for k in tiles_f])
+        d_shared, d_tile = vjp(_at(ct_ys, j))
+        sums = [s + d.astype(s.dtype) for s, d in zip(sums, d_shared)]
+        return sums, _put(d_tiles, d_tile, j)
+
+    sums = [_zeros(shared[k].shape, _sum_dtype(shared[k]), after) for k in shared_f]
+    d_tiles = [_zeros(tiles[k].shape, tiles[k].dtype, after) for k in tiles_f]
+    sums, d_tiles = jax.lax.fori_loop(0, n, tile_grads, (sums, d_tiles))
+    sums = [s.astype(shared[k].dtype) for k, s in zip(shared_f, sums)]
+    d_consts, d_hoisted = jax.tree.unflatten(shared_def, _with([None] * len(shared), shared_f, sums))
+    return d_consts, d_hoisted, jax.tree.unflatten(tiles_def, _with([None] * len(tiles), tiles_f, d_tiles))
+
+
+_map_tiles.defvjp(_map_tiles_fwd, _map_tiles_bwd)
+
+
+def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any) -> Any:
+    """``body(consts, x)`` for each tile x of ``xs`` (a pytree with the tiles as leading axis),
+    one tile's intermediates alive at a time in the forward and the backward. A single tile is
+    a plain call: the whole sequence fits, and nothing is recomputed.
+
+    The backward recomputes one tile at a time (``_map_tiles_bwd``) and adds up the gradients
+    of ``consts`` and of the arrays body closes over in float32 sums, while the constants stay
+    in their own dtype: autodiff of a loop would add a constant's gradient in the constant's
+    dtype (one bf16 rounding per tile), so the sums would need float32 copies of every constant
+    for the whole loop (attention's k and v: 2 bytes x d_model per token for llama-3.1-8b)."""
+    if jax.tree.leaves(xs)[0].shape[0] == 1:  # one tile: nothing to save, so no recomputation
+        out = body(consts, jax.tree.map(lambda x: x[0], xs))
+        return jax.tree.map(lambda y: y[None], out)
+    converted, hoisted = jax.closure_convert(body, consts, _at(xs, 0))
+    return _map_tiles(converted, consts, tuple(hoisted), xs)
+
+
+def tiled_over_sequence(fn: Callable[..., Any], x_BxLxD: Any, *, tile: int, params: Any = None) -> Any:
+    """``fn`` applied to tiles of ``tile`` positions of x_BxLxD, concatenated: equal to
+    ``fn(x_BxLxD)`` for a position-wise fn (an MLP), whose tokens x d_ff intermediate then
+    exists one tile at a time. With ``params`` (a pytree of the weights fn reads) fn is called
+    ``fn(params, x_tile)``; the gradients of params and of weights fn closes over add up in
+    float32 across tiles (``map_tiles``). x may be a pytree of [B, L, ...] arrays
+    (per-position side inputs beside the activations), tiled alike, and fn may return a pytree
+    of [1, T, ...] arrays (several per-position outputs), each put back to [B, L, ...].
+
+    fn must be position-wise: the B rows are laid end to end as one row of B x L positions and
+    cut into tiles of B x ``tile`` of them, so that tiles are reshapes of the input, not copies
+    (a [B, L] -> [tiles, B, T] move would copy it whenever B > 1); fn sees [1, T, ...] tiles.
+    When no tiling divides B x L the last tile is zero-padded (fn must be finite on zeros)."""
+    B, L = jax.tree.leaves(x_BxLxD)[0].shape[:2]
+    n_tiles, size = split_tiles(B * L, B * min(tile, L))
+    xs = jax.tree.map(lambda x: to_tiles(x.reshape((1, B * L) + x.shape[2:]), 1, n_tiles, size), x_BxLxD)
+    if params is None:
+        ys = map_tiles(lambda _, x: fn(x), (), xs)
+    else:
+        ys = map_tiles(fn, params, xs)
+    return jax.tree.map(lambda y: from_tiles(y, 1, B * L).reshape((B, L) + y.shape[3:]), ys)
+
+
+def mlp_tile(batch: int, length: int, d_hidden: int, tile_bytes: int) -> int:
+    """Positions per MLP tile so that one tile's float32-wide hidden activations (B x tile x F)
+    fit ``tile_bytes``."""
+    return rows_within(length, 4 * batch * d_hidden, tile_bytes)

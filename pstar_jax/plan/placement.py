@@ -1,0 +1,361 @@
+"""The placement plan: where every chunk is at every moment of a step, as plain data.
+
+The planner replays one training step over the warm-up trace: at each moment it knows which
+chunks the stage needs, how much device memory the stage's non-model data takes, and how much
+the optimizer state kept on the device takes. What the stage needs but is not on the device is
+fetched; when the device would overflow, the resident chunk whose next use is furthest away is
+evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy is still
+valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
+
+The step's moments and what each needs come from schedule.py (where the deferred optimizer
+update and the stage inputs are explained), the replay of a step from replay.py, the eviction
+rule from eviction.py, the step time from predict.py.
+Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
+params (none is: after initialisation, a restore or a flush).
+
+A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which always keep
+their host copy: fetching it costs its bytes up, evicting it costs nothing, it has no optimizer
+state, and it may stay on the device across the step boundary (its first use in the next step
+then fetches nothing).
+
+A stage input is an item like a chunk's, of its own size: made dirty on the device by its
+forward, read again by its backward, then dropped. When the device is short, the replay may evict
+it like any item (Belady: its next use, the backward, is often the furthest), sending it to pinned
+host memory, and fetch it back for its backward; it never outlives the step.
+
+A moment's fetches and evictions may run during the previous moment (prefetch distance 1)
+when both moments' chunks fit beside the larger of their non-model data; otherwise they run
+right before it. The plan starts each step in the state the step ends in (iterated to a fixed
+point), so every step moves exactly the predicted bytes. The executor does what the plan says
+and nothing else; the planner never touches arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Callable, Sequence
+
+from pstar_jax.config import format_bytes
+from pstar_jax.plan.eviction import policy_for
+from pstar_jax.plan.machine import Machine
+from pstar_jax.plan.predict import predict_step_s, state_leads
+from pstar_jax.plan.replay import Infeasible, PlanMoment, ReplayState, moment_name, simulate
+from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses
+
+
+def shortfall(n_bytes: int) -> str:
+    """``format_bytes`` rounded up, not to the nearest: a budget raised by the amount a message says
+    is short is then no longer short by it."""
+    text = format_bytes(n_bytes)
+    unit = text.split()[1]
+    if unit == "B":
+        return text
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    return f"{math.ceil(n_bytes * 100 / scale) / 100:.2f} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    moments: tuple[PlanMoment, ...]
+    initial_device: tuple[tuple[Item, bool], ...]  # (item, dirty) on the device at step start
+    opt_on_device: tuple[bool, ...]
+    opt_streamed: tuple[bool, ...]  # host-resident state updated on the device (streamed down and up)
+    state_leads: tuple[int, ...]  # per chunk: moments ahead its streamed state is sent down
+    item_bytes: int
+    opt_state_bytes: int  # per chunk
+    device_capacity_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    peak_device_bytes: int  # chunks + non-model
+    peak_host_bytes: int
+    predicted_step_s: float
+    fits: bool
+    problem: str | None
+    input_bytes: int = 0  # all stage inputs a step keeps for its backward, per device
+    input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def stage_inputs_line(self) -> str:
+        """Where the stage inputs kept for the backward live, in a sentence (pstar-plan, summaries)."""
+        if not self.input_bytes:
+            return "stage inputs: none kept for the backward"
+        where = ("all stay on the device" if not self.input_offload_bytes else
+                 f"{format_bytes(self.input_offload_bytes)} of them go to pinned host memory after their forward "
+                 "and come back before their backward")
+        return f"stage inputs: {format_bytes(self.input_bytes)} per step kept for the backward; {where}"
+
+    @property
+    def resident_fraction(self) -> float:
+        """Fraction of param chunks that never leave the device."""
+        n = len(self.opt_on_device)
+        moved = {item for m in self.moments for item in m.evict + m.fetch if item[0] == "param"}
+        return sum(("param", c) not in moved for c in range(n)) / max(n, 1)
+
+
+def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
+              opt_on_device: Sequence[bool], victim_rule: str = "belady",
+              streamed: Sequence[bool] | None = None, hide_state: bool = True) -> Plan:
+    """The plan for a given optimizer placement (see ``make_plan`` for choosing one).
+
+    ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
+    else one moment ahead (less device memory)."""
+    # A frozen chunk has no optimizer state: nothing of it is on the device or streamed.
+    opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
+    streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
+                     for c, (s, d) in enumerate(zip(streamed or [False] * shape.n_chunks, opt_on_device)))
+    opt_device = sum(opt_on_device) * shape.opt_state_bytes
+    busiest = shape.busiest_non_model_bytes
+    short = opt_device + busiest + shape.item_bytes - device_bytes
+    if opt_device and short > 0:  # the state kept on the device leaves no room for a chunk: say so, not
+        #                            a host shortfall computed as if the device could hold that state
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+                    shape.opt_state_bytes, device_bytes, 0, 0, opt_device + busiest, 0, float("inf"), False,
+                    f"device memory runs out by {shortfall(short)}: the optimizer state of "
+                    f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
+                    f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
+    host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
+    if host_needed > host_bytes:  # known without building the step, let alone replaying it
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+                    shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
+                    f"host memory runs out by at least {shortfall(host_needed - host_bytes)}")
+    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
+                  if hide_state and any(streamed) else [1] * shape.n_chunks)
+    accesses = step_accesses(shape, opt_on_device, streamed, leads)
+    capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
+    state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
+    problem, moments = None, []
+    try:
+        for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(moment_name(a), own - room)
+        victim = policy_for(victim_rule, accesses)
+        for _ in range(8):  # to the fixed point: the step ends where it started
+            start = ReplayState(state.device, state.host)
+            moments, state = simulate(accesses, capacity, shape.item_size, state, victim)
+            if state.key() == start.key():
+                break
+        else:
+            raise Infeasible("the placement does not settle into a repeating step", 0)
+    except Infeasible as err:
+        problem = (f"device memory runs out at {err} by {shortfall(err.shortfall)}" if err.shortfall
+                   else str(err))
+        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+                    device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
+    peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
+                      for m, a in zip(moments, accesses))
+    host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
+    peak_host = state.peak_host_bytes + host_opt
+    if peak_host > host_bytes:
+        problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
+    offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
+    return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
+                shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
+                sum(m.d2h_bytes for m in moments), peak_device, peak_host,
+                predict_step_s(moments, accesses, shape, machine), problem is None, problem,
+                shape.input_bytes_per_step, offloaded)
+
+
+def _host_items(shape: StepShape) -> list[Item]:
+    """What is on the host before anything is placed: each trainable chunk's slot, each frozen
+    chunk's params."""
+    return [("param" if shape.is_frozen(c) else "slot", c) for c in range(shape.n_chunks)]
+
+
+def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Machine,
+                 victim_rule: str = "belady") -> Plan:
+    """The plan of a forward-only pass (held-out loss) run between two steps of ``training``.
+
+    ``shape`` is a forward-only shape (trace.trace_forward). The pass starts where ``training``
+    starts a step (its slots holding current params, as after a flush), under the same device
+    budget beside the optimizer state that plan keeps on the device, and places chunks by the
+    same replay and eviction rule, with no gradients and no optimizer moments. Its last moment
+    ("restore") evicts what the pass brought in and fetches back what it evicted, so the next
+    step finds the placement its plan starts from. Moments are those of
+    ``schedule.forward_accesses(shape, resident)``; their items are ("param", c), the params that
+    sit in slot ("slot", c) between steps (``initial_device`` keeps the slots' names)."""
+    start = {("param", c): dirty for (_, c), dirty in training.initial_device}
+    n_opt_device = sum(training.opt_on_device)
+    opt_device = n_opt_device * training.opt_state_bytes
+    host_opt = (shape.n_trainable - n_opt_device) * training.opt_state_bytes
+    accesses = forward_accesses(shape, tuple(start))
+    capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
+    state = ReplayState(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
+
+    def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
+        return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
+                    training.state_leads, shape.item_bytes, training.opt_state_bytes,
+                    training.device_capacity_bytes, sum(m.h2d_bytes for m in moments),
+                    sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
+    try:
+        for a, room in zip(accesses, capacity):
+            own = sum(map(shape.item_size, a.needs))
+            if own > room:
+                raise Infeasible(moment_name(a), own - room)
+        # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
+        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_size, state,
+                                  policy_for(victim_rule, accesses))
+    except Infeasible as err:
+        return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
+    evict = tuple(sorted(it for it in state.device if it not in start))
+    fetch = tuple(sorted(it for it in start if it not in state.device))
+    written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
+    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes, 0,
+                              len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
+    peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
+    peak_host = state.peak_host_bytes + host_opt
+    problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
+               if peak_host > host_bytes else None)
+    return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))
+
+
+def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
+                      streamed: Sequence[bool]) -> int:
+    """A lower bound on the peak host memory of any plan with this optimizer placement. Every
+    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and at the
+    moment with the most non-model data the device holds the fewest; and params made by host Adam
+    all sit on the host once the last update has run (a copy fetched to the device leaves the
+    host copy valid). A frozen chunk's params are on the host at every moment."""
+    k = sum(d for c, d in enumerate(opt_on_device) if not shape.is_frozen(c))
+    busiest = shape.busiest_non_model_bytes
+    room = device_bytes - k * shape.opt_state_bytes - busiest
+    trainable = shape.n_trainable
+    on_device = max(0, min(trainable, room // shape.item_bytes))
+    host_adam = sum(not d and not s for c, (d, s) in enumerate(zip(opt_on_device, streamed)) if not shape.is_frozen(c))
+    items = max(trainable - on_device, host_adam) + (shape.n_chunks - trainable)
+    return items * shape.item_bytes + (trainable - k) * shape.opt_state_bytes
+
+
+def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
+    """Whether the two memories together could hold the model data: every chunk has its bf16
+    item (params or grad) and its optimizer state somewhere at every moment, and at the moment
+    with the most non-model data the device holds the least; a frozen chunk has its params alone,
+    always on the host. False: no placement fits."""
+    busiest = shape.busiest_non_model_bytes
+    frozen_bytes = (shape.n_chunks - shape.n_trainable) * shape.item_bytes
+    trainable_bytes = shape.n_trainable * (shape.item_bytes + shape.opt_state_bytes)
+    return frozen_bytes <= host_bytes and trainable_bytes + frozen_bytes <= max(0, device_bytes - busiest) + host_bytes
+
+
+TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
+
+
+def preference(plan: Plan) -> tuple:
+    """How the planner orders plans predicted equally fast (within ``TIE_MARGIN``), most preferred
+    last: fewer bytes moved, then more param chunks resident, then more optimizer state on the
+    device, then fewer chunks streaming their state. Predictions are estimates, and the copies are
+    their least certain part (whether the link copies both ways at once, how well copies overlap
+    compute): among near ties the plan that moves less is the safer bet, and a fixed rule keeps
+    plans reproducible."""
+    return (-(plan.h2d_bytes + plan.d2h_bytes), plan.resident_fraction, sum(plan.opt_on_device),
+            -sum(plan.opt_streamed))
+
+
+def choose(plans: Sequence[Plan]) -> Plan:
+    """The plan make_plan returns among ``plans``: a fitting one over any that does not; among those
+    that fit, the most preferred (``preference``) of those predicted within ``TIE_MARGIN`` of the
+    fastest; earlier in ``plans`` on full ties. When none fits: the one short of the least host
+    memory (its device side worked), else the one keeping the least optimizer state on the device
+    (the least the device was asked to hold); its problem is the one to report."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        host_short = [p for p in plans if p.problem.startswith("host")]
+        if host_short:
+            return min(host_short, key=lambda p: p.peak_host_bytes)
+        return min(plans, key=lambda p: sum(p.opt_on_device))  # min keeps the first of equal keys
+    fastest = min(p.predicted_step_s for p in fitting)
+    near = [p for p in fitting if p.predicted_step_s <= fastest * (1 + TIE_MARGIN)]
+    return max(near, key=preference)  # max keeps the first of equal keys
+
+
+def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
+              adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True) -> Plan:
+    """Choose the optimizer placement by the predicted step time of the resulting plan.
+
+    Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
+    through the device for their update, chunks b..n-1 are updated on the host. Chunks are
+    numbered in forward order, so the host updates are those the next forward needs last: they
+    have the most time to run beside it (host updates start when the backward ends).
+    ``adam_placement`` "device", "host" or "stream" forces one way for all chunks. Streamed state
+    is sent down far enough ahead to hide its copy, or, when device memory is short for that, one
+    moment ahead.
+
+    The search: k on a grid of about 12 steps over 0..n with the rest all on the host or all
+    streamed (PatrickStar's choice), refined around the chosen k (finer grids, a quarter of the
+    spacing each time); then b along the line of that k, and k along the line of the b found, the
+    same way, until the choice stays (three rounds at most). A mix can fit where neither pure
+    way does (host-updated chunks need host memory for their params, streamed ones device memory
+    for their state). A deep model costs a few dozen to a few hundred plans, not n squared. Near
+    ties are broken by ``choose``. ``first_fit``: return the first plan that fits, the mixes tried
+    in one round of coarse grids (for searches that only ask whether anything fits, as
+    pstar-plan's largest depth and batch: the same candidates in the same order until then, so
+    the same answer); ``mixes`` False: try only the rest all on the host or all streamed. k and b
+    count trainable chunks (frozen ones have no optimizer state to place)."""
+    order = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
+    rank = {c: r for r, c in enumerate(order)}
+    n = len(order)
+
+    def ranked(low: int, high: int) -> list[bool]:  # per chunk: a trainable one ranked in [low, high)
+        return [c in rank and low <= rank[c] < high for c in range(shape.n_chunks)]
+
+    def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool]) -> Plan:
+        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed)
+        if plan.fits or not any(plan.opt_streamed) or not plan.problem.startswith("device"):
+            return plan  # the retry below saves device memory
+        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False)
+
+    everything = ranked(0, n)
+    if adam_placement != "auto":
+        return planned(everything if adam_placement == "device" else ranked(0, 0),
+                       everything if adam_placement == "stream" else ranked(0, 0))
+    if first_fit and not could_fit(shape, device_bytes, host_bytes):
+        return planned(ranked(0, 0), ranked(0, 0))  # one candidate, to say what runs out
+    scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
+
+    class _Fits(Exception):
+        pass
+
+    def consider(k: int, b: int) -> None:
+        if (k, b) not in scores:
+            scores[k, b] = planned(ranked(0, k), ranked(k, b))
+            if first_fit and scores[k, b].fits:
+                raise _Fits
+
+    def chosen(among: Callable[[tuple[int, int]], bool] = lambda key: True) -> tuple[int, int]:
+        keys = [key for key in scores if among(key)]
+        best = choose([scores[key] for key in keys])
+        return next(key for key in keys if scores[key] is best)
+
+    def line(point: Callable[[int], tuple[int, int]], lo: int, hi: int, refine: bool = True) -> None:
+        """Plans at point(x) for x on a grid over lo..hi, then finer grids around the best of them."""
+        on_line = {point(x): x for x in range(lo, hi + 1)}
+        spacing = max(1, (hi - lo) // 12)
+        for x in sorted({lo, hi, *range(lo, hi, spacing)}, reverse=True):
+            consider(*point(x))
+        while refine and spacing > 1:
+            x0, finer = on_line[chosen(lambda key: key in on_line)], max(1, spacing // 4)
+            for x in range(max(lo, x0 - spacing + finer), min(hi, x0 + spacing) + 1, finer):
+                consider(*point(x))
+            spacing = finer
+
+    try:
+        spacing = max(1, n // 12)
+        for k in sorted({n, 0, *range(0, n, spacing)}, reverse=True):
+            consider(k, k)  # the rest on the host
+            consider(k, n)  # the rest streamed
+        k0, b0 = chosen()
+        line((lambda k: (k, k)) if b0 == k0 < n else (lambda k: (k, n)), 0, n)
+        for _ in range(0 if not mixes else 1 if first_fit else 3):  # mixes (for a fit alone: one round, coarse)
+            before = k0, _ = chosen()
+            line(lambda b: (k0, b), k0, n, refine=not first_fit)
+            _, b0 = chosen()
+            line(lambda k: (k, b0), 0, b0, refine=not first_fit)
+            if chosen() == before:
+                break
+    except _Fits:
+        return next(plan for plan in scores.values() if plan.fits)
+    return choose(list(scores.values()))

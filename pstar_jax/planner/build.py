@@ -1,0 +1,240 @@
+"""From a model and a configuration to a planned engine.
+
+The automatic choices (chunk size, device budget, host budget, machine rates), then layout,
+warm-up trace and placement plan without allocating model data (what pstar-plan and the engine
+share), the fit check, ``chunked_engine`` (plan first, then build the engine that carries the
+finished plan out; ``EnginePlanner`` is the engine's one way back here, for a new batch shape or
+an evaluation) and ``build_engine``: a ChunkedEngine or a PlainEngine behind one protocol. Data
+flows one way: config -> plan -> executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numel, build_layout
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
+from pstar_jax.engine.protocol import Engine
+from pstar_jax.engine.executor import ChunkedEngine
+from pstar_jax.model.freeze import Frozen, frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.plan.machine import Machine
+from pstar_jax.engine.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
+from pstar_jax.model.staged import StagedModel, decays, validate_stages
+from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
+from pstar_jax.plan.placement import Plan, make_plan, plan_forward, plan_step
+from pstar_jax.plan.schedule import Access, StepShape, step_accesses
+from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
+from pstar_jax.planner.trace import trace_forward, trace_step
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
+
+
+@dataclasses.dataclass
+class Planned:
+    """A model's layout, stage functions, trace and plan for one batch shape: no model data."""
+    layout: ChunkLayout
+    bound: list[BoundStage]
+    fns: StageFunctions
+    shape: StepShape
+    plan: Plan
+    accesses: list[Access]
+    device_budget_bytes: int
+    batch_shape: tuple[int, int]  # global (micro-batch rows, seq_len)
+
+
+def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int],
+               machine: Machine, host_bytes: int, make_tx: TxFactory, layout: ChunkLayout | None = None,
+               fns: StageFunctions | None = None, trace_cache: dict | None = None,
+               adam: tuple[Sequence[bool], Sequence[bool]] | None = None,
+               trainable: Callable[[str], bool] | None = None) -> Planned:
+    """Lay out, trace and plan without allocating model data.
+
+    ``cfg`` must be resolved (a chunk size, a device budget in bytes or None for the CPU demo
+    default). ``adam`` fixes the optimizer placement (per chunk: state on the device, state
+    streamed) instead of choosing it: an engine places its optimizer state once, for every
+    batch shape. ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
+    given ``layout``, which records its frozen chunks."""
+    if cfg.chunk_numel is None:
+        raise ConfigError("EngineConfig.chunk_numel is auto; resolve the config first (resolve_engine_config)")
+    placement = Placement(mesh)
+    param_dtype = cfg.compute_dtype
+    stages = list(model.stages(param_dtype))
+    try:
+        validate_stages(stages, model.param_shapes())
+    except ValueError as err:
+        raise ConfigError(f"the model's stages are inconsistent: {err}") from None
+    chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
+    if trainable is None and cfg.freeze:
+        trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
+    layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel,
+                                    trainable=trainable)
+    bound = [bind(s, layout, i) for i, s in enumerate(stages)]
+    fns = fns or StageFunctions(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
+    log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
+    shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
+                       cfg.micro_batches, cache=trace_cache,
+                       dropout_seeded=bool(getattr(model, "dropout_seeded", False)))  # the batch the step runs
+    budget = cfg.device_budget_bytes
+    if budget is None:  # the CPU demo default: half the model data beside the working memory
+        stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
+        working = shape.busiest_working_bytes  # stage inputs kept on the device
+        model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
+        budget = working + max(model_data // 2, 2 * stage_bytes)
+    log.info("planning where each chunk lives at each moment of the step")
+    if adam is None:
+        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    else:
+        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
+        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
+            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
+    return Planned(layout, bound, fns, shape, plan,
+                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
+                   tuple(batch_shape))
+
+
+def require_fit(planned: Planned, host_bytes: int) -> None:
+    if not planned.plan.fits:
+        raise ConfigError(
+            f"the model does not fit: {planned.plan.problem} (device memory "
+            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
+            f"EngineConfig.device_memory or EngineConfig.host_memory, or lower EngineConfig.chunk_numel or the batch")
+
+
+class EnginePlanner:
+    """What a built chunked engine may ask planning for (executor.Replanner): the plan of another
+    batch shape, with the layout, stage functions and optimizer placement of the engine's first
+    plan (an engine places its optimizer state once), and the forward-only plan of an
+    evaluation. Both raise ConfigError when they do not fit."""
+
+    def __init__(self, model: StagedModel, cfg: EngineConfig, machine: Machine, host_bytes: int,
+                 make_tx: TxFactory, first: Planned):
+        self.model, self.cfg, self.machine, self.host_bytes, self.make_tx = model, cfg, machine, host_bytes, make_tx
+        self.first = first
+
+    def for_batch(self, batch_shape: tuple[int, int]) -> Planned:
+        first = self.first
+        planned = plan_model(self.model, self.cfg, first.fns.mesh, batch_shape, self.machine, self.host_bytes,
+                             self.make_tx, first.layout, first.fns,
+                             adam=(first.plan.opt_on_device, first.plan.opt_streamed))
+        require_fit(planned, self.host_bytes)
+        return planned
+
+    def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        first = self.first
+        shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.chunk_numel,
+                              self.cfg.compute_dtype, *batch_shape, micro_batches)
+        plan = plan_forward(shape, training, self.host_bytes, self.machine)
+        if not plan.fits:
+            raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "
+                              f"{format_bytes(first.device_budget_bytes)}); lower TrainConfig.batch_size or raise "
+                              f"EngineConfig.device_memory")
+        return plan
+
+
+def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
+                   batch_shape: tuple[int, int], machine: Machine, seed: int = 0, clip_norm: float | None = 1.0,
+                   host_bytes: int | None = None, layout: ChunkLayout | None = None, init_params: Any = None,
+                   skip_nonfinite: bool = False, trainable: Callable[[str], bool] | None = None):
+    """Plan ``model`` for ``batch_shape`` (global micro-batch rows, seq_len) and build the chunked
+    engine that carries the plan out. ``cfg`` resolved (resolve_engine_config); ``host_bytes`` per
+    device (default: what the machine has available); ``trainable(name)`` false freezes a tensor.
+    Raises ConfigError, before allocating model data, when the plan does not fit."""
+    host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
+    planned = plan_model(model, cfg, mesh, batch_shape, machine, host_bytes, make_tx, layout, trainable=trainable)
+    require_fit(planned, host_bytes)
+    return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
+                         make_tx, seed, clip_norm, init_params, skip_nonfinite)
+
+
+def default_mesh(data_parallel: int | None = None) -> Mesh:
+    """A 1-D ``data`` mesh over the first W devices (all of them by default)."""
+    from pstar_jax.engine.zero import data_mesh
+    return data_mesh(data_parallel)
+
+
+def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
+                          trainable: Callable[[str], bool] | None = None) -> EngineConfig:
+    """The automatic choices made concrete: a chunk size (the one that wastes least, shardable over
+    the mesh) and the device budget in bytes (a fraction of the device, 0.9 of an accelerator by
+    default, or None on a CPU: the demo default of half the model data, so chunks move)."""
+    chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), functools.partial(decays, model),
+                                                      multiple=mesh.devices.size, trainable=trainable)
+    device = mesh.devices.flat[0]
+    memory = cfg.device_memory
+    if memory is None:
+        budget = None if device.platform == "cpu" else int(0.9 * device_total_bytes(device))
+    elif isinstance(memory, float):
+        budget = int(memory * device_total_bytes(device))
+    else:
+        budget = memory
+    return dataclasses.replace(cfg, chunk_numel=chunk_numel, device_memory=budget)
+
+
+def resolve_machine(config: EngineConfig, mesh: Mesh, make_tx: TxFactory | None = None) -> Machine:
+    """The rates an engine with ``config`` plans with: ``config.machine`` (a name or a JSON file),
+    else this machine's rates kept in a file (measured once, with ``make_tx``'s update; AdamW by
+    default), so the same command plans the same way every time."""
+    from pstar_jax.plan.machine import load_machine
+    from pstar_jax.planner.measure import saved_machine
+    if config.machine:
+        return load_machine(config.machine)
+    placement = Placement(mesh)
+    make_tx = make_tx or default_tx(OptimConfig())
+    return saved_machine(placement, ChunkOptimizer(make_tx, placement, config.compute_dtype))
+
+
+def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, batch_shape: tuple[int, int], *,
+                 mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
+                 machine: Machine | None = None, make_tx: TxFactory | None = None, scan_layers: bool = True,
+                 opt_on_host: bool = False, frozen: Frozen = None) -> Engine:
+    """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
+    data when the plan does not fit.
+
+    ``batch_shape`` is the global (micro-batch rows, seq_len); the rows are sharded over ``mesh``
+    (default: every device, see DistributedConfig.data_parallel). ``init_params`` maps tensor names
+    to initial values (read one chunk at a time); by default the model's own initialisation.
+    ``make_tx`` replaces the AdamW of ``optim`` by any elementwise optax transformation factory
+    (see pstar_jax.engine.optim); ``optim.clip_norm`` still clips. ``machine`` replaces the rates of
+    ``resolve_machine``. The plain engine only (baselines): ``scan_layers=False`` unrolls the
+    blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory. ``frozen`` (tensor
+    names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns."""
+    from pstar_jax.engine.plain import PlainEngine
+
+    mesh = mesh if mesh is not None else default_mesh()
+    micro_batch_shape(batch_shape[0], 1, batch_shape[1], mesh)  # the rows must shard over the mesh
+    make_tx = make_tx or default_tx(optim)
+    frozen = frozen_names(list(model.param_shapes()), parse_patterns(config.freeze), frozen)
+    if config.kind == "plain":
+        return PlainEngine(model, config.precision, make_tx, config.micro_batches, seed, optim.clip_norm,
+                           config.remat, mesh=mesh, init_params=init_params, opt_on_host=opt_on_host,
+                           scan_layers=scan_layers, skip_nonfinite=skip_nonfinite, frozen=frozen)
+    if opt_on_host or not scan_layers:
+        raise ConfigError("scan_layers and opt_on_host are plain-engine settings (EngineConfig.kind plain); the "
+                          "chunked engine places its optimizer state by its plan (EngineConfig.adam_placement)")
+    resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
+    host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
+    machine = machine or resolve_machine(resolved, mesh, make_tx)
+    return chunked_engine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
+                          host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
+                          trainable=make_trainable(frozen))
+
+
+def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:
+    """The global micro-batch shape, checked against the mesh."""
+    micro = batch_size // micro_batches
+    W = mesh.devices.size
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree "
+                          f"{W} (DistributedConfig.data_parallel)")
+    return micro, seq_len
+
+
+__all__ = ["Planned", "plan_model", "require_fit", "EnginePlanner", "chunked_engine", "resolve_engine_config",
+           "resolve_machine", "build_engine", "default_mesh", "micro_batch_shape"]

@@ -1,0 +1,127 @@
+"""This machine's rates, measured once and kept: a quick reading of a chunk's copies each way, a
+matmul and a chunk's optimizer update in each space (about a second).
+
+A reading is noisy, and a plan made from a fresh one can differ run to run. So a machine is
+measured once and its rates kept in a JSON file named by what they depend on (platform,
+device kind, jax version, core count, compute dtype) under ``machines_dir()``;
+``saved_machine`` reads it back, measuring only when there is none. Re-measure with
+``pstar-machine --remeasure`` (pstar_jax/cli/machine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pstar_jax.config import ConfigError
+from pstar_jax.engine.memory import Space
+from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, save_machine
+
+log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
+
+MACHINES_DIR_ENV = "PSTAR_MACHINES_DIR"
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    jax.block_until_ready(fn())  # warm-up: compile and first touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())  # sync: the measurement needs the work done
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
+    """Time a chunk's copies each way and both at once, a matmul and a chunk's optimizer update in
+    each space."""
+    x = placement.put(np.zeros((numel,), np.float32), Space.DEVICE)
+    on_host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
+    nbytes = numel * 4 // placement.n_devices
+    h2d_s = _best_time(lambda: jax.device_put(on_host, x.sharding))
+    d2h_s = _best_time(lambda: jax.device_put(x, on_host.sharding))
+    y = placement.put(np.ones((numel,), np.float32), Space.DEVICE)
+    both_s = _best_time(lambda: (jax.device_put(on_host, x.sharding), jax.device_put(y, on_host.sharding)))
+    n = 1024
+    a = jnp.ones((n, n), optimizer.param_dtype)  # the compute dtype: bf16 is far slower on some CPUs
+    matmul = jax.jit(lambda a: a @ a)
+    flops = 2 * n**3 / _best_time(lambda: matmul(a))
+    adam = {}
+    for space in Space:
+        state = {"master": placement.put(np.zeros(numel, np.float32), space)}
+        state["opt"] = optimizer.init(state["master"])
+        grads = [placement.put(np.zeros(numel, optimizer.param_dtype), space) for _ in range(4)]
+        clip = jnp.ones((), jnp.float32)
+
+        def update(space=space, state=state, grads=grads):  # each call donates a fresh grad
+            state["master"], state["opt"], _ = optimizer.update(space, grads.pop(), state["master"],
+                                                                state["opt"], clip, 0)
+            return state["master"]
+        adam[space] = numel / placement.n_devices / _best_time(update)
+    tiny = jnp.ones((8,), jnp.float32)
+    call = jax.jit(lambda x: x + 1)
+    call_s = _best_time(lambda: call(tiny), repeats=20)
+    return Machine(f"{jax.devices()[0].platform} (measured)", nbytes / h2d_s, nbytes / d2h_s, flops, adam[Space.DEVICE],
+                   adam[Space.HOST], call_s, duplex=copies_overlap(h2d_s, d2h_s, both_s))
+
+
+def cache_dir() -> Path:
+    """pstar_jax's directory under the user's cache directory ($XDG_CACHE_HOME or ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "pstar_jax"
+
+
+def machines_dir() -> Path:
+    """Where measured machines are kept: $PSTAR_MACHINES_DIR, else machines/ in ``cache_dir()``."""
+    if os.environ.get(MACHINES_DIR_ENV):
+        return Path(os.environ[MACHINES_DIR_ENV])
+    return cache_dir() / "machines"
+
+
+def machine_key(param_dtype) -> str:
+    """The file name (without .json) of this machine's rates for ``param_dtype``."""
+    device = jax.devices()[0]
+    parts = (device.platform, device.device_kind, f"jax{jax.__version__}", f"{os.cpu_count()}cores",
+             jnp.dtype(param_dtype).name)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
+
+
+def _warn(message: str) -> None:
+    print(f"pstar_jax: warning: {message}", file=sys.stderr, flush=True)
+
+
+def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool = False,
+                  warn: Callable[[str], None] = _warn) -> Machine:
+    """This machine's saved rates, measured (with ``measure``) and saved first when there are none
+    or ``remeasure`` says so: the same machine then always plans with the same rates.
+
+    The file is a cache: one that cannot be read (not JSON, a field missing, a directory) is
+    measured again and replaced, and rates that cannot be kept (a read-only or impossible
+    directory) serve this run only; both with a ``warn`` line. ``must_keep`` (pstar-machine,
+    whose job is to keep them) raises the OSError instead."""
+    path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
+    if path.exists() and not remeasure:
+        try:
+            return load_machine(path)
+        except ConfigError as err:
+            warn(f"{err}; measuring this machine again")
+    log.info("measuring this machine's rates (once, kept in %s)", path)
+    machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
+    try:
+        save_machine(machine, path)
+    except OSError as err:
+        if must_keep:
+            raise
+        warn(f"cannot keep this machine's rates in {path} ({err.strerror}); measured them for this run only "
+             f"(set {MACHINES_DIR_ENV} to a writable directory)")
+    return machine

@@ -1,0 +1,480 @@
+"""The planner as a library: will a model train here, and how? (pstar-plan's answers as data.)
+
+``plan_report`` lays out, traces and plans a model for a machine without allocating model data,
+then (optionally) searches the largest depth at this batch and the largest batch at this depth.
+The searches stay quick for any model: the largest depth lies below what host and device memory
+can hold at the model's bytes per layer, each probe asks only whether any placement fits
+(make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
+stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+A step too long to plan at all (``MAX_PLAN_CHUNKS`` chunks, ``MAX_PLAN_MOMENTS`` moments) is
+refused up front by ``check_plan_size``, with a chunk size or micro-batch count that answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+from typing import Callable
+
+from jax.sharding import Mesh
+
+from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
+from pstar_jax.model.freeze import frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.config.lora import LoraConfig
+from pstar_jax.model.lora import frozen_for_lora
+from pstar_jax.plan.machine import Machine, describe
+from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
+from pstar_jax.planner.build import Planned, plan_model, resolve_engine_config
+
+MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
+MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
+MAX_SEARCH_SEQ_LEN = 1 << 23  # tokens per sequence (8M): the longest-sequence search stops there
+SEQ_LEN_TOLERANCE = 0.03  # the longest-sequence search stops within 3% (each probe is a new trace)
+SEQ_LEN_GRANULE = 64  # its probes are multiples of this many tokens
+# A plan replays every moment of the step, evicting among the chunks: its cost grows with both
+# (tiny at 500 one-layer chunks: 8 s; 4096 micro-batches: 40 s on a 2-core VM). The largest
+# presets need far less (GPT3_175B: 98 stages; 8 micro-batches of llama-3.1-70b: 1,312 moments).
+MAX_PLAN_CHUNKS = 2048
+MAX_PLAN_MOMENTS = 1 << 14  # forward and backward moments: stages x micro-batches x 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Largest:
+    """A search's answer: ``value`` (0: nothing fits), and whether the search stopped at its cap
+    (``value`` is then a lower bound; ``memory_bound`` is what memory alone would allow)."""
+    value: int
+    capped: bool = False
+    memory_bound: int | None = None
+
+
+@dataclasses.dataclass
+class PlanReport:
+    label: str
+    n_params: int
+    planned: Planned
+    machine: Machine
+    host_bytes: int  # per device
+    data_parallel: int
+    batch_size: int
+    micro_batches: int
+    seq_len: int
+    precision: str
+    flops_per_token: float
+    depth: Largest | None = None  # layers at this batch (None: not searched)
+    batch: Largest | None = None  # sequences per step at this depth
+    width: str = "this width"
+    seq_len_search: Largest | None = None  # tokens per sequence at one sequence per device
+    longest: "PlanReport | None" = None  # the plan at that length
+    n_trainable: int | None = None  # trained params (None: all of them)
+
+    @property
+    def model_data_bytes(self) -> int:
+        """14 B per trained param (bf16 param/grad, fp32 master, m, v), 2 B per frozen one."""
+        trained = self.n_params if self.n_trainable is None else self.n_trainable
+        return 14 * trained + 2 * (self.n_params - trained)
+
+    @property
+    def plan(self):
+        return self.planned.plan
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def model_tflops(self) -> float:
+        return self.flops_per_token * self.tokens_per_step / self.plan.predicted_step_s / 1e12
+
+    def to_json(self) -> dict:
+        layout = self.planned.layout
+        out = {"label": self.label, "n_params": self.n_params,
+               "n_trainable": self.n_params if self.n_trainable is None else self.n_trainable,
+               "model_data_bytes": self.model_data_bytes, "chunk_numel": layout.chunk_numel,
+               "n_chunks": layout.n_chunks, "plan": self.plan.to_json()}
+        for name in ("depth", "batch"):
+            if getattr(self, name) is not None:
+                out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
+        if self.seq_len_search is not None:
+            longest = self.longest
+            out["largest_seq_len"] = {**dataclasses.asdict(self.seq_len_search), "tolerance": SEQ_LEN_TOLERANCE,
+                                      "batch_size": self.data_parallel,
+                                      "plan": longest.plan.to_json() if longest else None,
+                                      "tokens_per_s": longest.tokens_per_s if longest else None,
+                                      "model_tflops": longest.model_tflops if longest else None}
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.plan.predicted_step_s
+
+    def lines(self) -> list[str]:
+        """What pstar-plan prints."""
+        plan, layout, W = self.plan, self.planned.layout, self.data_parallel
+        out = [f"planned for {describe(self.machine)}: device {format_bytes(self.planned.device_budget_bytes)} and "
+               f"host {format_bytes(self.host_bytes)} per device, {W} data-parallel device(s)",
+               f"model {self.label}: {self.n_params:,} params ({self._data_words()}), batch "
+               f"{self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), {self.precision}",
+               f"chunks: {layout.n_chunks} chunks of {layout.chunk_numel:,} elements "
+               f"({100 * layout.numel / layout.padded_numel:.1f}% used)"]
+        if plan.fits:
+            n, on_device, streamed = self.planned.shape.n_trainable, sum(plan.opt_on_device), sum(plan.opt_streamed)
+            frozen = layout.n_chunks - n
+            step_s, tflops = plan.predicted_step_s, self.model_tflops
+            out += [f"fits: peak device {format_bytes(plan.peak_device_bytes)}, peak host "
+                    f"{format_bytes(plan.peak_host_bytes)}",
+                    f"resident: {100 * plan.resident_fraction:.0f}% of param chunks never leave the device",
+                    f"adam: on the device for {on_device} chunks, on the host for {n - on_device - streamed}, "
+                    f"state streamed through the device for {streamed}"
+                    + (f" ({frozen} frozen chunks have none)" if frozen else ""),
+                    f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
+                    f"device->host",
+                    plan.stage_inputs_line(),
+                    f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
+                    "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
+        if self.depth is not None:
+            d = self.depth
+            if d.capped:
+                out.append(f"largest depth that fits with this batch: at least {d.value} layers at {self.width} (the "
+                           f"search stops at {MAX_SEARCH_CHUNKS} chunks; memory alone would allow up to "
+                           f"{d.memory_bound})")
+            else:
+                out.append(f"largest depth that fits with this batch: {d.value} layers at {self.width}" if d.value
+                           else f"no depth fits at {self.width} with this batch")
+        if self.batch is not None:
+            b, note = self.batch, "(activation memory scaled linearly from the trace)"
+            per_step = b.value * self.micro_batches
+            if b.capped:
+                out.append(f"largest batch that fits at this depth: at least {per_step} sequences per step "
+                           f"(the search stops there) {note}")
+            else:
+                out.append(f"largest batch that fits at this depth: {per_step} sequences per step {note}"
+                           if b.value else f"no batch fits at this depth {note}")
+        if self.seq_len_search is not None:
+            out.append(self._longest_line())
+        return out
+
+    def _data_words(self) -> str:
+        data = format_bytes(self.model_data_bytes)
+        if self.n_trainable is None or self.n_trainable == self.n_params:
+            return f"{data} of model data at 14 B/param"
+        return (f"{self.n_trainable:,} trained at 14 B/param, the rest frozen at 2 B/param: {data} of model data")
+
+    def _longest_line(self) -> str:
+        s, longest, W = self.seq_len_search, self.longest, self.data_parallel
+        rows = "1 sequence" if W == 1 else f"{W} sequences (one per device)"
+        if not s.value:
+            return f"longest sequence that trains at {rows}: none of {SEQ_LEN_GRANULE} tokens or more fits"
+        bound = (f"at least {s.value:,} tokens (the search stops at {MAX_SEARCH_SEQ_LEN:,})" if s.capped
+                 else f"{s.value:,} tokens (to {100 * SEQ_LEN_TOLERANCE:.0f}%)")
+        line = f"longest sequence that trains at {rows}: {bound}"
+        if longest is not None and longest.fits:
+            line += (f", predicted {longest.plan.predicted_step_s:.3f} s/step, {longest.tokens_per_s:,.0f} "
+                     f"tokens/s, {longest.model_tflops:.0f} model TFLOPS, peak device "
+                     f"{format_bytes(longest.plan.peak_device_bytes)}, peak host "
+                     f"{format_bytes(longest.plan.peak_host_bytes)}")
+        return line
+
+
+def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
+    """The largest n in [1, limit] with fits(n), assuming fits is monotone; 0 if not even 1 fits.
+    Doubles from ``start``, then bisects: about 2 log2(answer / start) probes."""
+    if not fits(1):
+        return 0
+    low, high = 1, max(2, min(start, limit))
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> int:
+    """``largest`` for a question asked two ways: ``fits(n, mixes)`` with mixes False tries only
+    PatrickStar's placements (the rest of the optimizer state all on the host or all streamed),
+    True also mixes of the two, which cost far more plans and fit at least as far. The search
+    runs on the cheap question, then goes on past its answer with the full one (usually a single
+    probe that fails)."""
+    low = largest(lambda n: fits(n, False), start, limit)
+    return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
+
+
+def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
+                host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
+                search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
+                cache: dict | None = None, lora: LoraConfig | None = None) -> PlanReport:
+    """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
+    ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
+    depth search (no depth search without it). ``seq_len_at(seq_len)`` rebuilds it for another
+    sequence length: given, the report also answers the longest sequence that trains at one
+    sequence per device (``longest_seq_len``), whatever ``search`` says. ``lora``: a LoRA run
+    (``model`` built with its adapters) trains only them and ``modules_to_save``; the rest is
+    frozen, as ``EngineConfig.freeze`` freezes. No model data is allocated."""
+    if batch_size < 1 or batch_size % config.micro_batches:
+        raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
+                          f"EngineConfig.micro_batches {config.micro_batches}")
+    W = mesh.devices.size
+    micro = batch_size // config.micro_batches
+    if micro % W:
+        raise ConfigError(f"the micro-batch ({micro} sequences) must be a multiple of the data-parallel degree {W} "
+                          "(DistributedConfig.data_parallel)")
+    trainable = trainable_for(model, config, lora)
+    resolved = resolve_engine_config(config, model, mesh, trainable)
+    layout = check_plan_size(model, resolved, mesh, trainable)
+    make_tx = default_tx_for_shapes()
+    cache = {} if cache is None else cache
+    planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
+                         layout=layout, trace_cache=cache)
+    cfg = getattr(model, "config", None)
+    trained = None if trainable is None else sum(math.prod(v) for n, v in model.param_shapes().items()
+                                                 if trainable(n))
+    report = PlanReport(label or type(model).__name__, n_params(model), planned, machine, host_bytes, W, batch_size,
+                        config.micro_batches, model.seq_len, config.precision,
+                        flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
+                        width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width",
+                        n_trainable=trained)
+    if search:
+        if model_at is not None and getattr(cfg, "n_layer", None):
+            report.depth = _largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
+                                          cache, cfg.n_layer, lora)
+        report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
+    if seq_len_at is not None:
+        report.seq_len_search, report.longest = longest_seq_len(seq_len_at, resolved, mesh, machine, host_bytes,
+                                                                start=model.seq_len, cache=cache, lora=lora)
+    return report
+
+
+def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConfig, mesh: Mesh, machine: Machine,
+                    host_bytes: int, *, start: int, cache: dict | None = None,
+                    tolerance: float = SEQ_LEN_TOLERANCE, lora: LoraConfig | None = None
+                    ) -> tuple[Largest, PlanReport | None]:
+    """The longest sequence (a multiple of SEQ_LEN_GRANULE tokens) that trains at one sequence per
+    device, one micro-batch, and the report at that length (None when none fits).
+
+    Each probe rebuilds the model at that length (``seq_len_at``), lays it out with the run's
+    chunk size and frozen set, traces it (shape only; ``cache`` shares the stages' analyses) and
+    asks whether any placement fits (make_plan's ``first_fit``). From ``start`` it doubles while
+    it fits (halves while it does not), then bisects until the answer is within ``tolerance`` of
+    the first length that fails: about log2(answer / start) + log2(1 / tolerance) traces."""
+    from pstar_jax.plan.placement import make_plan
+    cache = {} if cache is None else cache
+    cfg = dataclasses.replace(config, micro_batches=1)
+    W = mesh.devices.size
+    make_tx = default_tx_for_shapes()
+    first = seq_len_at(start)
+    chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg, lora)).chunk_numel
+    fitted: dict[int, bool] = {}
+
+    def resolved_at(model: StagedModel) -> EngineConfig:
+        # The run's chunk size at every length, unless a tensor grows past it (GPT's positions).
+        largest_numel = max(math.prod(v) for v in model.param_shapes().values())
+        numel = chunk_numel if largest_numel <= chunk_numel else None
+        return resolve_engine_config(dataclasses.replace(cfg, chunk_numel=numel), model, mesh,
+                                     trainable_for(model, cfg, lora))
+
+    def fits(seq_len: int) -> bool:
+        if seq_len not in fitted:
+            model = seq_len_at(seq_len)
+            resolved = resolved_at(model)
+            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora))
+            shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
+            fitted[seq_len] = any(make_plan(shape, resolved.device_budget_bytes, host_bytes, machine,
+                                            cfg.adam_placement, first_fit=True, mixes=mixes).fits
+                                  for mixes in (False, True))
+        return fitted[seq_len]
+
+    def report_at(seq_len: int) -> PlanReport:
+        # The full plan (placement search, predicted step) at the answer: its traces are cached.
+        model = seq_len_at(seq_len)
+        return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache,
+                           lora=lora)
+
+    length, capped = longest_within(fits, start, SEQ_LEN_GRANULE, tolerance, MAX_SEARCH_SEQ_LEN)
+    return Largest(length, capped=capped), report_at(length) if length else None
+
+
+def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int
+                   ) -> tuple[int, bool]:
+    """(n, capped): the largest multiple n of ``granule`` in [granule, limit] with fits(n) (0: none),
+    fits monotone, to within ``tolerance``: some m <= n + max(granule, tolerance * n) does not fit
+    (capped: ``limit`` fits). From ``start`` (rounded to a granule) it doubles while fits (halves
+    while not), then bisects, each probe a multiple of ``granule``."""
+    low = max(granule, start // granule * granule)
+    if fits(low):
+        high = None
+        while high is None and low < limit:
+            nxt = min(2 * low, limit) // granule * granule
+            low, high = (nxt, None) if fits(nxt) else (low, nxt)
+        if high is None:
+            return low, True
+    else:
+        low, high = 0, low
+        while low == 0 and high > granule:
+            nxt = max(granule, high // 2 // granule * granule)
+            low, high = (nxt, high) if fits(nxt) else (0, nxt)
+    while low and high - low > max(granule, tolerance * low):
+        mid = (low + high) // 2 // granule * granule
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low, False
+
+
+def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int], layout, make_tx,
+            cache: dict):
+    """The step's shape (trace) of ``model`` with ``layout``, no plan."""
+    from pstar_jax.engine.memory import Placement
+    from pstar_jax.engine.optim import ChunkOptimizer
+    from pstar_jax.engine.stages import StageFunctions, bind
+    from pstar_jax.planner.trace import trace_step
+    placement = Placement(mesh)
+    bound = [bind(stage, layout, i) for i, stage in enumerate(model.stages(cfg.compute_dtype))]
+    fns = StageFunctions(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(layout.chunk_numel)
+    return trace_step(bound, fns, placement, layout.chunk_numel, cfg.compute_dtype, *batch_shape, opt_state_bytes,
+                      cfg.micro_batches, cache=cache)
+
+
+def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | None = None,
+                  strict: bool = True) -> Callable[[str], bool] | None:
+    """The run's trainable predicate for ``model`` (None: everything trains), as the engine gets it:
+    ``config.freeze``'s patterns and, for a LoRA run, everything but the adapters and
+    ``modules_to_save``. ``strict`` False lets a pattern match nothing (the depth search's
+    shallower models may lack a layer the pattern names)."""
+    patterns = parse_patterns(config.freeze)
+    lora_frozen = frozen_for_lora(model, lora) if lora is not None else frozenset()
+    if not patterns and not lora_frozen:
+        return None
+    names = list(model.param_shapes())
+    if strict:
+        return make_trainable(frozen_names(names, patterns, lora_frozen))
+    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
+
+
+def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
+                    trainable: Callable[[str], bool] | None = None):
+    """The layout of ``model`` (``config`` resolved; ``trainable`` as build_layout's), refusing a
+    step too long to plan in reasonable time (MAX_PLAN_CHUNKS, MAX_PLAN_MOMENTS) with a value
+    that answers when followed."""
+    from pstar_jax.engine.chunks import build_layout
+    W = mesh.devices.size
+    chunk_numel = -(-config.chunk_numel // W) * W
+    decay = functools.partial(decays, model)
+    layout = build_layout(model.param_shapes(), decay, chunk_numel, trainable=trainable)
+    n_stages = len(list(model.stages(config.compute_dtype)))
+    moments = 2 * n_stages * config.micro_batches
+    if 2 * n_stages > MAX_PLAN_MOMENTS:
+        n_layer = getattr(getattr(model, "config", None), "n_layer", None)
+        fewer = (f"plan a model of at most {MAX_PLAN_MOMENTS // 2 - (n_stages - n_layer)} layers (ModelConfig.n_layer)"
+                 if isinstance(n_layer, int) else "plan a model of fewer stages")
+        raise ConfigError(f"the model's {n_stages:,} stages are more than pstar-plan replays "
+                          f"({MAX_PLAN_MOMENTS // 2:,}); {fewer}")
+    if moments > MAX_PLAN_MOMENTS:
+        raise ConfigError(f"{n_stages} stages x {config.micro_batches} micro-batches is {moments:,} forward and "
+                          f"backward moments, more than pstar-plan replays ({MAX_PLAN_MOMENTS:,}); use "
+                          f"EngineConfig.micro_batches {max(1, MAX_PLAN_MOMENTS // (2 * n_stages))} or fewer")
+    if layout.n_chunks > MAX_PLAN_CHUNKS:
+        larger = -(-layout.numel // MAX_PLAN_CHUNKS)
+        while True:  # packing wastes some of each chunk: grow until the count is within the cap
+            larger = -(-larger // (64 * W)) * 64 * W
+            if build_layout(model.param_shapes(), decay, larger, trainable=trainable).n_chunks <= MAX_PLAN_CHUNKS:
+                break
+            larger = larger * 9 // 8
+        raise ConfigError(f"{layout.n_chunks:,} chunks of {layout.chunk_numel:,} elements are more than pstar-plan "
+                          f"plans ({MAX_PLAN_CHUNKS:,}); use EngineConfig.chunk_numel {larger} or more")
+    return layout
+
+
+def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
+    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
+    None when not even everything on the device fits: the value a "does not fit" answer suggests,
+    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
+    from pstar_jax.plan.placement import make_plan
+    shape = planned.shape
+
+    def fits(device_bytes: int) -> bool:
+        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
+    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
+    low = planned.device_budget_bytes
+    if low >= high or not fits(high):
+        return None
+    while high - low > max(high // 256, 1):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def default_tx_for_shapes():
+    """AdamW's state shapes (the schedule does not matter for a plan)."""
+    from pstar_jax.engine.optim import default_tx
+    return default_tx(OptimConfig(total_steps=1))
+
+
+def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
+                   cache: dict, depth0: int, lora: LoraConfig | None = None) -> Largest:
+    from pstar_jax.engine.chunks import build_layout
+    from pstar_jax.engine.memory import Placement
+    from pstar_jax.engine.optim import ChunkOptimizer
+    from pstar_jax.plan.placement import make_plan
+    from pstar_jax.engine.stages import bind
+    from pstar_jax.planner.trace import trace_step
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    placement = Placement(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
+
+    def depth_fits(n_layer: int, mixes: bool) -> bool:
+        # The trace of plan_model without its full placement search: only "does any placement fit?".
+        deeper = model_at(n_layer)
+        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
+                              trainable=trainable_for(deeper, cfg, lora, strict=False))
+        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
+        traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
+                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
+        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
+                         mixes=mixes).fits
+    # Every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too:
+    # no deeper model fits in device and host memory together. The search also stops at
+    # MAX_SEARCH_CHUNKS chunks.
+    one_more = model_at(depth0 + 1)
+    layer_numel = n_params(one_more) - n_params(model)
+    if layer_numel <= 0:
+        return Largest(depth0)
+    item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
+
+    def data_bytes(m) -> float:
+        trainable = trainable_for(m, cfg, lora, strict=False)
+        trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
+        return n_params(m) * item + trained * state
+    layer_bytes = data_bytes(one_more) - data_bytes(model)
+    memory_bound = depth0 + int((device_bytes + host_bytes - data_bytes(model)) // layer_bytes)
+    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
+    limit = max(1, min(memory_bound, chunk_bound))
+    depth = largest_mixed(depth_fits, depth0, limit)
+    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+
+
+def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig) -> Largest:
+    from pstar_jax.plan.placement import make_plan
+    from pstar_jax.plan.schedule import scale_batch
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
+    busiest = shape.busiest_non_model_bytes
+    memory_limit = device_bytes * micro // max(busiest, 1)
+    batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
+
+    def batch_fits(batch: int, mixes: bool) -> bool:
+        return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
+                         first_fit=True, mixes=mixes).fits
+    batch = largest_mixed(batch_fits, micro, batch_limit)
+    return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
+
+
+__all__ = ["PlanReport", "Largest", "plan_report", "largest", "longest_seq_len", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
+           "MAX_SEARCH_BATCH", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]

@@ -1,0 +1,175 @@
+"""Warm-up trace: non-model memory and chunk accesses at every moment of a step.
+
+A *moment* is one stage call: each stage's forward, the head (forward and backward in one), each
+stage's backward, then the optimizer per chunk; a forward-only pass (held-out loss) has only the
+forwards and a head that computes the loss (``trace_forward``). The trace is taken before any
+model data exists: every distinct stage function is lowered and compiled on abstract arguments,
+and ``memory_analysis()`` gives its temporaries and outputs, ``pstar_jax.model.flops`` its FLOPs (every
+loop iteration counted: XLA's cost analysis counts a loop body once). The
+non-model memory of a moment is what the stage call needs beside the chunks and the stage inputs:
+the micro-batch (its ``Batch``: tokens and side inputs, live from the first forward to the first
+stage's backward; with LoRA dropout, ``dropout_seeded``, its rows' seeds too, so the masks are
+in the temporaries and the step calls the very functions the trace compiled), the gradient
+flowing down (in a backward), the call's outputs and its temporaries (which on a CPU include
+the copies XLA makes of static slices of chunks). The stage inputs kept for the backward
+(``StepShape.input_bytes``: micro-batch x sequence x d_model in the compute dtype for a decoder,
+per device) are items the plan places, so a moment's non-model bytes do not count them; a
+stage's own input is one of them (schedule.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pstar_jax.data.batch import PER_POSITION, Batch
+from pstar_jax.model.flops import call_flops
+from pstar_jax.engine.memory import Placement, Space
+from pstar_jax.plan.schedule import StepShape
+from pstar_jax.engine.stages import BoundStage, StageFunctions
+
+
+def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def _analyse(fn, *args) -> tuple[int, int, float]:
+    """(temp bytes, new output bytes, flops) of one compiled call, per device. Outputs written
+    into donated inputs (grad chunks, a backward's gradient over the one from above) take no
+    new memory and are not counted. The FLOPs count every iteration of the call's loops
+    (pstar_jax.model.flops: XLA's own count has each loop body once)."""
+    compiled, flops = call_flops(fn, *args)
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return 0, 0, flops
+    out = int(getattr(mem, "output_size_in_bytes", 0)) - int(getattr(mem, "alias_size_in_bytes", 0))
+    return int(getattr(mem, "temp_size_in_bytes", 0)), max(out, 0), flops
+
+
+class _Tracer:
+    """Abstract arguments of a chain's stage calls and their compiled figures, shared by the
+    training and the forward-only trace (equal calls are analysed once per ``cache``)."""
+
+    def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement, chunk_numel: int,
+                 param_dtype: Any, batch: int, seq_len: int, cache: dict | None, dropout_seeded: bool = False):
+        self.bound, self.fns, self.chunk_numel, self.param_dtype = bound, fns, chunk_numel, param_dtype
+        self.cache = {} if cache is None else cache
+        self.dev = placement.sharding(Space.DEVICE)
+        self.rep = placement.sharding(Space.DEVICE, P())
+        self.W = placement.n_devices
+        self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
+        self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
+        # The batch the engine runs (executor._put_batch): every field sharded over the data axis,
+        # the seeds ([B] uint32, batch.with_dropout_seeds) only where the model draws dropout masks.
+        seeds = _abstract((batch,), jnp.uint32, self.dev) if dropout_seeded else None
+        self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
+                             for f in PER_POSITION), dropout_seed=seeds)
+        # Activation shapes along the chain (abstract evaluation, nothing allocated).
+        self.xs = [self.batch.tokens]
+        for b in bound[:-1]:
+            key = ("out", self.kind(b), self.xs[-1].shape, len(b.chunks))
+            if key not in self.cache:
+                self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1],
+                                                 self.batch)
+            y = self.cache[key]
+            self.xs.append(_abstract(y.shape, y.dtype, self.dev))
+        # Per device. The first stage's input is the batch itself (its tokens among it).
+        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
+        self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
+
+    def offsets(self, b: BoundStage):
+        return _abstract((len(b.offset_data),), jnp.int32, self.rep)
+
+    def chunks(self, b: BoundStage):
+        return tuple(self.chunk for _ in b.chunks)
+
+    def grads(self, b: BoundStage):
+        return tuple(self.chunk for _ in b.grad_chunks)
+
+    def kind(self, b: BoundStage) -> tuple:
+        return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
+                jnp.dtype(self.param_dtype).name, self.W, b.frozen, self.batch.dropout_seed is not None)
+
+    def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
+        # Memory barely depends on where tensors sit in chunks, so one compile per
+        # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
+        key = (role, self.kind(b), len(b.chunks), self.chunk_numel,
+               tuple(getattr(a, "shape", ()) for a in args[2:]))
+        if key not in self.cache:
+            self.cache[key] = _analyse(fn, *args)
+        return self.cache[key]
+
+
+def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
+               chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
+               micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False) -> StepShape:
+    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``;
+    ``dropout_seeded`` (the model's attribute: it draws LoRA dropout masks) adds the rows' seeds.
+
+    ``cache`` may be shared between traces of models that differ only in depth or chunk layout
+    (pstar-plan's searches): a stage is known by its apply function's name and position, its
+    number of chunks and its activation shapes, so equal stages are analysed once."""
+    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache, dropout_seeded)
+    xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
+    head = len(bound) - 1
+    fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
+    for i, b in enumerate(bound[:-1]):
+        temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
+        fwd_nm.append(act[0] + temp + out)  # the batch, the call's temps and output (its input is an item)
+        fwd_fl.append(flops)
+    b = bound[head]
+    scale = _abstract((), jnp.float32, tr.rep)
+    temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, tr.grads(b),
+                                  scale)
+    head_nm = act[0] + temp + out  # (the grad chunks, model data, are written in place)
+    for i in reversed(range(head)):
+        b = bound[i]
+        temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
+                                    tr.batch, xs[i + 1], tr.grads(b))
+        # the batch, the gradient from above (shaped as stage i + 1's input, and overwritten by the
+        # gradient of stage i's input, but in the first stage), temps, new outputs
+        bwd_nm[i] = act[0] + act[i + 1] + temp + out
+        bwd_fl[i] = flops
+    return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
+                     head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
+                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
+                     micro_batches=micro_batches, frozen=_frozen(bound), input_bytes=(0, *act[1:]))
+
+
+def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
+                  chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
+                  cache: dict | None = None) -> StepShape:
+    """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
+
+    The shape of schedule.forward_accesses: a forward moment holds the micro-batch (live until
+    its loss), its input, its temporaries and output (nothing is stashed: there is no backward);
+    the head computes only the loss. The backward fields are zeros and there is no optimizer
+    state."""
+    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
+    head = len(bound) - 1
+
+    def live(i: int) -> int:  # the batch, and the stage's input when it is not the batch's tokens
+        return tr.batch_bytes + (tr.act[i] if i else 0)
+    fwd_nm, fwd_fl = [], []
+    for i, b in enumerate(bound[:-1]):
+        temp, out, flops = tr.analysed("fwd", b, fns.forward(b), tr.chunks(b), tr.offsets(b), tr.xs[i], tr.batch)
+        fwd_nm.append(live(i) + temp + out)
+        fwd_fl.append(flops)
+    b = bound[head]
+    temp, out, loss_fl = tr.analysed("loss", b, fns.loss(b), tr.chunks(b), tr.offsets(b), tr.xs[head], tr.batch)
+    loss_nm = live(head) + temp + out
+    return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
+                     loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
+                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
+                     micro_batches=micro_batches, frozen=_frozen(bound))
+
+
+def _frozen(bound: Sequence[BoundStage]) -> tuple[bool, ...]:
+    """Per chunk id: frozen, from the stages bound to the layout (() when none is)."""
+    frozen = {c: f for b in bound for c, f in zip(b.chunks, b.frozen)}
+    if not any(frozen.values()):
+        return ()
+    return tuple(frozen.get(c, False) for c in range(max(c for b in bound for c in b.chunks) + 1))
