@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import jax
@@ -31,142 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_models.lora import LoraSpec, check_spec, init_adapter, is_adapter, position_seeds, project
+from pstar_models.llama_config import (DEFAULT_SEQ_LEN, FAMILIES, PRESETS, Llama3RopeScaling, LlamaConfig,  # noqa: F401
+                                       _llama3, preset, projections)  # (the family's names, here too)
+from pstar_models.lora import init_adapter, is_adapter, position_seeds, project
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                tiled_modules, visible_TxS, write_cache)
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.staged import NNXStaged, cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
-
-FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
-
-
-@dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency scaling (HF ``rope_scaling`` with ``rope_type: llama3``)."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"rope scaling {field} must be positive, got {getattr(self, field)!r}")
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"rope scaling high_freq_factor={self.high_freq_factor} must exceed "
-                             f"low_freq_factor={self.low_freq_factor}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    d_model: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-    d_ff: int
-    seq_len: int
-    head_dim: int | None = None  # None: d_model // n_head
-    rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False  # Qwen2's q/k/v biases
-    tie_embeddings: bool = False
-    max_position_embeddings: int | None = None  # the context written to config.json; None: seq_len
-    family: str = "llama"  # llama, qwen2 or mistral: the HF model_type it exports as
-    lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
-
-    def __post_init__(self) -> None:
-        for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{field} must be a positive integer, got {value!r}")
-        for field in ("head_dim", "max_position_embeddings"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"LlamaConfig.{field} must be a positive integer or None, got {value!r}")
-        if self.head_dim is None and self.d_model % self.n_head:
-            raise ValueError(f"LlamaConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
-                             "unless head_dim is given")
-        if self.d_head % 2:
-            raise ValueError(f"LlamaConfig.head_dim={self.d_head} must be even (RoPE rotates pairs)")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"LlamaConfig.n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta!r}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps!r}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"LlamaConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        # HF's Qwen2 always has q/k/v biases; its Llama puts attention_bias on o as well, Mistral has none.
-        if self.qkv_bias != (self.family == "qwen2"):
-            raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
-                             "q/k/v biases exist exactly in qwen2")
-        if self.lora is not None and not isinstance(self.lora, LoraSpec):
-            raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
-        check_spec(self.lora, projections(self), self.family)
-
-    @property
-    def d_head(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
-
-
-def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """Every projection of a block (LoRA's possible targets): path -> (in, out) features."""
-    D, F, HK, NK = config.d_model, config.d_ff, config.n_head * config.d_head, config.n_kv_head * config.d_head
-    return {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D),
-            "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
-
-
-def _llama3(factor: float) -> Llama3RopeScaling:
-    return Llama3RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=8192)
-
-
-DEFAULT_SEQ_LEN = 4096  # presets train at this length unless told otherwise
-_LLAMA3 = LlamaConfig(vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
-                      seq_len=DEFAULT_SEQ_LEN, rope_theta=500000.0, rope_scaling=_llama3(8.0),
-                      norm_eps=1e-5, max_position_embeddings=131072)
-_QWEN25 = LlamaConfig(vocab_size=152064, d_model=3584, n_layer=28, n_head=28, n_kv_head=4, d_ff=18944,
-                      seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True,
-                      max_position_embeddings=131072, family="qwen2")
-_r = dataclasses.replace
-# Shapes of the published config.json files, checked against stored copies of them:
-# Llama 3.1 8B, 3.2 3B and Qwen2.5 7B/14B/32B in citsjtu2020/LLM-Prof sglang/Model_Config.md;
-# Llama 3.2 1B in kevinstephano/thunder_model_blocks hf_llama/llama_config.py; Llama 3.1 70B in
-# vulkomilev/oumi configs/recipes/llama3_1/README.md; Qwen2.5 0.5B/72B in a MaxText test file
-# quoting huggingface.co/Qwen/Qwen2.5-*/blob/main/config.json (72B base: rms_norm_eps 1e-5, the
-# Instruct model has 1e-6); Mistral 7B v0.3 (vocab 32768, theta 1e6, sliding_window null) in
-# litgpt's config.py quoting huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json.
-PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
-    "llama-tiny": LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=96,
-                              seq_len=64, rope_scaling=_llama3(8.0)),
-    "llama-3.2-1b": _r(_LLAMA3, d_model=2048, n_layer=16, n_head=32, d_ff=8192, rope_scaling=_llama3(32.0),
-                       tie_embeddings=True),
-    "llama-3.2-3b": _r(_LLAMA3, d_model=3072, n_layer=28, n_head=24, d_ff=8192, rope_scaling=_llama3(32.0),
-                       tie_embeddings=True),
-    "llama-3.1-8b": _LLAMA3,
-    "llama-3.1-70b": _r(_LLAMA3, d_model=8192, n_layer=80, n_head=64, d_ff=28672),
-    "qwen2.5-0.5b": _r(_QWEN25, vocab_size=151936, d_model=896, n_layer=24, n_head=14, n_kv_head=2, d_ff=4864,
-                       tie_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-7b": _QWEN25,
-    "qwen2.5-14b": _r(_QWEN25, d_model=5120, n_layer=48, n_head=40, n_kv_head=8, d_ff=13824, norm_eps=1e-5),
-    "qwen2.5-32b": _r(_QWEN25, d_model=5120, n_layer=64, n_head=40, n_kv_head=8, d_ff=27648, norm_eps=1e-5),
-    "qwen2.5-72b": _r(_QWEN25, d_model=8192, n_layer=80, n_head=64, n_kv_head=8, d_ff=29568, norm_eps=1e-5),
-    "mistral-7b": LlamaConfig(vocab_size=32768, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
-                              seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
-                              max_position_embeddings=32768, family="mistral"),
-})
-
-
-def preset(name: str) -> LlamaConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
 
 # -- numerics --------------------------------------------------------------------------------
 

@@ -18,15 +18,18 @@ config error) does not wait seconds for jax, flax, orbax and numba to load.
 
 import importlib as _importlib
 
-from pstar_jax.config import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EngineConfig,
-                              LoraConfig, ModelConfig, OptimConfig, OutputConfig, RunConfig, TrainConfig,
-                              format_bytes, parse_bytes)
+from pstar_jax import _moved
+
+from pstar_jax.config import (CheckpointConfig, CheckpointError, ConfigError, DataConfig, DataError,
+                              DistributedConfig, EngineConfig, LoraConfig, ModelConfig, OptimConfig, OutputConfig,
+                              RunConfig, TrainConfig, format_bytes, parse_bytes)
+
+_moved.install()  # the module paths of before the layers (pstar_jax.train, pstar_jax.attention, ...)
 
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {
-    "CheckpointError": "io.checkpoint",
     "export_flax": "io.flax_io", "import_flax": "io.flax_io",
-    "Batches": "data.token_files", "DataError": "data.token_files", "default_corpus": "data.token_files", "load_tokens": "data.token_files",
+    "Batches": "data.stream", "default_corpus": "data.corpus", "load_tokens": "data.token_files",
     "Batch": "data.batch", "PackedBatches": "data.rows",
     "Engine": "engine.protocol", "NonFiniteLoss": "engine.protocol", "StepResult": "engine.protocol",
     "Run": "run.loop", "load_model": "io.models",

@@ -45,7 +45,7 @@ from pstar_jax.engine.memory import Placement, host_budget_bytes  # noqa: E402
 from pstar_jax.model.staged import decays  # noqa: E402
 from pstar_jax.engine.optim import ChunkOptimizer  # noqa: E402
 from pstar_jax.plan.placement import make_plan  # noqa: E402
-from pstar_jax.planner.report import default_tx_for_shapes, largest_mixed  # noqa: E402
+from pstar_jax.planner.search import default_tx_for_shapes, largest_mixed  # noqa: E402
 from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
 from pstar_jax.engine.stages import StageFunctions, bind  # noqa: E402
 from pstar_jax.planner.trace import trace_step  # noqa: E402

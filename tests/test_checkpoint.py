@@ -276,7 +276,8 @@ def test_a_step_rotated_away_mid_read_names_the_live_run_and_says_retry(tmp_path
     remove a step; without a live run the step is still only said to have gone."""
     import socket
 
-    from pstar_jax.io.checkpoint import CheckpointError, DirectoryLock
+    from pstar_jax.io.checkpoint import CheckpointError
+    from pstar_jax.io.run_lock import DirectoryLock
     d = tmp_path / "ck"
     checksum = small_steps(d, [3, 6])(3)
     reader = Checkpointer(str(d))

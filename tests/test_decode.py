@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pstar_models.gpt import GPTConfig, StagedGPT
-from pstar_models.llama import LlamaConfig, StagedLlama, _llama3
+from pstar_models.llama import LlamaConfig, StagedLlama
+from pstar_models.llama_config import _llama3
 from pstar_jax.engine.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
 
 MODELS = {

@@ -433,7 +433,7 @@ def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_i
     import subprocess
     import sys
     code = ("import sys; import pstar_jax.plan.predict; assert 'pstar_jax.plan.placement' not in sys.modules; "
-            "import pstar_jax.engine.executor; loaded = [m for m in ('pstar_jax.planner.build', 'pstar_jax.planner.report', "
+            "import pstar_jax.engine.executor; loaded = [m for m in ('pstar_jax.planner.build', 'pstar_jax.planner.report', 'pstar_jax.planner.search', "
             "'pstar_jax.planner.trace') if m in sys.modules]; assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
 

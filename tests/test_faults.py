@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from pstar_jax.io.checkpoint import Checkpointer, DirectoryLock
+from pstar_jax.io.checkpoint import Checkpointer
+from pstar_jax.io.run_lock import DirectoryLock
 from pstar_jax.cli.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +114,7 @@ def test_a_live_run_owns_its_directory_and_a_dead_one_does_not(tmp_path, capsys)
         lock.release()
     # A run killed while holding the lock does not hold it any more.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from pstar_jax.io.checkpoint import DirectoryLock; DirectoryLock(sys.argv[2]); "
+                               "from pstar_jax.io.run_lock import DirectoryLock; DirectoryLock(sys.argv[2]); "
                                "print('locked', flush=True); time.sleep(600)", ROOT, str(d)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"

@@ -9,7 +9,7 @@ import pytest
 
 from pstar_jax.plan.machine import H200, save_machine
 from pstar_jax.cli.plan import main
-from pstar_jax.planner.report import MAX_SEARCH_CHUNKS, largest
+from pstar_jax.planner.search import MAX_SEARCH_CHUNKS, largest
 
 TINY = ["--model", "tiny", "--batch-size", "4"]
 

@@ -40,7 +40,7 @@ def test_report_for_a_model_without_depth_search_and_one_that_does_not_fit():
 def test_largest_mixed_searches_cheaply_then_goes_past_with_mixes():
     """The cheap question (no mixes) answers the search; the full one (mixes too) is asked only
     past that answer: a single probe when mixes fit no further, a gallop when they do."""
-    from pstar_jax.planner.report import largest_mixed
+    from pstar_jax.planner.search import largest_mixed
     for pure, mixed in ((10, 10), (10, 13), (0, 3), (0, 0), (40, 40)):
         asked = []
 
@@ -81,7 +81,7 @@ def test_longest_within_brackets_the_answer_and_probes_few_lengths():
     one granule) above does not, every probe is a granule multiple, and it asks about
     log2(answer / start) + log2(1 / tolerance) lengths."""
     import math
-    from pstar_jax.planner.report import longest_within
+    from pstar_jax.planner.search import longest_within
     g, tol, cap = 64, 0.03, 1 << 23
     for answer in (0, 63, 64, 100, 1000, 4096, 77_777, 540_000, 1 << 23):
         for start in (64, 4096, 131072):
@@ -110,7 +110,7 @@ def test_longest_seq_len_trains_and_a_little_longer_does_not():
     from pstar_jax.config import OptimConfig
     from pstar_jax.engine.optim import default_tx
     from pstar_jax.engine.plain import PlainEngine
-    from pstar_jax.planner.report import SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE
+    from pstar_jax.planner.search import SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE
     from pstar_jax.planner.build import chunked_engine
     from pstar_jax.model.tiling import TileBudget
     base = LlamaConfig(vocab_size=128, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, seq_len=256)

@@ -207,7 +207,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         plot_timeline(report.planned, args.plot)
     if not report.fits:
         from pstar_jax.plan.placement import shortfall
-        from pstar_jax.planner.report import smallest_device_bytes
+        from pstar_jax.planner.search import smallest_device_bytes
         least = smallest_device_bytes(report.planned, host_bytes, machine, engine)
         fix = (f"; it fits with --device-memory {shortfall(least).replace(' ', '')}" if least else
                "; it fits no device memory with this host memory (raise --host-memory)")

@@ -12,7 +12,7 @@ are dropped and its grad takes their place (14 bytes per parameter in all).
 
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
-schedule.py). The math is unchanged: the update uses step k's gradient and clip scale. A chunk
+pstar_jax.plan.schedule). The math is unchanged: the update uses step k's gradient and clip scale. A chunk
 updated on the host sends its grad up to the host right after its last backward use, and every
 host update is begun (``ChunkOptimizer.begin_update``: on a worker thread) as soon as step k's
 norm is known, at the end of ``step``: the host computes them while the caller goes on and the
@@ -27,17 +27,17 @@ prefetch; JAX dispatch is asynchronous, so those copies overlap the running stag
 performs exactly the plan's evictions and fetches, and the store refuses anything that would
 break the moment's device budget. The executor never decides placement itself.
 
-A frozen chunk (``trainable`` false for its tensors, see chunks.py) is its compute-dtype params
+A frozen chunk (``trainable`` false for its tensors, see pstar_jax.engine.chunks) is its compute-dtype params
 alone, store key ("param", c): one host copy, and a device copy while the plan keeps one there.
 No grad, master or optimizer state exists for it; evicting it drops the device copy (nothing
 goes back up); stages differentiate only their trainable tensors.
 
-``evaluate`` runs a forward-only pass (held-out loss) between steps by a plan of its own
-(plan.plan_forward): the pending update applied first, no gradients, no optimizer work, and the
-slots put back where the training plan starts a step.
+Two parts of the engine have modules of their own: ``evaluate``, the forward-only held-out loss
+by a plan of its own (pstar_jax.engine.evaluation), and the state checkpoints save and restore
+(pstar_jax.engine.chunk_state).
 
-The engine receives its plan finished (planning.chunked_engine plans, then builds it) and asks
-planning for more only through its ``Replanner``: the plan of a new batch shape, and the
+The engine receives its plan finished (pstar_jax.planner.build plans, then builds it) and asks
+the planner for more only through its ``Replanner``: the plan of a new batch shape, and the
 forward-only plan of an evaluation. It never imports the planner.
 """
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,9 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.data.batch import Batch, as_batch, check_batches, row_counts, trained_count, with_dropout_seeds
-from pstar_jax.engine.chunks import ChunkLayout, pack_chunk, unpack
+from pstar_jax.engine.chunk_state import ChunkState
+from pstar_jax.engine.chunks import pack_chunk
+from pstar_jax.engine.evaluation import Evaluation
 from pstar_jax.config import EngineConfig, format_bytes
 from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
 from pstar_jax.plan.machine import Machine
@@ -87,7 +89,7 @@ class Replanner(Protocol):
         ...
 
 
-class ChunkedEngine:
+class ChunkedEngine(ChunkState, Evaluation):
     """Model data in chunks placed by the plan; one step runs stage by stage (the Engine protocol)."""
     kind = "chunked"
 
@@ -266,49 +268,6 @@ class ChunkedEngine:
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
                           trained_tokens=trained)
 
-    # -- held-out loss ------------------------------------------------------------------------
-    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
-        """The forward-only plan of an evaluation over ``micro_batches`` micro-batches of the global
-        ``batch_shape``, starting and ending where the current training plan starts a step
-        (cached). Raises ConfigError when it does not fit."""
-        key = (tuple(batch_shape), micro_batches)
-        cached = self._eval_plans.get(key)
-        if cached is None or cached[0] is not self.plan:
-            self._eval_plans[key] = cached = (self.plan, self.replanner.for_evaluation(self.plan, key[0], micro_batches))
-        return cached[1]
-
-    def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
-        """The mean loss over the trained tokens of all micro-batches (this process's rows of each):
-        forward only, no gradients, no optimizer work, the current params (a pending update is
-        applied first). Chunks move as the forward-only plan says, and afterwards sit where the
-        training plan starts a step; the store's traffic counts the evaluation's copies alone."""
-        micro_batches = [as_batch(b) for b in micro_batches]
-        check_batches(micro_batches, self.model)
-        self.flush()
-        rows, seq_len = micro_batches[0].shape
-        plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
-        self.store.traffic.reset()
-        self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
-        _, scale = self.fns.count(self._put_counts(micro_batches))
-        moments, losses, x, batch = plan.moments, [], None, None
-        for t, moment in enumerate(moments):
-            if not moment.prefetch:
-                self._act(self._in_slots(moment), moment.capacity_bytes)
-            i = moment.index
-            if moment.phase in ("fwd", "loss"):
-                params = tuple(self.store.get(self._params_key(c), Space.DEVICE) for c in self.bound[i].chunks)
-                if i == 0:
-                    batch = self._put_batch(micro_batches[moment.micro])
-                    x = batch.tokens
-                if moment.phase == "fwd":
-                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
-                else:
-                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
-            if t + 1 < len(moments) and moments[t + 1].prefetch:
-                self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
-        self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
-        return replicated_value(sum(losses) * scale)  # sync
-
     def flush(self) -> None:
         """Apply the pending update now; afterwards the slots hold the current params, placed where
         the plan starts a step. Between steps no activations are live, so the whole device budget
@@ -474,102 +433,10 @@ class ChunkedEngine:
             self.store.reserve(-self.plan.opt_state_bytes)
         self.store.put(("param", c), params)
 
-    # -- state for checkpoints -----------------------------------------------------------------
-    def state(self) -> dict:
-        """The trainable chunks as stored (one copy each), the pending update applied first:
-        {"param"|"master"|"opt": {"c": value}}. Frozen chunks are the base the engine was built
-        from, not state: a checkpoint records where that base came from (base_record.py) instead of
-        holding it (a 70B bf16 base would be 140 GB per checkpoint)."""
-        self.flush()
-        kept = self.trained_chunks
-        return {"param": {str(c): self.store.peek(("slot", c)) for c in kept},
-                "master": {str(c): self.store.peek(("master", c)) for c in kept},
-                "opt": {str(c): self.store.peek(("opt", c)) for c in kept}}
-
-    def abstract_state(self, layout: ChunkLayout | None = None, chunks: Sequence[int] | None = None) -> dict:
-        """Shapes and shardings ``state()`` has (for ``layout``, default ours; ``chunks``, default
-        its trainable ones): params on the host, master and optimizer state where the plan keeps
-        them (a frozen chunk, saved by earlier versions, on the host)."""
-        layout = layout or self.layout
-        chunks = layout.trainable_chunks if chunks is None else chunks
-        numel = layout.chunk_numel
-        opt = jax.eval_shape(self.optimizer.make_tx(jnp.ones((), jnp.float32)).init,
-                             jax.ShapeDtypeStruct((numel,), jnp.float32))
-
-        def placed(x, space):
-            spec = self.placement.sharding(space, P("data") if x.ndim else P())
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)
-
-        def space(c):
-            return self.opt_space[c] if c < len(self.opt_space) and not layout.is_frozen(c) else Space.HOST
-        return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
-                          for c in chunks},
-                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c)) for c in chunks},
-                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt)
-                        for c in chunks if not layout.is_frozen(c)}}
-
-    def load_state(self, state: dict, step: int) -> None:
-        """Replace the chunk state ``state`` holds (arrays or numpy in our layout) and set the step
-        count; a pending update is discarded. Frozen chunks it lacks keep the base they hold; one it
-        has (a checkpoint of an earlier version, which saved them) takes its saved params."""
-        self.store.limit(None)
-        self._pending_clip = None
-        self._discard_begun()
-        given = [c for c in range(self.layout.n_chunks) if str(c) in state["param"]]
-        for c in given:
-            for kind in ("param", "slot", "master", "opt"):
-                if (kind, c) in self.store:
-                    self.store.drop((kind, c))
-        for c in given:
-            self.store.put(self._params_key(c), self.placement.put(state["param"][str(c)], Space.HOST))
-            if not self.layout.is_frozen(c):  # a frozen chunk's saved master is its params again
-                self.store.put(("master", c), self.placement.put(state["master"][str(c)], self.opt_space[c]))
-                self.store.put(("opt", c), self.placement.put(state["opt"][str(c)], self.opt_space[c]))
-        self._place_slots(self.plan)
-        self.store.traffic.reset()
-        self.step_count = step
-
-    # -- reading state ------------------------------------------------------------------------
-    def params(self, kind: str = "master") -> dict[str, np.ndarray]:
-        """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
-        pending update is applied first."""
-        self.flush()
-        return unpack(self.layout, [self._chunk_values(kind, c) for c in range(self.layout.n_chunks)])
-
-    def _chunk_values(self, kind: str, c: int) -> np.ndarray:
-        """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy."""
-        if self.layout.is_frozen(c):
-            value = to_numpy(self.store.peek(("param", c)))
-            return value.astype(np.float32) if kind == "master" else value
-        return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
-
-    def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
-        """Tensors by name in model order, read one chunk at a time (an export streams the model
-        through host memory chunk by chunk); the pending update is applied first."""
-        self.flush()
-        by_chunk: dict[int, list] = {}
-        for s in self.layout.slots:
-            by_chunk.setdefault(s.chunk, []).append(s)
-        for c in range(self.layout.n_chunks):
-            chunk = self._chunk_values(kind, c)
-            for s in by_chunk.get(c, ()):
-                yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
-
-    def _in_slots(self, moment: PlanMoment) -> PlanMoment:
-        """A forward-only moment with its items ("param", c) named as the store holds them between
-        steps (``_params_key``: the slot ("slot", c) of a trainable chunk)."""
-        def slot(item):
-            return self._params_key(item[1])
-        return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
-
     def device_memory_in_use(self) -> int | None:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""
         stats = compat.memory_stats(self.placement.mesh.devices.flat[0])
         return stats.get("bytes_in_use") if stats else None
-
-
-# State kind -> the store key kind that holds it once flushed (the bf16 slots then hold params).
-_FLUSHED_KEYS = {"param": "slot", "master": "master", "opt": "opt"}
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 A checkpoint holds every trainable chunk list (bf16 params, fp32 master, optimizer state)
 wherever it lives, plus JSON metadata: the step, the data position, the run's config, the chunk
 layout, the chunks saved and a checksum per array. Frozen chunks (a LoRA run's base) are not
-saved: the metadata records where the base came from and its fingerprint (base_record.py), and a
+saved: the metadata records where the base came from and its fingerprint (pstar_jax.io.base_record), and a
 resume or a reader loads it from there. Saving is asynchronous (orbax writes in the background while training
 goes on) and atomic (orbax commits a finished step by renaming it; a crash mid-save leaves the
 previous step as the latest readable one). Loading checks the metadata against the model and
@@ -13,11 +13,8 @@ The same chunk size restores straight into the current mesh, whatever its number
 or processes (orbax reshards). Another chunk size is re-laid out on the host: tensors are
 unpacked with the saved layout and packed with the new one.
 
-A run owns its checkpoint directory: process 0 holds an flock on a file inside it, which the
-kernel drops when the process dies, so a second run into the same directory is refused while
-the first lives and a crashed run never blocks the next. The lock file records the holder's pid and
-host, so a reader (pstar-generate, pstar-export) whose step a live run rotated away mid-read is told
-which run holds the directory and to retry, rather than to remove a step. Removal is only ever
+A run owns its checkpoint directory (pstar_jax.io.run_lock: a second run into it is refused while
+the first lives, and a reader is told which run holds it). Removal is only ever
 suggested for a directory that holds a pstar step's items (``meta/``, ``state/``). A save that fails (full disk, read-only
 file system) ends the run with one line naming the cause and the latest good step; its
 temporary directory is removed and earlier steps are kept. The latest step is never deleted:
@@ -26,11 +23,8 @@ temporary directory is removed and earlier steps are kept. The latest step is ne
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-import signal
-import socket
 from typing import Any, Iterator
 
 import jax
@@ -41,12 +35,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax.engine.chunks import ChunkLayout
 from pstar_jax.config.errors import CheckpointError, ConfigError
+from pstar_jax.io.run_lock import DirectoryLock, live_holder
 from pstar_jax.io.orbax_quiet import drop_closed_loop_errors, silence_orbax_errors
 from pstar_jax.config.paths import check_output_dir, os_error_cause
 from pstar_jax.engine.zero import to_numpy
 
 FORMAT = 1
-LOCK_NAME = ".pstar-run.lock"
 META_KEYS = ("format", "step", "checksums")
 STEP_ITEMS = ("meta", "state")  # the folders orbax writes into each step of ours (a Composite save)
 
@@ -55,62 +49,6 @@ class CheckpointSaveError(Exception):
     """A save failed (disk full, read-only file system): one sentence naming the cause and the
     latest good step. orbax may leave worker threads waiting on the failed save, so a CLI ends the
     process with ``pstar_jax.run.exits.hard_exit`` rather than returning."""
-
-
-def _holder_text(lock_path: str) -> str:
-    """'pid 123 on host gpu7' from a lock file's record ('123 gpu7'; older runs wrote the pid alone)."""
-    try:
-        with open(lock_path) as f:
-            pid, _, host = f.read().strip().partition(" ")
-    except OSError:
-        pid, host = "", ""
-    return f"pid {pid or 'unknown'}" + (f" on host {host}" if host else "")
-
-
-def live_holder(directory: str) -> str | None:
-    """'pid 123 on host gpu7' if a live run holds ``directory``'s lock, else None. Probed with a
-    shared lock (a live run holds an exclusive one), released at once; never creates the file."""
-    path = os.path.join(directory, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return _holder_text(path)
-    finally:
-        os.close(fd)  # (drops the shared lock if we got it)
-    return None
-
-
-class DirectoryLock:
-    """An exclusive flock on ``directory``/.pstar-run.lock, holding the owner's pid and host for
-    messages. The kernel releases it when the process ends, however it ends."""
-
-    def __init__(self, directory: str, what: str = "--checkpoint-dir"):
-        self.path = os.path.join(directory, LOCK_NAME)
-        # Locked through a read-only descriptor: an open writable file would keep the file system
-        # from being remounted, and the pid is only for messages.
-        self._fd = -1
-        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise CheckpointError(f"another run ({_holder_text(self.path)}) is using {what} {directory}; wait for "
-                                  "it to end or choose another directory") from None
-        self._fd = fd
-        with open(self.path, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}\n")
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # drops the lock
-            self._fd = -1
-
-    def __del__(self) -> None:  # a Checkpointer dropped without close() does not keep its directory
-        self.release()
 
 
 @jax.jit
@@ -444,26 +382,3 @@ def check_run_checkpoints(directory: str, resume: bool, keep: int) -> None:
     if resume and not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint in {os.path.abspath(directory)} to resume from; drop --resume to "
                               "start afresh")
-
-
-class StopSignal:
-    """SIGINT/SIGTERM ask the training loop to save and stop after the current step; a second
-    signal stops at once."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. inside some test runners)
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)

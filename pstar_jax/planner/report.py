@@ -2,10 +2,8 @@
 
 ``plan_report`` lays out, traces and plans a model for a machine without allocating model data,
 then (optionally) searches the largest depth at this batch and the largest batch at this depth.
-The searches stay quick for any model: the largest depth lies below what host and device memory
-can hold at the model's bytes per layer, each probe asks only whether any placement fits
-(make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
-stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+The searches are pstar_jax.planner.search's (the longest sequence, which needs a report at each
+length, is here).
 A step too long to plan at all (``MAX_PLAN_CHUNKS`` chunks, ``MAX_PLAN_MOMENTS`` moments) is
 refused up front by ``check_plan_size``, with a chunk size or micro-batch count that answers.
 """
@@ -13,40 +11,26 @@ refused up front by ``check_plan_size``, with a chunk size or micro-batch count 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import math
 from typing import Callable
 
 from jax.sharding import Mesh
 
-from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
-from pstar_jax.model.freeze import frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.config import ConfigError, EngineConfig, format_bytes
 from pstar_jax.config.lora import LoraConfig
-from pstar_jax.model.lora import frozen_for_lora
 from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, plan_model, resolve_engine_config
+from pstar_jax.planner.search import (MAX_SEARCH_CHUNKS, MAX_SEARCH_SEQ_LEN, SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE, Largest,
+                                     default_tx_for_shapes, largest_batch, largest_depth, longest_within,
+                                     trainable_for)
 
-MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
-MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
-MAX_SEARCH_SEQ_LEN = 1 << 23  # tokens per sequence (8M): the longest-sequence search stops there
-SEQ_LEN_TOLERANCE = 0.03  # the longest-sequence search stops within 3% (each probe is a new trace)
-SEQ_LEN_GRANULE = 64  # its probes are multiples of this many tokens
 # A plan replays every moment of the step, evicting among the chunks: its cost grows with both
 # (tiny at 500 one-layer chunks: 8 s; 4096 micro-batches: 40 s on a 2-core VM). The largest
 # presets need far less (GPT3_175B: 98 stages; 8 micro-batches of llama-3.1-70b: 1,312 moments).
 MAX_PLAN_CHUNKS = 2048
 MAX_PLAN_MOMENTS = 1 << 14  # forward and backward moments: stages x micro-batches x 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Largest:
-    """A search's answer: ``value`` (0: nothing fits), and whether the search stopped at its cap
-    (``value`` is then a lower bound; ``memory_bound`` is what memory alone would allow)."""
-    value: int
-    capped: bool = False
-    memory_bound: int | None = None
 
 
 @dataclasses.dataclass
@@ -181,31 +165,6 @@ class PlanReport:
         return line
 
 
-def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
-    """The largest n in [1, limit] with fits(n), assuming fits is monotone; 0 if not even 1 fits.
-    Doubles from ``start``, then bisects: about 2 log2(answer / start) probes."""
-    if not fits(1):
-        return 0
-    low, high = 1, max(2, min(start, limit))
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    high = min(high, limit + 1)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
-def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> int:
-    """``largest`` for a question asked two ways: ``fits(n, mixes)`` with mixes False tries only
-    PatrickStar's placements (the rest of the optimizer state all on the host or all streamed),
-    True also mixes of the two, which cost far more plans and fit at least as far. The search
-    runs on the cheap question, then goes on past its answer with the full one (usually a single
-    probe that fails)."""
-    low = largest(lambda n: fits(n, False), start, limit)
-    return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
-
-
 def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
                 search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
@@ -242,9 +201,9 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                         n_trainable=trained)
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
-            report.depth = _largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
+            report.depth = largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
                                           cache, cfg.n_layer, lora)
-        report.batch = _largest_batch(planned, micro, machine, host_bytes, resolved)
+        report.batch = largest_batch(planned, micro, machine, host_bytes, resolved)
     if seq_len_at is not None:
         report.seq_len_search, report.longest = longest_seq_len(seq_len_at, resolved, mesh, machine, host_bytes,
                                                                 start=model.seq_len, cache=cache, lora=lora)
@@ -300,31 +259,6 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     return Largest(length, capped=capped), report_at(length) if length else None
 
 
-def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int
-                   ) -> tuple[int, bool]:
-    """(n, capped): the largest multiple n of ``granule`` in [granule, limit] with fits(n) (0: none),
-    fits monotone, to within ``tolerance``: some m <= n + max(granule, tolerance * n) does not fit
-    (capped: ``limit`` fits). From ``start`` (rounded to a granule) it doubles while fits (halves
-    while not), then bisects, each probe a multiple of ``granule``."""
-    low = max(granule, start // granule * granule)
-    if fits(low):
-        high = None
-        while high is None and low < limit:
-            nxt = min(2 * low, limit) // granule * granule
-            low, high = (nxt, None) if fits(nxt) else (low, nxt)
-        if high is None:
-            return low, True
-    else:
-        low, high = 0, low
-        while low == 0 and high > granule:
-            nxt = max(granule, high // 2 // granule * granule)
-            low, high = (nxt, high) if fits(nxt) else (0, nxt)
-    while low and high - low > max(granule, tolerance * low):
-        mid = (low + high) // 2 // granule * granule
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low, False
-
-
 def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int], layout, make_tx,
             cache: dict):
     """The step's shape (trace) of ``model`` with ``layout``, no plan."""
@@ -338,22 +272,6 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(layout.chunk_numel)
     return trace_step(bound, fns, placement, layout.chunk_numel, cfg.compute_dtype, *batch_shape, opt_state_bytes,
                       cfg.micro_batches, cache=cache)
-
-
-def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | None = None,
-                  strict: bool = True) -> Callable[[str], bool] | None:
-    """The run's trainable predicate for ``model`` (None: everything trains), as the engine gets it:
-    ``config.freeze``'s patterns and, for a LoRA run, everything but the adapters and
-    ``modules_to_save``. ``strict`` False lets a pattern match nothing (the depth search's
-    shallower models may lack a layer the pattern names)."""
-    patterns = parse_patterns(config.freeze)
-    lora_frozen = frozen_for_lora(model, lora) if lora is not None else frozenset()
-    if not patterns and not lora_frozen:
-        return None
-    names = list(model.param_shapes())
-    if strict:
-        return make_trainable(frozen_names(names, patterns, lora_frozen))
-    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
@@ -390,91 +308,4 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
     return layout
 
 
-def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
-    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
-    None when not even everything on the device fits: the value a "does not fit" answer suggests,
-    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
-    from pstar_jax.plan.placement import make_plan
-    shape = planned.shape
-
-    def fits(device_bytes: int) -> bool:
-        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
-    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
-    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
-    low = planned.device_budget_bytes
-    if low >= high or not fits(high):
-        return None
-    while high - low > max(high // 256, 1):
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
-
-
-def default_tx_for_shapes():
-    """AdamW's state shapes (the schedule does not matter for a plan)."""
-    from pstar_jax.engine.optim import default_tx
-    return default_tx(OptimConfig(total_steps=1))
-
-
-def _largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
-                   cache: dict, depth0: int, lora: LoraConfig | None = None) -> Largest:
-    from pstar_jax.engine.chunks import build_layout
-    from pstar_jax.engine.memory import Placement
-    from pstar_jax.engine.optim import ChunkOptimizer
-    from pstar_jax.plan.placement import make_plan
-    from pstar_jax.engine.stages import bind
-    from pstar_jax.planner.trace import trace_step
-    shape, device_bytes = planned.shape, planned.device_budget_bytes
-    placement = Placement(mesh)
-    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
-
-    def depth_fits(n_layer: int, mixes: bool) -> bool:
-        # The trace of plan_model without its full placement search: only "does any placement fit?".
-        deeper = model_at(n_layer)
-        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
-                              trainable=trainable_for(deeper, cfg, lora, strict=False))
-        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
-        traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
-                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
-                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
-        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                         mixes=mixes).fits
-    # Every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too:
-    # no deeper model fits in device and host memory together. The search also stops at
-    # MAX_SEARCH_CHUNKS chunks.
-    one_more = model_at(depth0 + 1)
-    layer_numel = n_params(one_more) - n_params(model)
-    if layer_numel <= 0:
-        return Largest(depth0)
-    item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
-
-    def data_bytes(m) -> float:
-        trainable = trainable_for(m, cfg, lora, strict=False)
-        trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
-        return n_params(m) * item + trained * state
-    layer_bytes = data_bytes(one_more) - data_bytes(model)
-    memory_bound = depth0 + int((device_bytes + host_bytes - data_bytes(model)) // layer_bytes)
-    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
-    limit = max(1, min(memory_bound, chunk_bound))
-    depth = largest_mixed(depth_fits, depth0, limit)
-    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
-
-
-def _largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig) -> Largest:
-    from pstar_jax.plan.placement import make_plan
-    from pstar_jax.plan.schedule import scale_batch
-    shape, device_bytes = planned.shape, planned.device_budget_bytes
-    # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
-    busiest = shape.busiest_non_model_bytes
-    memory_limit = device_bytes * micro // max(busiest, 1)
-    batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
-
-    def batch_fits(batch: int, mixes: bool) -> bool:
-        return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
-                         first_fit=True, mixes=mixes).fits
-    batch = largest_mixed(batch_fits, micro, batch_limit)
-    return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
-
-
-__all__ = ["PlanReport", "Largest", "plan_report", "largest", "longest_seq_len", "check_plan_size", "smallest_device_bytes", "MAX_SEARCH_CHUNKS",
-           "MAX_SEARCH_BATCH", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]
+__all__ = ["PlanReport", "plan_report", "longest_seq_len", "check_plan_size", "MAX_PLAN_CHUNKS", "MAX_PLAN_MOMENTS"]

@@ -216,7 +216,7 @@ class Run:
         import jax
 
         from pstar_jax.run import distributed
-        from pstar_jax.io.checkpoint import StopSignal
+        from pstar_jax.run.signals import StopSignal
         from pstar_jax.engine.optim import learning_rate
         cfg, engine = self.config, self.engine
         writers = list(self._writers)

@@ -1,0 +1,75 @@
+"""The held-out loss of the chunked engine: a forward-only pass between steps by a plan of its
+own (pstar_jax.plan.placement.plan_forward, made through the engine's ``Replanner``): the pending
+update applied first, no gradients, no optimizer work, and the slots put back where the training
+plan starts a step.
+
+``Evaluation`` is a part of ``ChunkedEngine`` (pstar_jax.engine.executor); it uses the engine's
+store, plan, stage functions and moment actions (``_act``, ``_place_slots``, ``_put_batch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from pstar_jax.data.batch import Batch, as_batch, check_batches
+from pstar_jax.engine.memory import Space
+from pstar_jax.engine.zero import replicated_value
+from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.replay import PlanMoment
+
+
+class Evaluation:
+    """The forward-only held-out loss (a part of ``ChunkedEngine``)."""
+
+    def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
+        """The forward-only plan of an evaluation over ``micro_batches`` micro-batches of the global
+        ``batch_shape``, starting and ending where the current training plan starts a step
+        (cached). Raises ConfigError when it does not fit."""
+        key = (tuple(batch_shape), micro_batches)
+        cached = self._eval_plans.get(key)
+        if cached is None or cached[0] is not self.plan:
+            self._eval_plans[key] = cached = (self.plan, self.replanner.for_evaluation(self.plan, key[0], micro_batches))
+        return cached[1]
+
+    def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
+        """The mean loss over the trained tokens of all micro-batches (this process's rows of each):
+        forward only, no gradients, no optimizer work, the current params (a pending update is
+        applied first). Chunks move as the forward-only plan says, and afterwards sit where the
+        training plan starts a step; the store's traffic counts the evaluation's copies alone."""
+        micro_batches = [as_batch(b) for b in micro_batches]
+        check_batches(micro_batches, self.model)
+        self.flush()
+        rows, seq_len = micro_batches[0].shape
+        plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
+        self.store.traffic.reset()
+        self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
+        _, scale = self.fns.count(self._put_counts(micro_batches))
+        moments, losses, x, batch = plan.moments, [], None, None
+        for t, moment in enumerate(moments):
+            if not moment.prefetch:
+                self._act(self._in_slots(moment), moment.capacity_bytes)
+            i = moment.index
+            if moment.phase in ("fwd", "loss"):
+                params = tuple(self.store.get(self._params_key(c), Space.DEVICE) for c in self.bound[i].chunks)
+                if i == 0:
+                    batch = self._put_batch(micro_batches[moment.micro])
+                    x = batch.tokens
+                if moment.phase == "fwd":
+                    x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
+                else:
+                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
+            if t + 1 < len(moments) and moments[t + 1].prefetch:
+                self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+        self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
+        return replicated_value(sum(losses) * scale)  # sync
+
+    def _in_slots(self, moment: PlanMoment) -> PlanMoment:
+        """A forward-only moment with its items ("param", c) named as the store holds them between
+        steps (``_params_key``: the slot ("slot", c) of a trainable chunk)."""
+        def slot(item):
+            return self._params_key(item[1])
+        return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))

@@ -1,0 +1,193 @@
+"""pstar-plan's searches: the largest depth at this batch, the largest batch at this depth, the
+least device memory a model fits in, and the search algorithms under them (doubling, then
+bisection, over a monotone question).
+
+The searches stay quick for any model: the largest depth lies below what host and device memory
+can hold at the model's bytes per layer, each probe asks only whether any placement fits
+(make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
+stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+from typing import Callable
+
+from pstar_jax.config import EngineConfig, OptimConfig
+from pstar_jax.config.lora import LoraConfig
+from pstar_jax.engine.chunks import build_layout
+from pstar_jax.engine.memory import Placement
+from pstar_jax.engine.optim import ChunkOptimizer, default_tx
+from pstar_jax.engine.stages import bind
+from pstar_jax.model.freeze import frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.model.lora import frozen_for_lora
+from pstar_jax.model.staged import StagedModel, decays, n_params
+from pstar_jax.plan.machine import Machine
+from pstar_jax.plan.placement import make_plan
+from pstar_jax.plan.schedule import scale_batch
+from pstar_jax.planner.build import Planned
+from pstar_jax.planner.trace import trace_step
+
+MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
+MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
+MAX_SEARCH_SEQ_LEN = 1 << 23  # tokens per sequence (8M): the longest-sequence search stops there
+SEQ_LEN_TOLERANCE = 0.03  # the longest-sequence search stops within 3% (each probe is a new trace)
+SEQ_LEN_GRANULE = 64  # its probes are multiples of this many tokens
+
+@dataclasses.dataclass(frozen=True)
+class Largest:
+    """A search's answer: ``value`` (0: nothing fits), and whether the search stopped at its cap
+    (``value`` is then a lower bound; ``memory_bound`` is what memory alone would allow)."""
+    value: int
+    capped: bool = False
+    memory_bound: int | None = None
+
+
+def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
+    """The largest n in [1, limit] with fits(n), assuming fits is monotone; 0 if not even 1 fits.
+    Doubles from ``start``, then bisects: about 2 log2(answer / start) probes."""
+    if not fits(1):
+        return 0
+    low, high = 1, max(2, min(start, limit))
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> int:
+    """``largest`` for a question asked two ways: ``fits(n, mixes)`` with mixes False tries only
+    PatrickStar's placements (the rest of the optimizer state all on the host or all streamed),
+    True also mixes of the two, which cost far more plans and fit at least as far. The search
+    runs on the cheap question, then goes on past its answer with the full one (usually a single
+    probe that fails)."""
+    low = largest(lambda n: fits(n, False), start, limit)
+    return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
+
+
+def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int
+                   ) -> tuple[int, bool]:
+    """(n, capped): the largest multiple n of ``granule`` in [granule, limit] with fits(n) (0: none),
+    fits monotone, to within ``tolerance``: some m <= n + max(granule, tolerance * n) does not fit
+    (capped: ``limit`` fits). From ``start`` (rounded to a granule) it doubles while fits (halves
+    while not), then bisects, each probe a multiple of ``granule``."""
+    low = max(granule, start // granule * granule)
+    if fits(low):
+        high = None
+        while high is None and low < limit:
+            nxt = min(2 * low, limit) // granule * granule
+            low, high = (nxt, None) if fits(nxt) else (low, nxt)
+        if high is None:
+            return low, True
+    else:
+        low, high = 0, low
+        while low == 0 and high > granule:
+            nxt = max(granule, high // 2 // granule * granule)
+            low, high = (nxt, high) if fits(nxt) else (0, nxt)
+    while low and high - low > max(granule, tolerance * low):
+        mid = (low + high) // 2 // granule * granule
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low, False
+
+
+def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | None = None,
+                  strict: bool = True) -> Callable[[str], bool] | None:
+    """The run's trainable predicate for ``model`` (None: everything trains), as the engine gets it:
+    ``config.freeze``'s patterns and, for a LoRA run, everything but the adapters and
+    ``modules_to_save``. ``strict`` False lets a pattern match nothing (the depth search's
+    shallower models may lack a layer the pattern names)."""
+    patterns = parse_patterns(config.freeze)
+    lora_frozen = frozen_for_lora(model, lora) if lora is not None else frozenset()
+    if not patterns and not lora_frozen:
+        return None
+    names = list(model.param_shapes())
+    if strict:
+        return make_trainable(frozen_names(names, patterns, lora_frozen))
+    return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
+
+
+def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
+    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
+    None when not even everything on the device fits: the value a "does not fit" answer suggests,
+    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
+    shape = planned.shape
+
+    def fits(device_bytes: int) -> bool:
+        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
+    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
+    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
+    low = planned.device_budget_bytes
+    if low >= high or not fits(high):
+        return None
+    while high - low > max(high // 256, 1):
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def default_tx_for_shapes():
+    """AdamW's state shapes (the schedule does not matter for a plan)."""
+    return default_tx(OptimConfig(total_steps=1))
+
+
+def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
+                   cache: dict, depth0: int, lora: LoraConfig | None = None) -> Largest:
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    placement = Placement(mesh)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
+
+    def depth_fits(n_layer: int, mixes: bool) -> bool:
+        # The trace of plan_model without its full placement search: only "does any placement fit?".
+        deeper = model_at(n_layer)
+        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
+                              trainable=trainable_for(deeper, cfg, lora, strict=False))
+        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
+        traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
+                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
+        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
+                         mixes=mixes).fits
+    # Every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too:
+    # no deeper model fits in device and host memory together. The search also stops at
+    # MAX_SEARCH_CHUNKS chunks.
+    one_more = model_at(depth0 + 1)
+    layer_numel = n_params(one_more) - n_params(model)
+    if layer_numel <= 0:
+        return Largest(depth0)
+    item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
+
+    def data_bytes(m) -> float:
+        trainable = trainable_for(m, cfg, lora, strict=False)
+        trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
+        return n_params(m) * item + trained * state
+    layer_bytes = data_bytes(one_more) - data_bytes(model)
+    memory_bound = depth0 + int((device_bytes + host_bytes - data_bytes(model)) // layer_bytes)
+    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
+    limit = max(1, min(memory_bound, chunk_bound))
+    depth = largest_mixed(depth_fits, depth0, limit)
+    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+
+
+def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig) -> Largest:
+    shape, device_bytes = planned.shape, planned.device_budget_bytes
+    # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
+    busiest = shape.busiest_non_model_bytes
+    memory_limit = device_bytes * micro // max(busiest, 1)
+    batch_limit = max(1, min(MAX_SEARCH_BATCH, memory_limit))
+
+    def batch_fits(batch: int, mixes: bool) -> bool:
+        return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
+                         first_fit=True, mixes=mixes).fits
+    batch = largest_mixed(batch_fits, micro, batch_limit)
+    return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
+
+
+__all__ = ["Largest", "largest", "largest_mixed", "longest_within", "largest_depth", "largest_batch",
+           "smallest_device_bytes", "trainable_for", "default_tx_for_shapes", "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH",
+           "MAX_SEARCH_SEQ_LEN", "SEQ_LEN_TOLERANCE", "SEQ_LEN_GRANULE"]
