@@ -276,7 +276,7 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
     """For every parameter of ``model`` (by its pstar name): the HF tensor name, whether to
     transpose, whether the HF tensor may have extra rows to drop. Tied heads have no entry of
     their own (HF's lm_head.weight is the embedding then), nor LoRA adapters (a base checkpoint
-    has none; the peft format is pstar_jax/peft_io.py's)."""
+    has none; the peft format is pstar_jax/io/peft_io.py's)."""
     if isinstance(model.config, GPTConfig):
         family = "gpt2"
     elif isinstance(model.config, LlamaConfig):

@@ -16,8 +16,6 @@ the rest comes in on first use of its name, so ``import pstar_jax`` (and a CLI's
 config error) does not wait seconds for jax, flax, orbax and numba to load.
 """
 
-import importlib as _importlib
-
 from pstar_jax import _moved
 
 from pstar_jax.config import (CheckpointConfig, CheckpointError, ConfigError, DataConfig, DataError,
@@ -47,18 +45,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pstar_jax' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"pstar_jax.{module}"), name)
-    globals()[name] = value  # later uses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = _moved.lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "RunConfig", "ModelConfig", "TrainConfig", "OptimConfig", "EngineConfig", "DataConfig", "CheckpointConfig",

@@ -85,6 +85,25 @@ PACKAGES = {
 MAIN = {"pstar_jax.tokens": "pstar_jax.cli.tokens"}
 
 
+def lazy_attributes(package: str, table: dict[str, str]) -> tuple[Any, Any]:
+    """A package's ``__getattr__`` and ``__dir__`` for names its modules define (``table``: name ->
+    module, relative to the package), each imported on first use and kept in the package after it:
+    so ``import pstar_jax`` loads the configuration alone, not JAX."""
+    namespace = sys.modules[package].__dict__
+
+    def getattr_(name: str) -> object:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        namespace[name] = value  # later uses skip this function
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(table))
+    return getattr_, dir_
+
+
 def package_attr(package: str, attr: str) -> Any:
     """An old module's name asked of the package that took its name (its ``__getattr__``). A
     submodule's name is never answered here: the import system then imports the submodule."""

@@ -1,4 +1,4 @@
-"""LoRA: adapters on the projections (models/lora.py) over a frozen base (pstar_jax/lora.py).
+"""LoRA: adapters on the projections (models/lora.py) over a frozen base (pstar_jax/config/lora.py, pstar_jax/model/lora.py).
 
 Step 0 equals the base model bit for bit; the adapter's forward is W x + b + scale x A B; the
 chunked engine under eviction equals the plain engine running the same LoRA model; the frozen
@@ -218,7 +218,7 @@ def test_zero_over_8_devices_equals_plain_on_one_with_the_same_dropout_masks():
 def test_with_dropout_the_trace_runs_the_steps_batch_so_the_step_compiles_no_stage_and_the_plan_counts_masks():
     """The engine adds each row's dropout seed to the batch: the trace must compile the stage
     functions on that same pytree (else the first step compiles every one again) and so count
-    the masks' memory. Stage functions are stages.py's jitted ``local``s; compilations are counted
+    the masks' memory. Stage functions are pstar_jax.engine.stages's jitted ``local``s; compilations are counted
     by JAX's backend-compile event (recorded on a persistent-cache hit too)."""
     import jax.monitoring
 

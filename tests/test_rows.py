@@ -1,8 +1,6 @@
 """Packed SFT rows as training data: resumable shuffled batches, the held-out split, the eval set,
 opening an SFT file, and a run that trains on packed rows."""
 
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -74,9 +72,7 @@ def test_open_training_data_reads_an_sft_file_through_packing(tmp_path, monkeypa
     """An NAME.sft.u16.bin goes to packing.load_packed (checked against the vocabulary); other
     names stay token files."""
     loaded = rows()
-    fake = types.ModuleType("pstar_jax.data.packing")
-    fake.load_packed = lambda path: loaded
-    monkeypatch.setitem(sys.modules, "pstar_jax.data.packing", fake)
+    monkeypatch.setattr(training, "load_packed", lambda path: loaded)
     assert training.open_training_data(tmp_path / "chat.sft.u16.bin", 256) is loaded
     assert training.is_packed(loaded) and isinstance(training.training_batches(loaded, 4, 16, 0), PackedBatches)
     with pytest.raises(DataError, match="data holds token id 39, but the model's vocabulary has 30"):

@@ -5,7 +5,7 @@
 
 The rates (copies each way, matmul FLOP/s, a chunk's optimizer update on the device and on the
 host over every core) go into a JSON file under $PSTAR_MACHINES_DIR or ~/.cache/pstar_jax/machines,
-named by platform, device kind, jax version, core count and compute dtype (pstar_jax/machine.py).
+named by platform, device kind, jax version, core count and compute dtype (pstar_jax/planner/measure.py).
 pstar-train and pstar-plan plan with these rates unless ``--machine NAME_OR_FILE`` picks others.
 """
 

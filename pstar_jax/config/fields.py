@@ -1,4 +1,6 @@
-"""The type check every config section runs at construction, derived from its field annotations.
+"""How a config field is declared (``option``: its default, help, parser and flag) and checked: the
+type check every config section runs at construction (``section``), derived from its field
+annotations, and the range checks the sections' ``__post_init__`` use.
 
 Python does not enforce dataclass annotations, so without this ``CheckpointConfig(resume="false")``
 would resume (a non-empty string is true), ``RunConfig(train={...})`` would end in an

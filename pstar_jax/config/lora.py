@@ -3,7 +3,7 @@
 A LoRA run adds adapters to the model's projections (the model module builds them: its
 ``build_model(name, lora=spec)`` / ``build_from_hf(config, lora=spec)`` take the module's own
 ``LoraSpec``, see models/lora.py) and trains only those: every base tensor is frozen (frozen
-chunks, pstar_jax/freeze.py: 2 bytes per parameter in bf16, never written back) except the ones
+chunks, pstar_jax/model/freeze.py: 2 bytes per parameter in bf16, never written back) except the ones
 ``modules_to_save`` names, which train in full (peft's term). The embedding and head stay frozen
 unless named there. Adapter tensors are named ``<projection>.lora.lora_a`` [in, rank] and
 ``<projection>.lora.lora_b`` [rank, out].

@@ -1,4 +1,4 @@
-"""``pstar-tokens --chat``: conversation JSONL files to a packed SFT file (pstar_jax.data.packing).
+"""Conversation JSONL files to a packed SFT file (pstar_jax.data.packing), as ``pstar-tokens --chat`` makes one.
 
 Conversations are read (pstar_jax.data.chat), rendered with the checkpoint's chat template and tokenized
 in batches; an example longer than a row (seq_len + 1 positions) is dropped, or with ``truncate``

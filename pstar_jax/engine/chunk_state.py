@@ -31,7 +31,7 @@ class ChunkState:
     def state(self) -> dict:
         """The trainable chunks as stored (one copy each), the pending update applied first:
         {"param"|"master"|"opt": {"c": value}}. Frozen chunks are the base the engine was built
-        from, not state: a checkpoint records where that base came from (base_record.py) instead of
+        from, not state: a checkpoint records where that base came from (pstar_jax.io.base_record) instead of
         holding it (a 70B bf16 base would be 140 GB per checkpoint)."""
         self.flush()
         kept = self.trained_chunks

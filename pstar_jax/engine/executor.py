@@ -74,7 +74,7 @@ if TYPE_CHECKING:  # a type only: planning builds engines, the engine never call
 
 
 class Replanner(Protocol):
-    """The narrow way back to planning for a built engine (planning.EnginePlanner)."""
+    """The narrow way back to planning for a built engine (pstar_jax.planner.build.EnginePlanner)."""
     machine: Machine
     host_bytes: int  # per device
 
@@ -99,7 +99,7 @@ class ChunkedEngine(ChunkState, Evaluation):
         """Carry out ``planned`` (a fitting plan for ``model`` under ``cfg``: its layout, stage
         functions and placement); ``replanner`` answers for other batch shapes and evaluations.
         ``cfg.device_budget_bytes`` is all the device memory the engine may use per device, chunks
-        and working memory together. Build one with planning.chunked_engine."""
+        and working memory together. Build one with pstar_jax.planner.build.chunked_engine."""
         if not planned.plan.fits:
             raise ValueError(f"an engine needs a plan that fits: {planned.plan.problem}")
         self.cfg = cfg

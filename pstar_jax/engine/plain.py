@@ -332,7 +332,7 @@ class PlainEngine:
     # -- state for checkpoints (the Engine protocol) ---------------------------------------------
     def state(self) -> dict:
         """The trained params and the optimizer state; frozen tensors (the base, which checkpoints
-        record instead: base_record.py) are left out, and there is no optimizer state for them."""
+        record instead: pstar_jax.io.base_record) are left out, and there is no optimizer state for them."""
         if self._params is None:
             self._allocate()
         return {"params": self._trained(self._params), "opt": self._opt_state}

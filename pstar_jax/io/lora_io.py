@@ -1,7 +1,7 @@
 """A LoRA run and Hugging Face peft adapters: continuing from one (``--init-from-lora``), writing
 one (``--export-lora``), and the merged model an ``--export-hf`` of a LoRA run writes.
 
-Wiring between a run's config, its model and pstar_jax/peft_io.py's pure functions. An adapter
+Wiring between a run's config, its model and pstar_jax/io/peft_io.py's pure functions. An adapter
 read to continue from gives the run its LoRA settings (rank, alpha, targets, rsLoRA, the tensors
 it trained in full); LoRA flags given as well must agree with it, so a run never trains an
 adapter other than the one the user named.

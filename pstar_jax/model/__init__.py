@@ -8,7 +8,7 @@ Model families (pstar_models, or a user's own module) import from here and from 
 (``from pstar_jax.model import StagedModel, causal_attention``); each is imported on first use.
 """
 
-import importlib as _importlib
+from pstar_jax._moved import lazy_attributes
 
 # name -> the module of this package that defines it, imported when the name is first used
 _LAZY = {
@@ -20,17 +20,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pstar_jax.model' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"pstar_jax.model.{module}"), name)
-    globals()[name] = value  # later uses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)

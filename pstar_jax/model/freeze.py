@@ -2,7 +2,7 @@
 
 A frozen tensor is read by the forward and the backward (gradients flow through it to the
 activations) but never trained: it has no gradient, master copy or optimizer state, and the
-chunked engine keeps it in chunks of its own (chunks.py). Both engines take the same set."""
+chunked engine keeps it in chunks of its own (pstar_jax.engine.chunks). Both engines take the same set."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pstar_jax.plan.schedule import Access, StepShape, staged_after
 
 class MomentCopies(Protocol):
     """What the prediction reads of a planned moment (replay.PlanMoment): when its copies are issued
-    and how many bytes they move. plan.py imports this module, never the other way round."""
+    and how many bytes they move. placement.py imports this module, never the other way round."""
     prefetch: bool
     h2d_bytes: int
     d2h_bytes: int

@@ -7,7 +7,7 @@ but is not on the device is fetched (from its host copy) or created (grads at th
 stage inputs at their forward); when the device would overflow, the eviction policy
 (eviction.py) picks the victims among items the moment (and, when prefetching, the previous one)
 does not use: a clean one leaves for free, a dirty one is written back. Items have sizes of their
-own (``Size``), so stage inputs and chunks share one capacity. plan.py drives the replay to a
+own (``Size``), so stage inputs and chunks share one capacity. placement.py drives the replay to a
 fixed point and turns its moments into a Plan.
 """
 

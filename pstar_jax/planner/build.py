@@ -32,7 +32,7 @@ from pstar_jax.plan.schedule import Access, StepShape, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.trace import trace_forward, trace_step
 
-log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
+log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from pstar_jax.config import ConfigError
 from pstar_jax.engine.memory import Space
 from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, save_machine
 
-log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
+log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
 MACHINES_DIR_ENV = "PSTAR_MACHINES_DIR"
 

@@ -29,7 +29,7 @@ from pstar_jax.run.metrics import JsonlWriter, MetricsWriter, Progress, TensorBo
 from pstar_jax.io.models import hf_export_config, hf_functions, load_model
 from pstar_jax.model.staged import StagedModel, flops_per_token
 
-log = logging.getLogger(__name__)  # start-up phases (see cli.start_up_notes)
+log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
 
 class Run:
@@ -163,7 +163,7 @@ class Run:
         ckpt = open_run_checkpoints(c.directory, c.resume, self.config.train.steps, c.keep,
                                     lock=self.main_process)  # a run owns its directory
         try:
-            # A run with frozen tensors saves its trained chunks alone and records the base (base_record.py).
+            # A run with frozen tensors saves its trained chunks alone and records the base (pstar_jax.io.base_record).
             self.base = base_record(self.config, self.model) if self.config.lora.enabled or \
                 self.config.engine.freeze else None
             if c.resume:
