@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (gpt2, llama, qwen2, "
                         "mistral)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--model-module", default=None, help="module with build_from_hf and hf_tensors for --hf "
-                   "(default: pstar_models; a checkpoint uses its run's)")
+    p.add_argument("--model-module", default=None, help="module with build_model, build_from_hf and "
+                   "hf_tensors, imported (its code run) because you name it: needed for a checkpoint trained with a "
+                   "module other than pstar_models (default: pstar_models)")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None, help="tokenizer.json or its directory "
                    "(default: the --hf directory, or the run's --init-from-hf directory; byte-level for a "
                    "256-token vocabulary)")
@@ -97,7 +98,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
     from pstar_jax.io.base_record import checkpoint_tensors
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.engine.chunks import ChunkLayout
-    from pstar_jax.io.models import load_model
+    from pstar_jax.io.models import load_model, saved_run_config
     ckpt = Checkpointer(directory)
     try:
         meta = ckpt.meta(step)
@@ -105,8 +106,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
             raise CheckpointError(f"checkpoint in {ckpt.directory} does not record its run's configuration; it "
                                   "was not written by this version of pstar-train")
         config = from_dict(RunConfig, meta["config"])
-        if module:
-            config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=module))
+        config = saved_run_config(config, module, ckpt.directory, "pstar-generate")
         model = load_model(config)
         _same_shapes(model, {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}, ckpt.directory)
         # A LoRA run's checkpoint holds the adapters (and modules_to_save): the base comes from its record.
