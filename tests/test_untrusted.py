@@ -3,6 +3,7 @@ its metadata records is imported only when the user names it on the command line
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,3 +82,119 @@ def test_the_saved_configuration_keeps_pstar_models_and_takes_a_named_module(tmp
                                               r"name it: pass --model-module evil if you trust it"):
         saved_run_config(other, None, "D", "pstar-export")
     assert saved_run_config(other, "mine", "D", "pstar-export").model.module == "mine"
+
+
+# -- a downloaded directory never leads outside itself -------------------------------------------
+
+
+def _escaping_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
+    """A tokenizer directory whose chat_template.jinja links to a private file beside it."""
+    from chat_fixtures import tokenizer_dir
+    directory = tokenizer_dir(tmp_path / "download", "qwen25")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("{{ 'my private notes' }}")
+    (directory / "chat_template.jinja").symlink_to(secret)
+    return directory, secret
+
+
+def test_a_tokenizer_file_linking_outside_its_directory_is_neither_read_nor_copied(tmp_path):
+    from pstar_jax.config import DataError, HFCheckpointError
+    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.io.hf import export_hf
+    directory, secret = _escaping_tokenizer(tmp_path)
+    with pytest.raises(DataError, match=f"the chat template {directory}/chat_template.jinja leads to {secret}, "
+                                        f"outside {directory}; put the file itself in {directory}"):
+        ChatTemplate.from_tokenizer_dir(directory)
+    out = tmp_path / "export"
+    with pytest.raises(HFCheckpointError, match="the tokenizer file .*chat_template.jinja leads to .*secret.txt"):
+        export_hf(str(out), iter([]), {}, {}, "fp32", tokenizer_from=str(directory))
+    assert not out.exists()  # nothing written, so nothing to upload
+    (directory / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+    (directory / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match="the tokenizer .*tokenizer.json leads to"):
+        ChatTemplate.from_tokenizer_dir(directory)
+
+
+def test_links_within_the_directory_and_the_hub_cache_layout_are_followed(tmp_path):
+    from chat_fixtures import tokenizer_dir
+    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.io.hf import tokenizer_files
+    source = tokenizer_dir(tmp_path / "src", "qwen25")
+    # huggingface_hub's cache: <cache>/models--org--name/snapshots/<rev>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "hub" / "models--org--name"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (blobs / f"hash-{name}").write_bytes((source / name).read_bytes())
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", f"hash-{name}"))
+    (snapshot / "inner").mkdir()
+    (snapshot / "inner" / "t.jinja").write_text("{{ messages[0].content }}")
+    (snapshot / "chat_template.jinja").symlink_to(Path("inner", "t.jinja"))  # a link inside the directory
+    template = ChatTemplate.from_tokenizer_dir(snapshot)
+    assert template.render([{"role": "user", "content": "hi"}]) == "hi"
+    assert tokenizer_files(str(snapshot)) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_a_weight_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    from pstar_jax.config import HFCheckpointError
+    from pstar_jax.io.hf import weight_files
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "../outside.safetensors"}}))
+    with pytest.raises(HFCheckpointError, match="names a weight file that .*outside.safetensors leads to"):
+        weight_files(str(checkpoint))
+
+
+# -- a chat template cannot run for ever ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, words", [
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{{ range(10**12) | list }}", "OverflowError: Range too big"),
+    ("{{ 'a' * 10**12 }}", "repeating 1 items 1,000,000,000,000 times makes more than 16,777,216"),
+    ("{{ [0] * 10**9 }}", "repeating 1 items"),
+    ("{{ 7 ** 1000000 }}", "7 ** 1000000 has more than 65,536 bits"),
+    ("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+])
+def test_a_template_that_fails_or_asks_too_much_refuses_the_example_in_one_line(source, words):
+    from tokenizers import Tokenizer, models
+    from pstar_jax.data.chat import BadExample, ChatTemplate
+    template = ChatTemplate(source, "T.jinja", Tokenizer(models.WordLevel({"!": 0}, unk_token="!")), {})
+    with pytest.raises(BadExample, match=f"is refused by the chat template T.jinja: .*{re.escape(words)}"):
+        template.render([{"role": "user", "content": "hi"}])
+
+
+def test_a_template_that_runs_past_the_limit_is_refused_and_the_timer_is_put_back(monkeypatch):
+    import signal
+    import time
+    from tokenizers import Tokenizer, models
+    from pstar_jax.config import DataError
+    from pstar_jax.data import chat
+    monkeypatch.setattr(chat, "RENDER_LIMIT_S", 0.5)  # (10 s in use: real templates take milliseconds)
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    template = chat.ChatTemplate(nested, "T.jinja", Tokenizer(models.WordLevel({"!": 0}, unk_token="!")), {})
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"the chat template T.jinja took over 0.5 s to render one conversation"):
+        template.render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_run_that_would_export_a_tokenizer_linking_outside_is_refused_before_training(tmp_path):
+    import pstar_jax as ps
+    from pstar_models import build_model
+    from test_hf import write_family_checkpoint
+    source = tmp_path / "download"
+    write_family_checkpoint(str(source), build_model("tiny", n_layer=1, d_model=16, n_head=2, vocab_size=64,
+                                                     seq_len=16))
+    (tmp_path / "secret.txt").write_text("private")
+    (source / "chat_template.jinja").symlink_to(tmp_path / "secret.txt")
+    config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=str(source)), train=ps.TrainConfig(steps=1, batch_size=2),
+                          checkpoint=ps.CheckpointConfig(export_hf=str(tmp_path / "export")))
+    with pytest.raises(ps.ConfigError, match="chat_template.jinja leads to .*secret.txt, outside"):
+        ps.Run(config)
+    assert not (tmp_path / "export").exists()

@@ -42,12 +42,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.io.base_record import checkpoint_tensors
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.engine.chunks import ChunkLayout
-    from pstar_jax.io.hf import check_export_target, export_hf
+    from pstar_jax.io.hf import check_export_target, export_hf, tokenizer_files
     from pstar_jax.io.lora_io import export_lora, hf_stream
     from pstar_jax.io.peft_io import check_adapter_target
 
     if args.hf:
         check_export_target(args.hf, "--hf")
+        if args.tokenizer_from and os.path.isdir(args.tokenizer_from):
+            tokenizer_files(args.tokenizer_from)  # refused (a link out of it) before the export's work
     if args.lora:
         check_adapter_target(args.lora, "--lora")
     ckpt = Checkpointer(args.checkpoint_dir)
