@@ -198,3 +198,14 @@ def test_a_run_that_would_export_a_tokenizer_linking_outside_is_refused_before_t
     with pytest.raises(ps.ConfigError, match="chat_template.jinja leads to .*secret.txt, outside"):
         ps.Run(config)
     assert not (tmp_path / "export").exists()
+
+
+def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
+    from chat_fixtures import tokenizer_dir
+    from pstar_jax.config import DataError
+    from pstar_jax.data.chat import ChatTemplate
+    directory = tokenizer_dir(tmp_path, "qwen25")
+    latin1 = tmp_path / "t.jinja"
+    latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    with pytest.raises(DataError, match=r"the chat template .*t.jinja is not UTF-8 text \(bad byte 0xe9"):
+        ChatTemplate.from_tokenizer_dir(directory, latin1)

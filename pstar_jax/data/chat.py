@@ -300,16 +300,23 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _read_template(path: Path) -> str:
+    with io_errors(path, "read"):
+        raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"the chat template {path} is not UTF-8 text (bad byte {raw[e.start]:#04x} at offset "
+                        f"{e.start}); convert it to UTF-8 first") from None
+
+
 def template_text(tokenizer_dir: Path, config: dict, template_file: str | os.PathLike | None) -> tuple[str, str]:
     """(template, where it came from): --chat-template, chat_template.jinja, or tokenizer_config's."""
     if template_file is not None:
-        path = Path(template_file)
-        with io_errors(path, "read"):
-            return path.read_text(encoding="utf-8"), str(path)
+        return _read_template(Path(template_file)), str(template_file)
     beside = Path(contained(tokenizer_dir, "chat_template.jinja", "the chat template", DataError))
     if beside.is_file():  # transformers prefers the file too
-        with io_errors(beside, "read"):
-            return beside.read_text(encoding="utf-8"), str(beside)
+        return _read_template(beside), str(beside)
     where, template = str(tokenizer_dir / "tokenizer_config.json"), config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
