@@ -73,7 +73,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         def tensors():  # the saved tensors, then a frozen base from its record (checked against it)
             return checkpoint_tensors(ckpt, meta, model, config)
         if args.lora:  # first: it refuses a run without LoRA before the long export
-            files = export_lora(args.lora, config, model, tensors, what="--lora")
+            files = export_lora(args.lora, config, model, tensors, what="--lora", whole="--hf")
             print(f"exported the LoRA adapter of step {meta['step']} of {ckpt.directory} to "
                   f"{os.path.abspath(args.lora)}: {', '.join(files)}")
         if args.hf:
