@@ -247,3 +247,16 @@ def test_chat_applies_the_template_and_stops_at_the_end_of_turn(chat_hf_dir, tmp
         assert code == 2 and message in err and err.count("\n") == 1
     code, _, err = generate(capsys, "--hf", path, "--messages", tmp_path / "m.json")
     assert code == 2 and "need --chat" in err
+
+
+def test_text_that_cannot_be_utf8_is_one_line_before_any_model_is_loaded(tmp_path, capsys):
+    from pstar_jax.cli.generate import read_messages
+    from pstar_jax.config import ConfigError
+    # a command-line argument of bytes that are not UTF-8 arrives with surrogate escapes
+    assert main(["--hf", str(tmp_path / "absent"), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pstar-generate: error: --prompt is not UTF-8 text (character 3 is ed b3 a9); give UTF-8 text", err
+    messages = tmp_path / "m.json"
+    messages.write_text('[{"role": "user", "content": "a\\ud800b"}]')  # JSON's escape of an unpaired surrogate
+    with pytest.raises(ConfigError, match=r"message 0's content is not UTF-8 text \(character 1 is ed a0 80\)"):
+        read_messages(str(messages))

@@ -5,6 +5,8 @@ misuses are one line.
 """
 
 import dataclasses
+import json
+import shutil
 import os
 
 import numpy as np
@@ -101,12 +103,28 @@ def test_init_from_lora_continues_with_the_adapters_settings_and_tensors(trained
 
     with ps.Run(run_config(dirs["src"], init_from_lora=dirs["adapter"])):  # the same settings, given: accepted
         pass
+    # the adapter's settings are the defaults: a dropout alone, or its rank alone with the default targets
+    for lora, dropout in [(LoraConfig(dropout=0.1), 0.1), (LoraConfig(rank=4), 0.0), (LoraConfig(alpha=8.0), 0.0)]:
+        with ps.Run(run_config(dirs["src"], lora=lora, init_from_lora=dirs["adapter"])) as run:
+            assert run.config.lora == LoraConfig(rank=4, alpha=8.0, targets=",".join(TARGETS), dropout=dropout)
     for lora, words in [(dataclasses.replace(LORA, rank=8), "was trained with LoRA rank 4, LoraConfig.rank is 8"),
                         (dataclasses.replace(LORA, targets="attn.*"), "LoRA targets"),
                         (dataclasses.replace(LORA, rslora=True), "LoRA rslora")]:
         with pytest.raises(ConfigError) as err:
             ps.Run(run_config(dirs["src"], lora=lora, init_from_lora=dirs["adapter"]))
         assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_init_from_lora_trains_with_the_adapters_dropout_unless_told(tmp_path, trained):
+    dirs, _ = trained
+    adapter = tmp_path / "adapter"
+    shutil.copytree(dirs["adapter"], adapter)
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "lora_dropout": 0.05}))
+    with ps.Run(run_config(dirs["src"], lora=LoraConfig(), init_from_lora=str(adapter))) as run:
+        assert run.config.lora.dropout == 0.05
+    with ps.Run(run_config(dirs["src"], lora=LoraConfig(dropout=0.2), init_from_lora=str(adapter))) as run:
+        assert run.config.lora.dropout == 0.2
 
 
 def test_lora_exports_from_the_cli_and_pstar_export(tmp_path, trained, capsys):
@@ -153,3 +171,13 @@ def test_a_gpt2_position_table_cut_short_is_not_exported_as_an_adapter(tmp_path)
         export_lora(str(tmp_path / "out"), config, model, lambda: iter(params.items()))
     assert "trained wpe in full with 24 positions, the base has 40" in str(err.value)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_pstar_export_lora_of_a_full_run_names_its_own_flag_for_the_whole_model(tmp_path, capsys):
+    from pathlib import Path
+    from pstar_jax.cli.export import main as export_main
+    full = Path(__file__).parent / "fixtures" / "pre_layout" / "full"  # a checkpoint of a run without LoRA
+    assert export_main(["--checkpoint-dir", str(full), "--lora", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("export the whole model with --hf") and "--export-hf" not in err and "\n" not in err, err
+    assert not (tmp_path / "adapter").exists()

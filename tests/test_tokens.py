@@ -249,7 +249,7 @@ def test_existing_output_kept_on_error_and_interrupt(bpe_dir, tmp_path, capsys, 
     out.write_bytes(b"keep")
     txt = _write(tmp_path / "in.txt", "text")
     assert tokens_cli.main([str(txt), str(out)]) == 2
-    assert "already exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    assert f"{out} already exists; pass --overwrite to replace it\n" in capsys.readouterr().err
 
     def interrupted(self, pieces):
         raise KeyboardInterrupt

@@ -8,14 +8,13 @@ adapters merged into their kernels; --lora writes the adapters alone, as peft do
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from typing import Sequence
 
 from pstar_jax.cli import flags as cli
 from pstar_jax.config import ConfigError, RunConfig, from_dict
 from pstar_jax.io.hf import EXPORT_DTYPES
-from pstar_jax.io.models import hf_export_config, load_model
+from pstar_jax.io.models import hf_export_config, load_model, saved_run_config
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-export", description=__doc__.splitlines()[0])
@@ -28,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", choices=tuple(EXPORT_DTYPES), default="bf16")
     p.add_argument("--tokenizer-from", default=None, metavar="DIR", help="copy tokenizer files from this HF "
                    "directory (default: the run's --init-from-hf directory, if any)")
-    p.add_argument("--model-module", default=None, help="module with build_model, hf_tensors and hf_config "
-                   "(default: the run's)")
+    p.add_argument("--model-module", default=None, help="module with build_model, hf_tensors and hf_config, "
+                   "imported (its code run) because you name it: needed for a run trained with a module other "
+                   "than pstar_models (default: pstar_models)")
     return p
 
 
@@ -42,12 +42,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.io.base_record import checkpoint_tensors
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.engine.chunks import ChunkLayout
-    from pstar_jax.io.hf import check_export_target, export_hf
+    from pstar_jax.io.hf import check_export_target, export_hf, tokenizer_files
     from pstar_jax.io.lora_io import export_lora, hf_stream
     from pstar_jax.io.peft_io import check_adapter_target
 
     if args.hf:
         check_export_target(args.hf, "--hf")
+        if args.tokenizer_from and os.path.isdir(args.tokenizer_from):
+            tokenizer_files(args.tokenizer_from)  # refused (a link out of it) before the export's work
     if args.lora:
         check_adapter_target(args.lora, "--lora")
     ckpt = Checkpointer(args.checkpoint_dir)
@@ -60,8 +62,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         if meta.get("engine", "chunked") != "chunked":
             raise CheckpointError(f"checkpoint in {ckpt.directory} was written by the {meta['engine']} engine; "
                                   "pstar-export reads chunked checkpoints (export a plain run with --export-hf)")
-        if args.model_module:
-            config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=args.model_module))
+        config = saved_run_config(config, args.model_module, ckpt.directory, "pstar-export")
         model = load_model(config)
         tensor_map, hf_json = hf_export_config(config, model)
         saved = {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}
@@ -72,7 +73,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         def tensors():  # the saved tensors, then a frozen base from its record (checked against it)
             return checkpoint_tensors(ckpt, meta, model, config)
         if args.lora:  # first: it refuses a run without LoRA before the long export
-            files = export_lora(args.lora, config, model, tensors, what="--lora")
+            files = export_lora(args.lora, config, model, tensors, what="--lora", whole="--hf")
             print(f"exported the LoRA adapter of step {meta['step']} of {ckpt.directory} to "
                   f"{os.path.abspath(args.lora)}: {', '.join(files)}")
         if args.hf:

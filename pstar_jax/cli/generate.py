@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (gpt2, llama, qwen2, "
                         "mistral)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--model-module", default=None, help="module with build_from_hf and hf_tensors for --hf "
-                   "(default: pstar_models; a checkpoint uses its run's)")
+    p.add_argument("--model-module", default=None, help="module with build_model, build_from_hf and "
+                   "hf_tensors, imported (its code run) because you name it: needed for a checkpoint trained with a "
+                   "module other than pstar_models (default: pstar_models)")
     p.add_argument("--tokenizer", metavar="DIR_OR_FILE", default=None, help="tokenizer.json or its directory "
                    "(default: the --hf directory, or the run's --init-from-hf directory; byte-level for a "
                    "256-token vocabulary)")
@@ -97,7 +98,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
     from pstar_jax.io.base_record import checkpoint_tensors
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.engine.chunks import ChunkLayout
-    from pstar_jax.io.models import load_model
+    from pstar_jax.io.models import load_model, saved_run_config
     ckpt = Checkpointer(directory)
     try:
         meta = ckpt.meta(step)
@@ -105,8 +106,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
             raise CheckpointError(f"checkpoint in {ckpt.directory} does not record its run's configuration; it "
                                   "was not written by this version of pstar-train")
         config = from_dict(RunConfig, meta["config"])
-        if module:
-            config = dataclasses.replace(config, model=dataclasses.replace(config.model, module=module))
+        config = saved_run_config(config, module, ckpt.directory, "pstar-generate")
         model = load_model(config)
         _same_shapes(model, {s.name: s.shape for s in ChunkLayout.from_json(meta["layout"]).slots}, ckpt.directory)
         # A LoRA run's checkpoint holds the adapters (and modules_to_save): the base comes from its record.
@@ -204,6 +204,16 @@ def choose_codec(tokenizer: str | None, fallback_dir: str | None, vocab_size: in
                       "--tokenizer with its tokenizer.json")
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that cannot be UTF-8 (an unpaired surrogate from JSON's escapes, or the
+    surrogate escapes Python gives the bytes of a command-line argument that is not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"{what} is not UTF-8 text (character {err.start} is "
+                          f"{text[err.start].encode('utf-8', 'surrogatepass').hex(' ')}); give UTF-8 text") from None
+
+
 def read_messages(path: str) -> list[dict[str, str]]:
     """A JSON list of chat messages, each {"role": system|user|assistant, "content": text}."""
     from pstar_jax.data.chat import ROLES
@@ -218,6 +228,8 @@ def read_messages(path: str) -> list[dict[str, str]]:
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
         raise ConfigError(f"--messages {path} must hold a non-empty JSON list of {{\"role\": "
                           f"{'|'.join(ROLES)}, \"content\": text}} objects")
+    for i, message in enumerate(messages):
+        _check_text(message["content"], f"--messages {path}: message {i}'s content")
     return messages
 
 
@@ -323,6 +335,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if (args.messages or args.chat_template) and not args.chat:  # before the seconds of loading a model
+        raise ConfigError("--messages and --chat-template need --chat")
+    _check_text(args.prompt, "--prompt")
     from pstar_jax.engine.decode import Sampling
 
     from pstar_jax.engine.memory import configure_backend, host_budget_bytes
@@ -333,8 +348,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         source = hf_source(args.hf, args.model_module)
     else:
         source = flax_source(args.flax)
-    if (args.messages or args.chat_template) and not args.chat:
-        raise ConfigError("--messages and --chat-template need --chat")
     try:
         codec = choose_codec(args.tokenizer, source.tokenizer_dir, source.model.vocab_size, args.eos_token)
         if args.chat:

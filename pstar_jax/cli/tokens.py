@@ -101,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out, inputs = _split_paths(args.paths, args.output)
         check_not_an_input(Path(out), [Path(p) for p in inputs])
+        if Path(out).is_file() and not args.overwrite:  # (the library's words name its argument)
+            raise DataError(f"{out} already exists; pass --overwrite to replace it")
         if args.chat:
             print(_run_chat(args, out, inputs))
             return 0

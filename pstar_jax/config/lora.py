@@ -59,14 +59,15 @@ class LoraConfig:
             raise ConfigError(f"LoraConfig.alpha must be a positive number, got {self.alpha!r}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             raise ConfigError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.rank:
-            given = [f for f in ("targets", "modules_to_save", "rslora", "dropout") if getattr(self, f)]
-            if given or self.alpha != DEFAULT_ALPHA:
-                raise ConfigError(f"LoraConfig.{(given or ['alpha'])[0]} is set but LoraConfig.rank is 0 (no LoRA); "
-                                  "give LoraConfig.rank too")
         for field in ("targets", "modules_to_save"):
             if getattr(self, field) is not None and not names_of(getattr(self, field)):
                 raise ConfigError(f"LoraConfig.{field} names nothing; give comma-separated names or leave it out")
+
+    def given(self) -> list[str]:
+        """The settings given other than their defaults (rank apart)."""
+        return [f for f in ("alpha", "dropout", "targets", "rslora", "modules_to_save")
+                if getattr(self, f) != (DEFAULT_ALPHA if f == "alpha" else None if f in ("targets", "modules_to_save")
+                                        else False if f == "rslora" else 0.0)]
 
     @property
     def enabled(self) -> bool:

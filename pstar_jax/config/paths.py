@@ -15,6 +15,22 @@ from typing import Iterator
 from pstar_jax.config.errors import ConfigError
 
 
+def contained(directory: str | os.PathLike, name: str, what: str, error: type[Exception] = ConfigError) -> str:
+    """``directory``/``name``, refused (``error``, one line) when it resolves outside ``directory``:
+    a file of a downloaded directory (a checkpoint, a tokenizer) never has another file read or
+    copied through a link or a ``..`` in a name. The one layout of links allowed is Hugging Face's
+    hub cache, whose snapshot files link into their repository's ``blobs/``."""
+    root = os.path.realpath(directory)
+    path = os.path.join(directory, name)
+    target = os.path.realpath(path)
+    allowed = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":  # <cache>/models--org--name/snapshots/<rev>
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    if not any(target == a or target.startswith(a + os.sep) for a in allowed):
+        raise error(f"{what} {path} leads to {target}, outside {directory}; put the file itself in {directory}")
+    return path
+
+
 def check_output_dir(path: str, what: str) -> None:
     """Refuse, before any work, a directory that could not be written: a file, a path under a
     file, or a place this process cannot write. Creates nothing."""

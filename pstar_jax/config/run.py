@@ -42,6 +42,10 @@ class RunConfig:
         if self.checkpoint.export_lora and not self.lora.enabled and not self.model.init_from_lora:
             raise ConfigError("CheckpointConfig.export_lora needs a LoRA run: give LoraConfig.rank (or "
                               "ModelConfig.init_from_lora), or export the whole model with CheckpointConfig.export_hf")
+        given = self.lora.given()
+        if given and not self.lora.enabled and not self.model.init_from_lora:  # (an adapter gives the rank)
+            raise ConfigError(f"LoraConfig.{given[0]} is set but LoraConfig.rank is 0 (no LoRA); give "
+                              "LoraConfig.rank too, or ModelConfig.init_from_lora")
         if self.lora.enabled and self.model.init_from_flax:
             raise ConfigError("LoraConfig.rank and ModelConfig.init_from_flax conflict: a LoRA run starts from a "
                               "base model (ModelConfig.init_from_hf, or the preset's initialisation); drop one")

@@ -18,11 +18,14 @@ offsets: a token overlapping a span is trained (transformers' assistant mask doe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +34,7 @@ import numpy as np
 
 from pstar_jax.data.token_files import io_errors
 from pstar_jax.config.errors import DataError
+from pstar_jax.config.paths import contained
 
 FORMATS = ("messages", "alpaca", "sharegpt", "prompt-completion")
 ROLES = ("system", "user", "assistant")
@@ -181,6 +185,38 @@ def read_conversations(path: str | os.PathLike, format: str | None = None,
 
 # -- the template -----------------------------------------------------------------------------
 
+# A template is a file from a checkpoint, so rendering it is bounded: real templates render a
+# conversation in milliseconds. Past RENDER_LIMIT_S seconds a render is refused (in the main thread,
+# where the CLIs render: a timer signal interrupts it), and a string or list repeated past
+# MAX_REPEAT items or a power of more than MAX_POWER_BITS bits is refused at once (no allocation of
+# gigabytes first). The sandbox itself refuses ranges over 100,000 items.
+RENDER_LIMIT_S = 10.0
+MAX_REPEAT = 1 << 24
+MAX_POWER_BITS = 1 << 16
+
+
+class _TooSlow(Exception):
+    """A render ran past RENDER_LIMIT_S (raised by the timer's signal handler)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _TooSlow in the block once ``seconds`` pass (main thread only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _TooSlow
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 def _environment() -> Any:
     """transformers' Jinja environment for chat templates (utils/chat_template_utils.py)."""
@@ -221,8 +257,22 @@ def _environment() -> Any:
                sort_keys: bool = False) -> str:  # theirs: no HTML escaping, unlike Jinja's own
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[AssistantTracker, jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, with repetition and powers bounded (MAX_REPEAT, MAX_POWER_BITS)."""
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                        raise jinja2.sandbox.SecurityError(f"repeating {len(seq):,} items {n:,} times makes more "
+                                                           f"than {MAX_REPEAT:,}")
+            elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+                    right * max(abs(left).bit_length(), 1) > MAX_POWER_BITS:
+                raise jinja2.sandbox.SecurityError(f"{left} ** {right} has more than {MAX_POWER_BITS:,} bits")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[AssistantTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
@@ -250,15 +300,23 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _read_template(path: Path) -> str:
+    with io_errors(path, "read"):
+        raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"the chat template {path} is not UTF-8 text (bad byte {raw[e.start]:#04x} at offset "
+                        f"{e.start}); convert it to UTF-8 first") from None
+
+
 def template_text(tokenizer_dir: Path, config: dict, template_file: str | os.PathLike | None) -> tuple[str, str]:
     """(template, where it came from): --chat-template, chat_template.jinja, or tokenizer_config's."""
     if template_file is not None:
-        path = Path(template_file)
-        with io_errors(path, "read"):
-            return path.read_text(encoding="utf-8"), str(path)
-    if (beside := tokenizer_dir / "chat_template.jinja").is_file():  # transformers prefers the file too
-        with io_errors(beside, "read"):
-            return beside.read_text(encoding="utf-8"), str(beside)
+        return _read_template(Path(template_file)), str(template_file)
+    beside = Path(contained(tokenizer_dir, "chat_template.jinja", "the chat template", DataError))
+    if beside.is_file():  # transformers prefers the file too
+        return _read_template(beside), str(beside)
     where, template = str(tokenizer_dir / "tokenizer_config.json"), config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -299,7 +357,7 @@ class ChatTemplate:
         if tokenizer_dir.is_file():
             tokenizer_dir = tokenizer_dir.parent
         encoder = load_tokenizer(tokenizer_dir, eos_token)
-        config_path = tokenizer_dir / "tokenizer_config.json"
+        config_path = Path(contained(tokenizer_dir, "tokenizer_config.json", "the tokenizer's config", DataError))
         config = _read_json(config_path) if config_path.is_file() else {}
         source, where = template_text(tokenizer_dir, config, template_file)
         variables = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_NAMES if config.get(k)}
@@ -315,19 +373,27 @@ class ChatTemplate:
         kwargs = dict(self.variables, messages=conversation, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt)
         try:
-            if spans is None:
-                return self._template.render(**kwargs)
-            blocks: list[str] = []
-            self._template.environment.activate_tracker(blocks, spans)
-            try:
-                for block in self._template.generate(**kwargs):
-                    blocks.append(block)
-            finally:
-                self._template.environment.activate_tracker(None, None)
-            return "".join(blocks)
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
-            # raise_exception's refusals, and a template's own failures on this conversation
-            raise BadExample(f"is refused by the chat template {self.name}: {e}") from None
+            with _time_limit(RENDER_LIMIT_S):
+                if spans is None:
+                    return self._template.render(**kwargs)
+                blocks: list[str] = []
+                self._template.environment.activate_tracker(blocks, spans)
+                try:
+                    for block in self._template.generate(**kwargs):
+                        blocks.append(block)
+                finally:
+                    self._template.environment.activate_tracker(None, None)
+                return "".join(blocks)
+        except _TooSlow:
+            raise DataError(f"the chat template {self.name} took over {RENDER_LIMIT_S:g} s to render one "
+                            f"conversation (real templates take milliseconds); give another (--chat-template FILE)"
+                            ) from None
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                RecursionError, MemoryError) as e:
+            # raise_exception's refusals, and a template's own failures on this conversation (a
+            # division by zero, a range or repetition past the sandbox's bounds, endless recursion)
+            reason = f"{type(e).__name__}: {e}" if not isinstance(e, jinja2.TemplateError) else str(e)
+            raise BadExample(f"is refused by the chat template {self.name}: {reason}") from None
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False) -> str:
         return self._render(conversation, add_generation_prompt)

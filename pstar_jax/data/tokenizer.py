@@ -27,6 +27,7 @@ import numpy as np
 from pstar_jax.data import corpus, token_files as data
 from pstar_jax.data.token_files import TokenWriter, io_errors
 from pstar_jax.config.errors import DataError
+from pstar_jax.config.paths import contained
 
 PIECE_BYTES = 1 << 18
 # One encode_batch call: many pieces for the threads to share, few enough that the Encoding
@@ -92,8 +93,10 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> HFE
     from tokenizers import Tokenizer
 
     path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    config = file.parent / "tokenizer_config.json"
+    # A tokenizer directory is a download: its files may not lead outside it (a file given by
+    # name is the user's own, but the config read beside it is the directory's).
+    file = Path(contained(path, "tokenizer.json", "the tokenizer", DataError)) if path.is_dir() else path
+    config = Path(contained(file.parent, "tokenizer_config.json", "the tokenizer's config", DataError))
     if not file.is_file():
         raise DataError(f"tokenizer {file} does not exist; give a tokenizer.json or the directory "
                         f"holding one")

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pstar_jax.config.errors import ConfigError, HFCheckpointError
-from pstar_jax.config.paths import check_output_dir, staged_dir
+from pstar_jax.config.paths import check_output_dir, contained, staged_dir
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
@@ -66,7 +66,7 @@ def read_hf_config(directory: str) -> dict:
     """``config.json`` of an HF checkpoint directory, as a dict."""
     if not os.path.isdir(directory):
         raise HFCheckpointError(f"{directory} is not a directory; pass a Hugging Face checkpoint directory")
-    path = os.path.join(directory, CONFIG)
+    path = contained(directory, CONFIG, "the config", HFCheckpointError)
     if not os.path.isfile(path):
         raise HFCheckpointError(f"{directory} holds no {CONFIG}; pass a Hugging Face checkpoint directory")
     try:
@@ -88,19 +88,23 @@ def has_weights(directory: str) -> bool:
 
 def weight_files(directory: str) -> dict[str, str]:
     """HF tensor name -> the file (in ``directory``) that the index, or the single file, says holds it."""
-    index_path = os.path.join(directory, INDEX)
+    index_path = contained(directory, INDEX, "the weight index", HFCheckpointError)
     if os.path.isfile(index_path):
         try:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise HFCheckpointError(f"{index_path} is not a safetensors index ({type(err).__name__}: {err})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HFCheckpointError(f"{index_path} is not a safetensors index (its weight_map names no files)")
+        for name in set(weight_map.values()):
+            contained(directory, name, f"{INDEX} names a weight file that", HFCheckpointError)
         missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(directory, f))})
         if missing:
             raise HFCheckpointError(f"{index_path} lists {missing[0]}, which is not in {directory}; "
                                     "download the complete checkpoint")
         return dict(weight_map)
-    if not os.path.isfile(os.path.join(directory, SINGLE)):
+    if not os.path.isfile(contained(directory, SINGLE, "the weight file", HFCheckpointError)):
         raise HFCheckpointError(f"{directory} holds neither {SINGLE} nor {INDEX}; only safetensors weights are "
                                 "read (convert pytorch_model.bin with safetensors first)")
     return {name: SINGLE for name in _open(os.path.join(directory, SINGLE)).keys()}
@@ -238,10 +242,18 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
 
 
 def tokenizer_files(directory: str) -> list[str]:
-    """The tokenizer, chat-template and generation files of an HF directory, as an export copies them."""
+    """The tokenizer, chat-template and generation files of an HF directory, as an export copies them
+    (refused, HFCheckpointError, if one leads outside the directory: the export is what a user uploads)."""
     names = sorted(n for n in os.listdir(directory) if _TOKENIZER_FILE.match(n) and n != CONFIG
-                   and os.path.isfile(os.path.join(directory, n)))
-    return names + ([_TEMPLATES_DIR] if os.path.isdir(os.path.join(directory, _TEMPLATES_DIR)) else [])
+                   and os.path.isfile(contained(directory, n, "the tokenizer file", HFCheckpointError)))
+    templates = os.path.join(directory, _TEMPLATES_DIR)
+    if not os.path.isdir(contained(directory, _TEMPLATES_DIR, "the chat templates", HFCheckpointError)):
+        return names
+    for parent, dirs, files in os.walk(templates):
+        for name in dirs + files:
+            contained(directory, os.path.relpath(os.path.join(parent, name), directory), "the chat template",
+                      HFCheckpointError)
+    return names + [_TEMPLATES_DIR]
 
 
 def _is_earlier_export(directory: str) -> bool:
@@ -345,6 +357,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
     if tokenizer_from is not None and not os.path.isdir(tokenizer_from):
         raise ConfigError(f"{tokenizer_from} is not a directory; pass the HF directory holding the tokenizer")
     check_export_target(directory, what)
+    copied = tokenizer_files(tokenizer_from) if tokenizer_from else []  # refused before any work, as a whole
     np_dtype, torch_name = EXPORT_DTYPES[dtype]
     with staged_dir(directory, what) as staging:
         writer = _ShardWriter(staging, max_shard_bytes)
@@ -373,7 +386,7 @@ def export_hf(directory: str, named_tensors: Iterable[tuple[str, np.ndarray]], t
         mode = os.stat(os.path.join(staging, CONFIG)).st_mode & 0o777  # what the umask gives a new file
         for name in os.listdir(staging):  # safetensors creates its files private
             os.chmod(os.path.join(staging, name), mode)
-        for name in tokenizer_files(tokenizer_from) if tokenizer_from else ():
+        for name in copied:
             source = os.path.join(tokenizer_from, name)
             if os.path.isdir(source):
                 shutil.copytree(source, os.path.join(staging, name))

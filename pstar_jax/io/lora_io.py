@@ -29,31 +29,34 @@ def _projections(family: str, targets: Iterable[str]) -> tuple[str, ...]:
 
 def adopt_adapter(config: RunConfig, base_model: Any) -> tuple[RunConfig, dict[str, np.ndarray]]:
     """``config`` with the LoRA settings of its ``init_from_lora`` adapter, and the adapter's
-    tensors (fp32, our names), read onto ``base_model`` (the run's model without adapters). LoRA
-    flags the user gave must agree with the adapter's; lora_dropout, which pstar_jax does not
-    train with, is dropped."""
+    tensors (fp32, our names), read onto ``base_model`` (the run's model without adapters). The
+    adapter's settings are the run's defaults: a setting of its shape (rank, alpha, rsLoRA, targets,
+    modules trained in full) that the user gave as well must agree with it, while its dropout, a
+    training choice, is the user's where given and else the adapter's ``lora_dropout``."""
     directory = config.model.init_from_lora
     family = model_family(base_model)
     spec, tensors = read_adapter(directory, family, base_model.param_shapes())
     saved = sorted(n for n in tensors if not is_adapter(n))
     what = f"ModelConfig.init_from_lora {directory}"
     given = config.lora
-    if given.enabled:
-        for field, theirs, ours in (("rank", spec["rank"], given.rank), ("alpha", spec["alpha"], float(given.alpha)),
-                                    ("rslora", spec["rslora"], given.rslora),
-                                    ("targets", ",".join(spec["targets"]),
-                                     ",".join(_projections(family, given.target_list)))):
-            if theirs != ours:
-                raise ConfigError(f"{what} was trained with LoRA {field} {theirs}, LoraConfig.{field} is {ours}; "
-                                  f"drop the LoRA settings to take the adapter's, or pass {theirs}")
+    named = set(given.given()) | ({"rank"} if given.enabled else set())
+    theirs = {"rank": spec["rank"], "alpha": spec["alpha"], "rslora": spec["rslora"],
+              "targets": ",".join(spec["targets"])}
+    ours = {"rank": given.rank, "alpha": float(given.alpha), "rslora": given.rslora,
+            "targets": ",".join(_projections(family, given.target_list))}
+    for field in ("rank", "alpha", "rslora", "targets"):
+        if field in named and theirs[field] != ours[field]:
+            raise ConfigError(f"{what} was trained with LoRA {field} {theirs[field]}, LoraConfig.{field} is "
+                              f"{ours[field]}; drop LoraConfig.{field} to take the adapter's, or pass "
+                              f"{theirs[field]}")
+    if "modules_to_save" in named:
         missing = sorted(set(saved) - saved_names(list(base_model.param_shapes()), given.modules_to_save))
         if missing:
             raise ConfigError(f"{what} trained {missing[0]} in full, which LoraConfig.modules_to_save does not "
-                              f"name; add it, or drop the LoRA settings to take the adapter's")
-        lora = given
-    else:
-        lora = LoraConfig(rank=spec["rank"], alpha=spec["alpha"], targets=",".join(spec["targets"]),
-                          rslora=spec["rslora"], modules_to_save=",".join(saved) or None)
+                              f"name; add it, or drop LoraConfig.modules_to_save to take the adapter's")
+    lora = LoraConfig(rank=spec["rank"], alpha=spec["alpha"], targets=",".join(spec["targets"]), rslora=spec["rslora"],
+                      modules_to_save=given.modules_to_save if "modules_to_save" in named else ",".join(saved) or None,
+                      dropout=given.dropout if "dropout" in named else spec["dropout"])
     return dataclasses.replace(config, lora=lora), tensors
 
 
@@ -74,12 +77,14 @@ class Overlay(Mapping[str, Any]):
 
 
 def export_lora(directory: str, config: RunConfig, model: Any,
-                iter_params: Callable[[], Iterable[tuple[str, np.ndarray]]], what: str = "--export-lora") -> list[str]:
+                iter_params: Callable[[], Iterable[tuple[str, np.ndarray]]], what: str = "--export-lora",
+                whole: str = "--export-hf") -> list[str]:
     """Write the run's adapters and the tensors it trains in full (modules_to_save) as a peft
-    adapter, fp32, for ``init_from_hf``'s base. Only those tensors are kept from the stream."""
+    adapter, fp32, for ``init_from_hf``'s base. Only those tensors are kept from the stream.
+    ``what`` and ``whole`` name the command's flags for this export and the whole model's."""
     if not config.lora.enabled:
         raise ConfigError(f"{what} needs a LoRA run (LoraConfig.rank above 0); export the whole model with "
-                          "--export-hf")
+                          f"{whole}")
     family = model_family(model)
     saved = saved_names(list(model.param_shapes()), config.lora.modules_to_save)
     if "wpe" in saved and config.model.init_from_hf:  # GPT-2's position table, cut to seq_len on import
@@ -88,7 +93,7 @@ def export_lora(directory: str, config: RunConfig, model: Any,
         if rows != model.param_shapes()["wpe"][0]:
             raise ConfigError(f"{what}: the run trained wpe in full with {model.param_shapes()['wpe'][0]} positions, "
                               f"the base has {rows}, so peft could not load it; export the merged model with "
-                              "--export-hf instead")
+                              f"{whole} instead")
     tensors = {name: np.array(value, np.float32) for name, value in iter_params() if is_adapter(name) or name in saved}
     lora = config.lora
     return write_adapter(directory, tensors, rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout),

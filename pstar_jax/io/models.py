@@ -9,7 +9,9 @@ import os
 import sys
 from typing import Any
 
-from pstar_jax.config import ConfigError, RunConfig
+import dataclasses
+
+from pstar_jax.config import CheckpointError, ConfigError, RunConfig
 from pstar_jax.model.staged import StagedModel
 
 
@@ -45,6 +47,24 @@ def _module_function(module: Any, name: str, config: RunConfig) -> Any:
         raise ConfigError(f"ModelConfig.module {config.model.module!r} has no {name} function; use a module that "
                           f"has one (the default, pstar_models, does)")
     return fn
+
+
+TRUSTED_MODULE = "pstar_models"  # installed with pstar_jax: the one module a file may name on its own
+
+
+def saved_run_config(config: RunConfig, named_module: str | None, where: str, prog: str) -> RunConfig:
+    """A checkpoint's saved configuration, with the model module this command may import: the one
+    the user named on its command line (``--model-module``, a decision to trust that code, like
+    transformers' ``trust_remote_code``), else pstar_models. A checkpoint is a file from anywhere:
+    the module its metadata records is never imported on its word, since importing a module runs
+    its code (and a name not installed would be looked for in the current directory)."""
+    if named_module:
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, module=named_module))
+    if config.model.module != TRUSTED_MODULE:
+        raise CheckpointError(f"the checkpoint in {where} was trained with the model module "
+                              f"{config.model.module!r}, whose code {prog} runs only when you name it: pass "
+                              f"--model-module {config.model.module} if you trust it")
+    return config
 
 
 def load_model(config: RunConfig) -> StagedModel:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from typing import Any, Iterator, Sequence
@@ -61,9 +62,11 @@ class Run:
         if cfg.checkpoint.export_flax:
             check_export_dir(cfg.checkpoint.export_flax)
         if cfg.checkpoint.export_hf:
-            from pstar_jax.io.hf import check_export_target
+            from pstar_jax.io.hf import check_export_target, tokenizer_files
             check_export_target(cfg.checkpoint.export_hf)
             hf_functions(cfg)
+            if cfg.model.init_from_hf and os.path.isdir(cfg.model.init_from_hf):
+                tokenizer_files(cfg.model.init_from_hf)  # what the export will copy: refused now, not after training
         if cfg.checkpoint.export_lora:
             from pstar_jax.io.peft_io import check_adapter_target
             check_adapter_target(cfg.checkpoint.export_lora, "CheckpointConfig.export_lora")
