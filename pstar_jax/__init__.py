@@ -37,7 +37,7 @@ _LAZY = {
     "PlanReport": "planner.report", "plan_report": "planner.report",
     "Planned": "planner.build", "build_engine": "planner.build", "plan_model": "planner.build",
     "resolve_engine_config": "planner.build",
-    "ChatTemplate": "data.chat", "read_conversations": "data.chat",
+    "ChatTemplate": "data.template", "read_conversations": "data.chat",
     "PackedRows": "data.packing", "is_packed_file": "data.packing", "load_packed": "data.packing", "pack": "data.packing",
     "write_packed": "data.packing",
     "make_sft_file": "data.sft",

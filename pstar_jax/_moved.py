@@ -27,7 +27,7 @@ MOVED = {
     "pstar_jax.batch": ("pstar_jax.data.batch",),
     "pstar_jax.rows": ("pstar_jax.data.rows",),
     "pstar_jax.packing": ("pstar_jax.data.packing",),
-    "pstar_jax.chat": ("pstar_jax.data.chat",),
+    "pstar_jax.chat": ("pstar_jax.data.chat", "pstar_jax.data.template"),
     "pstar_jax.tokens": ("pstar_jax.data.tokenizer", "pstar_jax.cli.tokens"),
     "pstar_jax.sft_file": ("pstar_jax.data.sft",),
     "pstar_jax.attention": ("pstar_jax.model.attention",),

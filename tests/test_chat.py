@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
-from pstar_jax.data.chat import BadExample, BadLines, ChatTemplate, read_conversations
+from pstar_jax.data.chat import BadExample, BadLines, read_conversations
+from pstar_jax.data.template import ChatTemplate
 from pstar_jax.config.errors import DataError
 
 

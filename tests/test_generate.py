@@ -213,7 +213,7 @@ def chat_hf_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_chat_applies_the_template_and_stops_at_the_end_of_turn(chat_hf_dir, tmp_path, capsys):
-    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.data.template import ChatTemplate
     path, model, params, tok = chat_hf_dir
     template = ChatTemplate.from_tokenizer_dir(path)
     messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hello"}]

@@ -10,7 +10,7 @@ import pytest
 from chat_fixtures import CONVERSATIONS, tokenizer_dir
 from pstar_jax.cli import tokens as tokens_cli
 from pstar_jax.data import packing
-from pstar_jax.data.chat import ChatTemplate
+from pstar_jax.data.template import ChatTemplate
 from pstar_jax.config.errors import DataError
 from pstar_jax.data.sft import make_sft_file
 

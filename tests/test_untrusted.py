@@ -99,7 +99,7 @@ def _escaping_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_tokenizer_file_linking_outside_its_directory_is_neither_read_nor_copied(tmp_path):
     from pstar_jax.config import DataError, HFCheckpointError
-    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.data.template import ChatTemplate
     from pstar_jax.io.hf import export_hf
     directory, secret = _escaping_tokenizer(tmp_path)
     with pytest.raises(DataError, match=f"the chat template {directory}/chat_template.jinja leads to {secret}, "
@@ -117,7 +117,7 @@ def test_a_tokenizer_file_linking_outside_its_directory_is_neither_read_nor_copi
 
 def test_links_within_the_directory_and_the_hub_cache_layout_are_followed(tmp_path):
     from chat_fixtures import tokenizer_dir
-    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.data.template import ChatTemplate
     from pstar_jax.io.hf import tokenizer_files
     source = tokenizer_dir(tmp_path / "src", "qwen25")
     # huggingface_hub's cache: <cache>/models--org--name/snapshots/<rev>/<file> -> ../../blobs/<hash>
@@ -161,7 +161,8 @@ def test_a_weight_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path
 ])
 def test_a_template_that_fails_or_asks_too_much_refuses_the_example_in_one_line(source, words):
     from tokenizers import Tokenizer, models
-    from pstar_jax.data.chat import BadExample, ChatTemplate
+    from pstar_jax.data.chat import BadExample
+    from pstar_jax.data.template import ChatTemplate
     template = ChatTemplate(source, "T.jinja", Tokenizer(models.WordLevel({"!": 0}, unk_token="!")), {})
     with pytest.raises(BadExample, match=f"is refused by the chat template T.jinja: .*{re.escape(words)}"):
         template.render([{"role": "user", "content": "hi"}])
@@ -172,7 +173,7 @@ def test_a_template_that_runs_past_the_limit_is_refused_and_the_timer_is_put_bac
     import time
     from tokenizers import Tokenizer, models
     from pstar_jax.config import DataError
-    from pstar_jax.data import chat
+    from pstar_jax.data import template as chat
     monkeypatch.setattr(chat, "RENDER_LIMIT_S", 0.5)  # (10 s in use: real templates take milliseconds)
     nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     template = chat.ChatTemplate(nested, "T.jinja", Tokenizer(models.WordLevel({"!": 0}, unk_token="!")), {})
@@ -203,7 +204,7 @@ def test_a_run_that_would_export_a_tokenizer_linking_outside_is_refused_before_t
 def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
     from chat_fixtures import tokenizer_dir
     from pstar_jax.config import DataError
-    from pstar_jax.data.chat import ChatTemplate
+    from pstar_jax.data.template import ChatTemplate
     directory = tokenizer_dir(tmp_path, "qwen25")
     latin1 = tmp_path / "t.jinja"
     latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))

@@ -250,7 +250,8 @@ def generation_stop_ids(directories: Sequence[str | None]) -> list[int]:
 
 def chat_prompt(args: argparse.Namespace, source: Source, codec: Codec) -> tuple[list[int], list[int]]:
     """The prompt ids of the chat template with the generation prompt, and the ids that end the answer."""
-    from pstar_jax.data.chat import BadExample, ChatTemplate
+    from pstar_jax.data.chat import BadExample
+    from pstar_jax.data.template import ChatTemplate
     directory = args.tokenizer or source.tokenizer_dir
     if directory is None:
         raise ConfigError("--chat needs the model's tokenizer directory (with its chat template); pass --tokenizer DIR")

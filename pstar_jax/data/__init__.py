@@ -2,7 +2,7 @@
 
 Above the configuration, below everything that trains: nothing here knows of models or engines.
 ``batch`` is what a stage reads; ``token_files`` and ``stream`` are plain token training data;
-``packing``, ``rows``, ``chat`` and ``sft`` are supervised fine-tuning data; ``tokenizer`` turns
+``packing``, ``rows``, ``chat``, ``template`` and ``sft`` are supervised fine-tuning data; ``tokenizer`` turns
 text into token files; ``training`` opens either kind for a run."""
 
 

@@ -17,7 +17,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from pstar_jax.data import packing
-from pstar_jax.data.chat import BadExample, BadLines, ChatTemplate, Conversation, read_conversations
+from pstar_jax.data.chat import BadExample, BadLines, Conversation, read_conversations
+from pstar_jax.data.template import ChatTemplate
 from pstar_jax.config.errors import DataError
 
 BATCH_EXAMPLES = 512  # conversations per encode_batch call
