@@ -120,3 +120,11 @@ def test_python_dash_m_runs_the_command_under_its_old_and_new_names(module):
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: pstar-")
+
+
+def test_every_layer_is_a_package_that_pip_installs():
+    import tomllib
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "pstar_jax").rglob("__init__.py")}
+    assert listed == folders | {"pstar_models"}, "pyproject.toml's [tool.setuptools] packages must list every folder"
