@@ -108,13 +108,21 @@ def package_attr(package: str, attr: str) -> Any:
     """An old module's name asked of the package that took its name (its ``__getattr__``). A
     submodule's name is never answered here: the import system then imports the submodule."""
     if not attr.startswith("__") and importlib.util.find_spec(f"{package}.{attr}") is None:
-        for target in PACKAGES[package]:
-            module = importlib.import_module(target)
-            if hasattr(module, attr):
-                warnings.warn(f"{package}.{attr} is now {target}.{attr}; import it from there", DeprecationWarning,
-                              stacklevel=3)
-                return getattr(module, attr)
+        found = _first_with(PACKAGES[package], attr)
+        if found is not None:
+            warnings.warn(f"{package}.{attr} is now {found[0]}.{attr}; import it from there", DeprecationWarning,
+                          stacklevel=3)
+            return found[1]
     raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+
+
+def _first_with(targets: Sequence[str], attr: str) -> tuple[str, Any] | None:
+    """(module, value) of the first of ``targets`` that defines ``attr``, or None."""
+    for target in targets:
+        module = importlib.import_module(target)
+        if hasattr(module, attr):
+            return target, getattr(module, attr)
+    return None
 
 
 class _View(types.ModuleType):
@@ -125,12 +133,9 @@ class _View(types.ModuleType):
         self.__targets = tuple(targets)
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        for target in self.__targets:
-            module = importlib.import_module(target)
-            if hasattr(module, attr):
-                return getattr(module, attr)
+        found = None if attr.startswith("__") else _first_with(self.__targets, attr)
+        if found is not None:
+            return found[1]
         raise AttributeError(f"module {self.__name__!r} (now {', '.join(self.__targets)}) has no attribute {attr!r}")
 
     def __dir__(self) -> list[str]:
