@@ -394,7 +394,7 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
     capsys.readouterr()
     out = str(tmp_path / "hf")
     assert export_main(["--checkpoint-dir", ck, "--hf", out, "--export-dtype", "fp32",
-                        "--tokenizer-from", str(tok)]) == 0
+                        "--tokenizer-from", str(tok), "--model-module", "hfmap_test"]) == 0  # trusted: named
     assert "exported step 2" in capsys.readouterr().out
     ckpt = Checkpointer(ck)
     meta = ckpt.meta()
