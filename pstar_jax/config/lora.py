@@ -15,6 +15,7 @@ what most recipes pair with rank 8-16 (peft's own default is 8).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -65,9 +66,7 @@ class LoraConfig:
 
     def given(self) -> list[str]:
         """The settings given other than their defaults (rank apart)."""
-        return [f for f in ("alpha", "dropout", "targets", "rslora", "modules_to_save")
-                if getattr(self, f) != (DEFAULT_ALPHA if f == "alpha" else None if f in ("targets", "modules_to_save")
-                                        else False if f == "rslora" else 0.0)]
+        return [f.name for f in dataclasses.fields(self) if f.name != "rank" and getattr(self, f.name) != f.default]
 
     @property
     def enabled(self) -> bool:
