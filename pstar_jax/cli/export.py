@@ -16,6 +16,7 @@ from pstar_jax.config import ConfigError, RunConfig, from_dict
 from pstar_jax.io.hf import EXPORT_DTYPES
 from pstar_jax.io.models import hf_export_config, load_model, saved_run_config
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-export", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", required=True, help="the run's --checkpoint-dir")

@@ -54,7 +54,6 @@ _REFUSED = {
 }
 
 
-
 def adapter_config(*, rank: int, alpha: float, dropout: float, rslora: bool, target_modules: Sequence[str],
                    modules_to_save: Sequence[str], fan_in_fan_out: bool, tie_embeddings: bool,
                    base_model_name_or_path: str | None) -> dict:

@@ -45,6 +45,8 @@ _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding
 _LLAMA = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
                "mistral": _LLAMA}
+
+
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     """peft's scaling of the adapter branch: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
     return alpha / math.sqrt(rank) if rslora else alpha / rank

@@ -37,6 +37,7 @@ MAX_SEARCH_SEQ_LEN = 1 << 23  # tokens per sequence (8M): the longest-sequence s
 SEQ_LEN_TOLERANCE = 0.03  # the longest-sequence search stops within 3% (each probe is a new trace)
 SEQ_LEN_GRANULE = 64  # its probes are multiples of this many tokens
 
+
 @dataclasses.dataclass(frozen=True)
 class Largest:
     """A search's answer: ``value`` (0: nothing fits), and whether the search stopped at its cap
