@@ -6,6 +6,8 @@ Everything else imports these names instead of probing jax itself.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -76,3 +78,24 @@ def cpu_device() -> jax.Device | None:
         return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
+
+
+# XLA's CPU collectives wait 20 s for every device of an all-reduce to arrive, warn, wait 40 s
+# more and then abort the process ("Termination timeout ... Exiting to ensure a consistent
+# program state"). Fake CPU devices are threads sharing the machine's cores, so with 8 devices on
+# 2 busy cores the last one reaches a collective a minute or more after the first: a slow run,
+# not a stuck one. These waits are long enough for any load and still end a real deadlock.
+CPU_COLLECTIVE_TIMEOUTS = {"xla_cpu_collective_call_warn_stuck_timeout_seconds": 120,
+                           "xla_cpu_collective_call_terminate_timeout_seconds": 600}
+
+
+def patient_cpu_collectives() -> None:
+    """Add ``CPU_COLLECTIVE_TIMEOUTS`` to XLA_FLAGS (a user's own setting of either wins).
+
+    XLA reads the variable when the first backend starts; call this before that. The flags
+    name the CPU client's collectives only; other backends ignore them."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    given = set(re.findall(r"--(\w+)=", flags))
+    extra = [f"--{name}={value}" for name, value in CPU_COLLECTIVE_TIMEOUTS.items() if name not in given]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()

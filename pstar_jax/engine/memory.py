@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pstar_jax.compat import patient_cpu_collectives
 from pstar_jax.config import format_bytes
 
 # (chunk list, chunk id). Lists: "param" (bf16 params a stage reads), "slot" (the chunk's bf16
@@ -254,6 +255,7 @@ def configure_backend(device_memory: int | float | str | None, host_bytes: int) 
     ignored."""
     if jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query exists
         return
+    patient_cpu_collectives()  # fake CPU devices (--local-devices) reach collectives late under load
     from pstar_jax.config import parse_device_memory
     memory = parse_device_memory(device_memory) if isinstance(device_memory, str) else device_memory
     if memory is None:
