@@ -56,9 +56,13 @@ def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true")
+    p.add_argument("--small", action="store_true",
+                   help="a dry run with 16 MiB copies and a tiny model (what a CPU can answer)")
     p.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = p.parse_args()
+    if not args.small and jax.default_backend() == "cpu":
+        p.exit(2, "bandwidth.py: this machine has no accelerator (a CPU has no host link to measure, and a "
+                  "1.3B-parameter model would take its memory); run with --small for a dry run\n")
     mesh = default_mesh(1)
     placement = Placement(mesh)
     gib = 2**30

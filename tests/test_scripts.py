@@ -26,6 +26,12 @@ def test_bench_compare_writes_table_and_plots(tmp_path):
     assert (out / "throughput.png").stat().st_size > 0 and (out / "largest.png").stat().st_size > 0
 
 
+def test_bandwidth_without_an_accelerator_says_to_use_small_in_one_line():
+    r = script("bandwidth.py", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--small" in r.stderr
+
+
 def test_bandwidth_and_flops_calibration_report_their_figures(tmp_path):
     import json
     r = script("bandwidth.py", "--small", "--out", str(tmp_path / "bw.json"))
