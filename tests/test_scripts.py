@@ -205,3 +205,20 @@ def test_bench_lora_trains_lora_deeper_than_full_fine_tuning(tmp_path):
         assert (run["h2d_bytes"], run["d2h_bytes"]) == (run["planned_h2d_bytes"], run["planned_d2h_bytes"])
         assert run["moved"]["frozen"][1] == 0 and run["losses"][-1] < run["losses"][0]
     assert runs["full"]["moved"]["frozen"] == [0, 0]
+
+
+def test_readme_results_table_is_the_one_benchmarks_rows_give(tmp_path):
+    assert script("readme_results.py", "--check", timeout=60).returncode == 0
+    readme, bench = tmp_path / "README.md", tmp_path / "BENCHMARKS.md"
+    readme.write_text(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(), encoding="utf-8")
+    text = open(os.path.join(ROOT, "docs", "BENCHMARKS.md"), encoding="utf-8").read()
+    bench.write_text(text + "\nREADME row: a new figure | 42 s\n", encoding="utf-8")
+    paths = ("--readme", str(readme), "--benchmarks", str(bench))
+    stale = script("readme_results.py", "--check", *paths, timeout=60)
+    assert stale.returncode == 1 and "run python scripts/readme_results.py" in stale.stderr
+    assert script("readme_results.py", *paths, timeout=60).returncode == 0
+    assert "| a new figure | 42 s |" in readme.read_text(encoding="utf-8")
+    assert script("readme_results.py", "--check", *paths, timeout=60).returncode == 0
+    bench.write_text(text + "\nREADME row: no figure here\n", encoding="utf-8")
+    broken = script("readme_results.py", "--check", *paths, timeout=60)
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
