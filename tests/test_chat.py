@@ -229,3 +229,19 @@ def test_prefix_spans_equal_transformers_mask_of_the_marked_template(dirs, name)
         out = reference.apply_chat_template(conversation, chat_template=marked, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         assert list(out["input_ids"]) == ids.tolist() and list(out["assistant_masks"]) == labels.tolist()
+
+
+def test_assistant_first_conversation_names_what_to_change(dirs):
+    first = [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "Paris."}]
+    for name in ("llama31", "qwen25"):  # both read messages[0], so the empty prefix does not render
+        template = ChatTemplate.from_tokenizer_dir(dirs[name])
+        with pytest.raises(BadExample) as err:
+            template.encode_with_mask(first)
+        assert str(err.value).startswith(f"opens with an assistant turn, and the chat template {template.name} "
+                                         f"cannot render the empty conversation before it") and "\n" not in str(err.value)
+    with pytest.raises(BadExample, match="roles must alternate"):  # Mistral's template says so itself
+        ChatTemplate.from_tokenizer_dir(dirs["mistral"]).encode_with_mask(first)
+    template = ChatTemplate.from_tokenizer_dir(dirs["qwen25-marks"])  # marks need no prefix renders
+    ids, labels = template.encode_with_mask(first)
+    assert "Hello" in template.tokenizer.decode(ids[labels == 1].tolist(), skip_special_tokens=False)

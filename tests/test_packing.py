@@ -1,6 +1,8 @@
 """pstar_jax.data.packing: every example whole in one row, in order, with its labels; tight packing on a
 log-normal length mix; the file round-trips, is refused when damaged, and is written atomically."""
 
+import dataclasses
+import errno
 import json
 import os
 import stat
@@ -169,3 +171,48 @@ def test_filling_in_pieces_gives_the_same_rows(monkeypatch):
         np.testing.assert_array_equal(getattr(pieces, name), getattr(whole, name))
     assert sorted(_unpack(pieces)) == sorted((tuple(ex.tokens[s:s + n].tolist()), tuple(ex.labels[s:s + n].tolist()))
                                              for s, n in zip(ex.starts, ex.lengths))
+
+
+def test_full_disk_is_found_before_the_rows_are_mapped(tmp_path, monkeypatch):
+    """The file's space is taken at once (a store into a memory-mapped page the disk has no room for is a
+    SIGBUS, not an error); without posix_fallocate, zeros are written instead, to the same file."""
+    rows = packing.pack(_examples([5, 9, 3]), seq_len=16)
+    path = tmp_path / "a.sft.u16.bin"
+    path.write_bytes(b"old")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(DataError) as err:
+        packing.write_packed(path, rows, {"vocab_size": 1000}, overwrite=True)
+    assert str(err.value) == (f"cannot write {path}: No space left on device; free some space there or write it "
+                              f"to another disk")
+    assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["a.sft.u16.bin"]
+    monkeypatch.undo()
+    packing.write_packed(tmp_path / "b.sft.u16.bin", rows, {"vocab_size": 1000})
+    monkeypatch.delattr(os, "posix_fallocate")
+    monkeypatch.setattr(packing, "ZEROS_BYTES", 7)  # zeros in many short writes, the last one shorter
+    packing.write_packed(tmp_path / "c.sft.u16.bin", rows, {"vocab_size": 1000})
+    assert (tmp_path / "c.sft.u16.bin").read_bytes() == (tmp_path / "b.sft.u16.bin").read_bytes()
+
+
+def test_a_file_that_trains_no_token_is_refused_at_load(tmp_path, monkeypatch):
+    rows = packing.pack(_examples([5, 9, 3, 12, 7]), seq_len=16)
+    untrained = {"nothing": np.zeros_like(rows.labels),
+                 "first tokens only": (rows.segments > 0) & (np.diff(rows.segments, prepend=0, axis=1) != 0)}
+    for name, labels in untrained.items():  # an example's first token is no target: it follows no input of its own
+        path = tmp_path / f"{name.replace(' ', '-')}.sft.u16.bin"
+        packing.write_packed(path, dataclasses.replace(rows, labels=labels.astype(np.uint8)), {"vocab_size": 1000})
+        with pytest.raises(DataError) as err:
+            packing.load_packed(path)
+        assert str(err.value).startswith(f"{path} trains no token (no position is labelled as a target within its "
+                                         f"example), so training on it would learn nothing; repack it"), name
+        assert "\n" not in str(err.value)
+    one = np.zeros_like(rows.labels)
+    last = np.flatnonzero(rows.segments[-1])[-1]
+    assert rows.segments[-1, last - 1] == rows.segments[-1, last]  # the last row's last token is a target
+    one[-1, last] = 1
+    path = tmp_path / "one.sft.u16.bin"
+    packing.write_packed(path, dataclasses.replace(rows, labels=one), {"vocab_size": 1000})
+    monkeypatch.setattr(packing, "SCAN_POSITIONS", 17)  # a row at a time: found in the last block
+    assert packing.load_packed(path).labels.sum() == 1

@@ -1,6 +1,7 @@
 """pstar-tokens --chat: conversation files to a packed SFT file whose rows hold exactly the examples
 ChatTemplate.encode_with_mask gives; bad lines, truncation and the summary; one-line errors."""
 
+import errno
 import json
 import os
 
@@ -96,10 +97,24 @@ def test_long_examples_dropped_or_truncated(qwen, tmp_path):
     ids, labels = template.encode_with_mask(long)
     got = _examples_in(packing.load_packed(tmp_path / "t.sft.u16.bin"))
     assert (tuple(ids[:seq_len + 1].tolist()), tuple(labels[:seq_len + 1].tolist())) in got
-    # A cut that keeps no assistant token drops the example even with --truncate.
+    # A cut that keeps no assistant token is a bad line naming the conversation and the --seq-len it needs.
     seq_len = min(first_short, first_long) - 1  # rows of seq_len + 1 keep no assistant token of either
-    with pytest.raises(DataError, match=f"no example fits --seq-len {seq_len} \\(2 read, 0 skipped, 2 dropped\\)"):
+    with pytest.raises(DataError) as err:
         make_sft_file(tmp_path / "p.sft.u16.bin", [path], qwen, seq_len, truncate=True)
+    assert str(err.value) == (f"{path}:1 has {n_short} tokens and no assistant token among the {seq_len + 1} of a "
+                              f"row, so --truncate keeps nothing of it to train; raise --seq-len to {first_short} or "
+                              f"more; fix it or pass --on-bad-example skip")
+    with pytest.raises(DataError, match=r"no usable conversation \(2 skipped\)"):
+        make_sft_file(tmp_path / "p.sft.u16.bin", [path], qwen, seq_len, truncate=True, on_bad_example="skip")
+    assert not (tmp_path / "p.sft.u16.bin").exists()
+    # Rows that reach the earlier first answer keep that example and skip, naming it, the other.
+    line, n, first = (1, n_short, first_short) if first_short > first_long else (2, n_long, first_long)
+    seq_len = min(first_short, first_long)
+    info = make_sft_file(tmp_path / "s.sft.u16.bin", [path], qwen, seq_len, truncate=True, on_bad_example="skip")
+    assert (info["read"], info["skipped"], info["truncated"], info["examples"]) == (1, 1, 1, 1)
+    assert info["skipped_named"] == [f"{path}:{line} has {n} tokens and no assistant token among the {seq_len + 1} "
+                                     f"of a row, so --truncate keeps nothing of it to train; raise --seq-len to "
+                                     f"{first} or more"]
 
 
 def test_errors_are_one_line(qwen, tmp_path, capsys):
@@ -133,3 +148,69 @@ def test_errors_are_one_line(qwen, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, (message, err)
         assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "e.jsonl", "plain"], argv
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(qwen, tmp_path, capsys, monkeypatch):
+    """The rows are written through memory maps, where a disk without room kills the process (SIGBUS);
+    the file's space is taken before, so a full disk is one line, and nothing is left behind."""
+    good = _jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    out = tmp_path / "o.sft.u16.bin"
+    out.write_bytes(b"old")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    argv = ["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(good), "-o", str(out), "--overwrite"]
+    assert tokens_cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"pstar-tokens: error: cannot write {out}: No space left on device; free some "
+                                       f"space there or write it to another disk\n")
+    assert out.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["c.jsonl", "o.sft.u16.bin"]
+
+
+def test_marks_that_select_nothing_name_the_template_and_the_line(qwen, tmp_path, capsys):
+    own = tmp_path / "empty-marks.jinja"  # marks there are, around nothing
+    own.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% if m.role == 'assistant' %}"
+                   "{% generation %}{% endgeneration %}{% endif %}{% endfor %}")
+    good = _jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    out = tmp_path / "o.sft.u16.bin"
+    assert tokens_cli.main(["--chat", "--tokenizer", str(qwen), "--chat-template", str(own), "--seq-len", "127",
+                            str(good), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"pstar-tokens: error: {good}:1: the {{% generation %}} marks of the chat template {own} select no token of "
+        f"it, so none of its assistant turns would be trained; make the marks enclose the assistant's replies "
+        f"(--chat-template FILE) or pass --train-on-prompt\n")
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "empty-marks.jinja"]
+
+
+def test_assistant_first_conversation_is_one_line(qwen, tmp_path, capsys):
+    """Qwen2.5's template reads messages[0] (for its default system prompt), so the empty prefix before an
+    opening assistant turn does not render: the line is named, with what to change, not the Jinja error."""
+    first = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "Paris."}]
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": first}])
+    out = tmp_path / "o.sft.u16.bin"
+    argv = ["--chat", "--tokenizer", str(qwen), "--seq-len", "127", str(path), "-o", str(out)]
+    assert tokens_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"pstar-tokens: error: {path}:2 opens with an assistant turn, and the chat template "
+                   f"{qwen / 'tokenizer_config.json'} cannot render the empty conversation before it to find where "
+                   f"that turn begins; start the conversation with a user turn, or give a template with "
+                   f"{{% generation %}} marks (--chat-template); fix it or pass --on-bad-example skip\n")
+    assert not out.exists()
+    assert tokens_cli.main(argv + ["--on-bad-example", "skip"]) == 0
+    assert "1 examples read, 1 skipped" in capsys.readouterr().out
+    # After a system turn the prefix renders, so the opening assistant turn trains.
+    ids, labels = ChatTemplate.from_tokenizer_dir(qwen).encode_with_mask([{"role": "system", "content": "Be brief."},
+                                                                          *first])
+    assert labels.any()
+
+
+def test_absurd_seq_len_is_refused_before_any_work(qwen, tmp_path, capsys):
+    good = _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}])
+    out = tmp_path / "o.sft.u16.bin"
+    assert tokens_cli.main(["--chat", "--tokenizer", str(qwen), "--seq-len", "1000000000", str(good), "-o",
+                            str(out)]) == 2
+    assert capsys.readouterr().err == ("pstar-tokens: error: --seq-len 1,000,000,000 is past 16,777,216 (2**24), "
+                                       "longer than any model trains at; give the sequence length the model trains "
+                                       "at\n")
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]

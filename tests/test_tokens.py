@@ -322,3 +322,11 @@ def test_eos_token_that_is_not_a_token_string_is_one_line(bpe_dir, tmp_path, eos
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"__type": "AddedToken",
                                                                                "content": EOS, "lstrip": False}}))
     assert load_tokenizer(directory).eos_id == load_tokenizer(bpe_dir).eos_id
+
+
+def test_help_names_every_default(capsys):
+    assert tokens_cli.main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    for flag, default in [("--field FIELD", "(default: text)"), ("--max-bytes MAX_BYTES", "default: all)"),
+                          ("--tokenizer DIR_OR_JSON", "(default: bytes)"), ("--seed SEED", "(default: 0)")]:
+        assert flag in help_text and default in help_text.split(flag, 1)[1].split(" --", 1)[0], flag

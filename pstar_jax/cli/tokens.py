@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a tokenizer.json or a directory holding one (default: bytes)")
     parser.add_argument("--eos-token", default=None,
                         help="end-of-text token (default: eos_token of tokenizer_config.json)")
-    parser.add_argument("--field", default="text", help="JSONL field holding the text")
+    parser.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     parser.add_argument("--default-corpus", action="store_true", help="use Python's stdlib sources")
     parser.add_argument("--max-bytes", type=int, default=None,
-                        help="read at most this many input bytes (a document boundary counts 1)")
+                        help="read at most this many input bytes (a document boundary counts 1; default: all)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (never an input)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     chat = parser.add_argument_group("conversations (--chat)")

@@ -90,13 +90,18 @@ def from_rows(tokens_BxR: np.ndarray, segments_BxR: np.ndarray, labels_BxR: np.n
     """The batch of packed rows of R = L + 1 positions (the SFT file's three arrays)."""
     tokens = np.asarray(tokens_BxR, np.int32)
     segments = np.asarray(segments_BxR, np.int32)
-    labels = np.asarray(labels_BxR) != 0
+    inputs, mask = segments[:, :-1], trained_targets(segments, labels_BxR)
+    return Batch(np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:]),
+                 mask.astype(np.float32), np.ascontiguousarray(inputs), positions_in_segments(inputs))
+
+
+def trained_targets(segments_BxR: np.ndarray, labels_BxR: np.ndarray) -> np.ndarray:
+    """[B, R - 1] bool: which targets of packed rows are trained."""
+    segments = np.asarray(segments_BxR)
     inputs, following = segments[:, :-1], segments[:, 1:]
     # A target is trained when labelled and in the same example as its input (never across a
     # boundary into the next example or padding, never from padding).
-    mask = labels[:, 1:] & (following == inputs) & (inputs != 0)
-    return Batch(np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:]),
-                 mask.astype(np.float32), np.ascontiguousarray(inputs), positions_in_segments(inputs))
+    return (np.asarray(labels_BxR)[:, 1:] != 0) & (following == inputs) & (inputs != 0)
 
 
 def positions_in_segments(segment_ids_BxL: np.ndarray) -> np.ndarray:

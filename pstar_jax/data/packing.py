@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable
 
 import numpy as np
 
+from pstar_jax.data.batch import trained_targets
 from pstar_jax.data.token_files import io_errors, sidecar_path, token_dtype, token_suffix, write_atomic
 from pstar_jax.config.errors import DataError
 from pstar_jax.config.paths import create_temp_beside
@@ -37,6 +39,8 @@ HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIIIQQQ")
 _ALIGN = 64
 FILL_TOKENS = 1 << 22
+SCAN_POSITIONS = 1 << 20  # load_packed looks for a trained target this many positions at a time
+ZEROS_BYTES = 1 << 20  # a file system without posix_fallocate gets its space in writes of this many
 
 
 @dataclasses.dataclass
@@ -223,6 +227,25 @@ def check_packed_destination(path: str | os.PathLike, vocab_size: int, overwrite
     return path
 
 
+def _allocate(f: BinaryIO, size_bytes: int) -> None:
+    """Gives the open file ``f`` its ``size_bytes`` on disk now. The rows are then written through
+    memory maps, and a store into a mapped page the disk has no room for kills the process with
+    SIGBUS; a full disk found here is an OSError (ENOSPC) instead."""
+    f.flush()
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(f.fileno(), 0, size_bytes)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # a file system without it: zeros below
+                raise
+    f.seek(0, os.SEEK_END)
+    zeros = bytes(ZEROS_BYTES)
+    for left in range(size_bytes - f.tell(), 0, -len(zeros)):
+        f.write(zeros[:left])
+    f.flush()
+
+
 class PackedWriter:
     """A packed file being written under a hidden temporary name: ``rows`` are memory maps into it;
     ``commit`` renames it into place and writes the sidecar (a crash leaves the target as it was)."""
@@ -239,7 +262,7 @@ class PackedWriter:
         try:
             with io_errors(self.path, "write"), os.fdopen(fd, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, tdt.itemsize, sdt.itemsize, 0, rows, seq_len, vocab_size))
-                f.truncate(size)
+                _allocate(f, size)
             shape = (rows, row_len)
             view = lambda dtype, at: (np.memmap(tmp, dtype, "r+", at, shape) if rows  # noqa: E731
                                       else np.zeros(shape, dtype))
@@ -338,6 +361,23 @@ def load_packed(path: str | os.PathLike) -> PackedRows:
     shape = (rows, row_len)
     view = lambda dtype, at: np.memmap(path, dtype, "r", at, shape) if rows else np.zeros(shape, dtype)  # noqa: E731
     try:
-        return PackedRows(view(tdt, at_tokens), view(sdt, at_segments), view(np.uint8, at_labels), info)
+        packed = PackedRows(view(tdt, at_tokens), view(sdt, at_segments), view(np.uint8, at_labels), info)
+        trains = not rows or trains_any(packed)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    if not trains:  # its loss would be 0 over 0 targets at every step, and nothing learnt
+        raise DataError(f"{path} trains no token (no position is labelled as a target within its example), so "
+                        f"training on it would learn nothing; repack it with pstar-tokens --chat from conversations "
+                        f"with assistant turns its chat template marks, or with --train-on-prompt")
+    return packed
+
+
+def trains_any(rows: PackedRows) -> bool:
+    """Whether some target of ``rows`` is trained; stops at the first block that has one, so a
+    memory-mapped file of GBs costs a few pages (all of them only when nothing is trained)."""
+    block = max(1, SCAN_POSITIONS // rows.tokens.shape[1])
+    for lo in range(0, rows.rows, block):
+        labels = np.asarray(rows.labels[lo:lo + block])
+        if labels[:, 1:].any() and trained_targets(np.asarray(rows.segments[lo:lo + block]), labels).any():
+            return True
+    return False

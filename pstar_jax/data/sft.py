@@ -2,7 +2,8 @@
 
 Conversations are read (pstar_jax.data.chat), rendered with the checkpoint's chat template and tokenized
 in batches; an example longer than a row (seq_len + 1 positions) is dropped, or with ``truncate``
-cut to its first seq_len + 1 tokens if a trained target remains. The examples are held as flat
+cut to its first seq_len + 1 tokens (a bad line if no trained target remains). An example with no
+trained target at all is the template's fault, an error naming both. The examples are held as flat
 numpy arrays (a few bytes a token), packed, and written straight into the memory-mapped file.
 """
 
@@ -22,6 +23,9 @@ from pstar_jax.data.template import ChatTemplate
 from pstar_jax.config.errors import DataError
 
 BATCH_EXAMPLES = 512  # conversations per encode_batch call
+# The longest training sequence a packed file is made for: 2**24 = 16.8M positions, past the longest
+# context released (10M), and one row of it already takes 112 MiB on disk.
+MAX_SEQ_LEN = 1 << 24
 
 
 @dataclasses.dataclass
@@ -33,11 +37,12 @@ class Counts:
 
 
 def _prepared(conversations: Iterable[tuple[Conversation, str]], template: ChatTemplate, train_on_prompt: bool,
-              bad: BadLines) -> Iterator[list[tuple[str, list | None]]]:
+              bad: BadLines) -> Iterator[list[tuple[tuple[str, list | None], str]]]:
+    """Batches of (rendered text and trained spans, "FILE:LINE")."""
     batch = []
     for conversation, where in conversations:
         try:
-            batch.append(template.prepare(conversation, train_on_prompt))
+            batch.append((template.prepare(conversation, train_on_prompt), where))
         except BadExample as e:
             bad.add(where, str(e))
             continue
@@ -56,17 +61,22 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
     tokens, labels, lengths = [], [], []
     for batch in _prepared(conversations, template, train_on_prompt, bad):
         kept_ids, kept_labels = [], []
-        for ids, mask in template.encode_batch_with_mask(batch):
+        prepared, wheres = zip(*batch)
+        for (ids, mask), where in zip(template.encode_batch_with_mask(list(prepared)), wheres):
+            if not mask[1:].any():  # position 0 is never a target
+                raise DataError(_nothing_trained(where, template, train_on_prompt, len(ids)))
+            if truncate and len(ids) > row_len and not mask[1:row_len].any():
+                first = int(np.argmax(mask[1:])) + 1  # the first target: a row must reach it
+                bad.add(where, f"has {len(ids):,} tokens and no assistant token among the {row_len:,} of a row, so "
+                               f"--truncate keeps nothing of it to train; raise --seq-len to {first:,} or more")
+                continue
             counts.read += 1
             if len(ids) > row_len:
-                if not truncate or not mask[1:row_len].any():  # position 0 is never a target
+                if not truncate:
                     counts.dropped += 1
                     continue
                 ids, mask = ids[:row_len], mask[:row_len]
                 counts.truncated += 1
-            elif not mask[1:].any():
-                counts.dropped += 1
-                continue
             kept_ids.append(ids)
             kept_labels.append(mask)
         if kept_ids:
@@ -76,6 +86,19 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
     counts.skipped = bad.count
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)  # noqa: E731
     return packing.Examples(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
+
+
+def _nothing_trained(where: str, template: ChatTemplate, train_on_prompt: bool, n_tokens: int) -> str:
+    """Why ``where`` has no trained target (its assistant turns are never empty) and what to change."""
+    if train_on_prompt:
+        return (f"{where} renders as {n_tokens} token(s) with the chat template {template.name}, too few to train "
+                f"on; the template drops its turns: give another (--chat-template FILE)")
+    if template.has_generation_marks:
+        return (f"{where}: the {{% generation %}} marks of the chat template {template.name} select no token of it, "
+                f"so none of its assistant turns would be trained; make the marks enclose the assistant's replies "
+                f"(--chat-template FILE) or pass --train-on-prompt")
+    return (f"{where}: the chat template {template.name} renders none of its assistant turns as tokens to train; "
+            f"give a template with {{% generation %}} marks (--chat-template FILE) or pass --train-on-prompt")
 
 
 def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], tokenizer_dir: str | os.PathLike,
@@ -91,6 +114,9 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
         raise DataError("give the conversation JSONL files to read")
     if seq_len < 1:
         raise DataError(f"--seq-len must be >= 1, got {seq_len}")
+    if seq_len > MAX_SEQ_LEN:
+        raise DataError(f"--seq-len {seq_len:,} is past {MAX_SEQ_LEN:,} (2**24), longer than any model trains at; "
+                        f"give the sequence length the model trains at")
     if not 0 <= seed < 2**63:
         raise DataError(f"--seed must be a whole number >= 0, got {seed}")
     if on_bad_example not in ("skip", "error"):

@@ -260,7 +260,7 @@ class ChatTemplate:
         for i, message in enumerate(conversation):
             if message["role"] != "assistant":
                 continue
-            before = self._render(conversation[:i], True)
+            before = self._render_before(conversation, i)
             through = full if i == len(conversation) - 1 else self._render(conversation[:i + 1], False)
             if not (full.startswith(through) and through.startswith(before)):
                 raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
@@ -273,6 +273,20 @@ class ChatTemplate:
                                 f"{{% generation %}} marks (--chat-template) or pass --train-on-prompt")
             spans.append((len(before), len(through)))
         return full, spans
+
+    def _render_before(self, conversation: Conversation, i: int) -> str:
+        """The text before assistant turn ``i``: its prefix with the generation prompt."""
+        try:
+            return self._render(conversation[:i], True)
+        except BadExample:
+            if i:
+                raise
+            # Most templates read messages[0] whatever it is, so an empty conversation fails
+            # with an error of their own ("list object has no element 0") that names nothing.
+            raise BadExample(f"opens with an assistant turn, and the chat template {self.name} cannot render the "
+                             f"empty conversation before it to find where that turn begins; start the "
+                             f"conversation with a user turn, or give a template with {{% generation %}} marks "
+                             f"(--chat-template)") from None
 
     def encode_with_mask(self, conversation: Conversation, train_on_prompt: bool = False
                          ) -> tuple[np.ndarray, np.ndarray]:

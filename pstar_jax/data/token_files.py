@@ -11,6 +11,7 @@ memory costs only the pages a batch touches.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -154,7 +155,9 @@ def io_errors(path: str | os.PathLike, verb: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise DataError(f"cannot {verb} {path}: {e.strerror or e}") from None
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise DataError(f"cannot {verb} {path}: {e.strerror or e}"
+                        + ("; free some space there or write it to another disk" if full else "")) from None
 
 
 class TokenWriter:
