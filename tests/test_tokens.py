@@ -330,3 +330,10 @@ def test_help_names_every_default(capsys):
     for flag, default in [("--field FIELD", "(default: text)"), ("--max-bytes MAX_BYTES", "default: all)"),
                           ("--tokenizer DIR_OR_JSON", "(default: bytes)"), ("--seed SEED", "(default: 0)")]:
         assert flag in help_text and default in help_text.split(flag, 1)[1].split(" --", 1)[0], flag
+
+
+@pytest.mark.parametrize("argv", [["--chat", "--seq-len", "1e9", "-o", "x.sft.u16.bin", "a.jsonl"], ["--bogus"]])
+def test_a_usage_error_is_one_line(capsys, argv):
+    assert tokens_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pstar-tokens: error: "), err

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from pstar_jax.config.errors import DataError
+from pstar_jax.cli.flags import Parser
+from pstar_jax.config.errors import ConfigError, DataError
 from pstar_jax.data import token_files as data
 from pstar_jax.data.chat import FORMATS
 from pstar_jax.data.sft import make_sft_file, summary
@@ -31,7 +32,7 @@ def _split_paths(paths: Sequence[str], output: str | None) -> tuple[str, list[st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pstar-tokens", usage="%(prog)s [options] -o OUT.u16.bin|OUT.u32.bin|OUT.sft.u16.bin INPUTS...",
         description="Make a token file: byte-level (vocab 256) by default, or with a Hugging Face "
                     "tokenizer. .jsonl inputs hold one document per line; other inputs are one "
@@ -95,8 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_intermixed_args(argv)  # inputs may come before and after the options
-    except SystemExit as exit_:  # --help or a usage error, already printed by argparse
+    except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
+    except ConfigError as e:  # a usage error, in one line (argparse would print the usage above it)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     out = None
     try:
         out, inputs = _split_paths(args.paths, args.output)
