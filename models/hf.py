@@ -34,7 +34,7 @@ class HFTensor(NamedTuple):
     """Where one of our parameters lives in an HF checkpoint."""
     name: str
     transpose: bool  # torch Linear weights are [out, in], our kernels [in, out]
-    truncate_rows: bool  # GPT-2's wpe: the checkpoint may hold more positions than seq_len
+    truncate_rows: bool  # GPT-2's wpe: the checkpoint may hold more positions than seq_len (an export puts them back)
 
 
 def _require(config: Mapping[str, Any], key: str) -> int:
@@ -202,13 +202,18 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
     """The config.json for ``model`` (a StagedGPT/StagedLlama or anything with such a ``.config``),
     its weights stored in ``torch_dtype``. With ``source``, the config.json the model was read from:
     its other fields (bos/eos ids, ...) are kept and its layout followed (5.x rope_parameters or
-    4.x rope_theta/rope_scaling; dtype or torch_dtype)."""
+    4.x rope_theta/rope_scaling; dtype or torch_dtype), and a GPT-2 keeps its n_positions: the
+    writer of an export that follows the source puts back the position rows our seq_len left out."""
     ours = _hf_config(model, torch_dtype)
     if source is None or source.get("model_type") != ours["model_type"]:
         return ours
     out = {k: v for k, v in source.items() if k not in _LAYOUT_KEYS}
     out.update((k, v) for k, v in ours.items() if k not in _LAYOUT_KEYS and not (k in _SOURCE_WINS and k in source))
     out["dtype" if "dtype" in source and "torch_dtype" not in source else "torch_dtype"] = torch_dtype
+    if ours["model_type"] == "gpt2" and source.get("n_positions", 1024) >= ours["n_positions"]:
+        del out["n_positions"]  # the source's count (or its default): the writer puts back the rows seq_len cut
+        if "n_positions" in source:
+            out["n_positions"] = source["n_positions"]
     if "rope_theta" in ours:
         if "rope_parameters" in source and "rope_theta" not in source:  # 5.x
             out["rope_parameters"] = {"rope_theta": ours["rope_theta"],

@@ -350,6 +350,7 @@ Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
     (lambda d: edit_config(d, layers_to_transform=[0]), "LoRA on some layers only"),
     (lambda d: edit_config(d, r=0), "r is 0"),
     (lambda d: edit_config(d, lora_dropout=1.5), "lora_dropout is 1.5"),
+    (lambda d: edit_config(d, lora_alpha=-8), "lora_alpha is -8; it must be a positive number"),
     (lambda d: edit_config(d, target_modules=["q_proj", "wq"]), "targets 'wq', which is not a projection"),
     (lambda d: edit_config(d, target_modules=["q_proj"]), "which adapter_config.json's target_modules does not name"),
     (lambda d: edit_config(d, target_modules=["q_proj", "up_proj", "k_proj"]), "lacks the adapter of"),

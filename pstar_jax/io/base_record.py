@@ -25,6 +25,7 @@ model module, preset, overrides, base tensor shapes and seed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from typing import Any, Iterator, Mapping
@@ -153,6 +154,22 @@ def base_tensors(record: Mapping, model: Any, config: RunConfig, directory: str)
     else:
         now = base_record(config, model)
     check_same_base(record, now, directory)
+    return _source_tensors(record, model, config)
+
+
+def run_base(config: RunConfig, model: Any, record: Mapping | None = None) -> Mapping[str, Any]:
+    """The tensors of the base ``config`` builds ``model`` from, fp32 as its source stores them
+    (the engine holds a compute-dtype copy of a frozen base), for an export at the end of the run;
+    ``record``, the run's record of its base from the start, must still describe it (CheckpointError)."""
+    now = base_record(config, model)
+    if record is not None and (record["source"], record["fingerprint"]) != (now["source"], now["fingerprint"]):
+        raise CheckpointError(f"the run's base {describe(record)} changed while it trained (fingerprint "
+                              f"{record['fingerprint'][:12]}, now {now['fingerprint'][:12]}); put back the base "
+                              "it trained on, then export its checkpoint with pstar-export")
+    return _source_tensors(now, model, config)
+
+
+def _source_tensors(record: Mapping, model: Any, config: RunConfig) -> Mapping[str, Any]:
     if record["source"] == "hf":
         from pstar_jax.io.hf import HFCheckpoint
         from pstar_jax.io.models import hf_functions
@@ -180,32 +197,41 @@ class _Initialised(Mapping[str, Any]):
 
 def checkpoint_tensors(ckpt: Checkpointer, meta: dict, model: Any, config: RunConfig
                        ) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of a chunked checkpoint's model (fp32, one at a time): the saved ones from the
-    checkpoint, a chunk at a time, and the frozen ones it does not hold from its recorded base,
-    which is checked now (before anything is read)."""
+    """Every tensor of a chunked checkpoint's model (fp32, one at a time, in the order its engine's
+    ``iter_params`` gives them, so an export of either writes the same shards): the saved ones from
+    the checkpoint, a chunk at a time, and the frozen ones it does not hold from its recorded base
+    as the base's source stores them, which is checked now (before anything is read)."""
     layout = ChunkLayout.from_json(meta["layout"])
     kept = set(saved_chunks(meta, layout))
-    missing = [s.name for s in layout.slots if s.chunk not in kept]
     base = None
-    if missing:
+    if any(s.chunk not in kept for s in layout.slots):
         if not isinstance(meta.get("base"), dict):
             raise CheckpointError(f"checkpoint step {meta['step']} in {ckpt.directory} holds its trained tensors "
                                   "alone and no record of its base; read it where its engine was built")
         base = base_tensors(meta["base"], model, config, ckpt.directory)
-    return _chain(iter_master_tensors(ckpt, meta["step"]), base, missing)
+    return _chain(layout, kept, iter_master_tensors(ckpt, meta["step"]), base)
 
 
-def _chain(saved: Iterator[tuple[str, np.ndarray]], base: Any, missing: list[str]
+def _chain(layout: ChunkLayout, kept: set[int], saved: Iterator[tuple[str, np.ndarray]], base: Any
            ) -> Iterator[tuple[str, np.ndarray]]:
+    """Chunk by chunk: a saved chunk's tensors from ``saved`` (which reads the saved chunks in
+    order), a frozen chunk's from ``base``."""
+    by_chunk: dict[int, list] = {}
+    for s in layout.slots:
+        by_chunk.setdefault(s.chunk, []).append(s)
     try:
-        yield from saved
-        for name in missing:
-            yield name, np.asarray(base[name], np.float32)
+        for c in range(layout.n_chunks):
+            slots = by_chunk.get(c, [])
+            if c in kept:
+                chunk = dict(itertools.islice(saved, len(slots)))  # views of the one chunk read
+                yield from ((s.name, chunk[s.name]) for s in slots)
+            else:
+                yield from ((s.name, np.asarray(base[s.name], np.float32)) for s in slots)
     finally:
         close = getattr(base, "close", None)
         if callable(close):
             close()
 
 
-__all__ = ["base_record", "check_same_base", "check_same_adapters", "base_tensors", "checkpoint_tensors",
+__all__ = ["base_record", "check_same_base", "check_same_adapters", "base_tensors", "run_base", "checkpoint_tensors",
            "fingerprint_files", "describe"]

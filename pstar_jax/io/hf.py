@@ -3,7 +3,8 @@
 Model-agnostic: a model's side supplies a tensor map, pstar name -> (HF name, transpose,
 truncate_rows), and the config.json to write. ``transpose``: HF stores torch Linear weights
 [out, in] where our kernels are [in, out]. ``truncate_rows``: the HF tensor may have more rows
-than ours (GPT-2's position table cut to our sequence length); we keep the first ones.
+than ours (GPT-2's position table cut to our sequence length); we keep the first ones, and a
+run's export puts the rest back from the source (``HFCheckpoint.rows_beyond``, pstar_jax.io.hf_export).
 
 In: ``HFCheckpoint`` is a lazy mapping, pstar name -> fp32 numpy tensor, that reads and converts
 one tensor per lookup, so an engine filling its chunks one at a time never holds the model
@@ -201,20 +202,26 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         if shape and shape[0] > ours[0]:
             self.truncated[pstar] = (shape[0], ours[0])
 
+    def _read(self, pstar: str, rows: slice) -> np.ndarray:
+        """Rows ``rows`` (in our orientation) of a tensor, fp32."""
+        hf = self._hf_names[pstar]
+        handle = self._files[self._where[hf]]
+        if self._map[pstar][1]:  # a view: the engine copies it into its chunk, so no contiguous copy here
+            value = handle.get_tensor(hf).T[rows]
+        elif rows == slice(None):
+            value = handle.get_tensor(hf)
+        else:
+            value = handle.get_slice(hf)[rows]  # reads only those rows
+        return value.astype(np.float32, copy=False)  # fp32 sources are not copied again
+
+    def rows_beyond(self, pstar: str) -> np.ndarray:
+        """The rows a tensor cut short (``truncated``) leaves out, fp32 as stored: an export puts them
+        back after the model's own, so a model trained on fewer positions keeps the source's table."""
+        return self._read(pstar, slice(self._shapes[pstar][0], None))
+
     def __getitem__(self, pstar: str) -> np.ndarray:
         hf = self._hf_names[pstar]
-        _, transpose, truncate = self._map[pstar]
-        handle = self._files[self._where[hf]]
-        rows = self._shapes[pstar][0] if truncate else None
-        if truncate and not transpose:
-            value = handle.get_slice(hf)[:rows]  # reads only the rows kept
-        else:
-            value = handle.get_tensor(hf)
-        value = value.astype(np.float32, copy=False)  # fp32 sources are not copied again
-        if transpose:  # a view: the engine copies it into its chunk, so no contiguous copy here
-            value = value.T
-        if truncate and transpose:
-            value = value[:rows]
+        value = self._read(pstar, slice(self._shapes[pstar][0] if self._map[pstar][2] else None))
         # Checked as each tensor streams in: a corrupt weight would otherwise surface as a NaN loss.
         if not np.isfinite(value).all():
             bad = int(value.size - np.isfinite(value).sum())

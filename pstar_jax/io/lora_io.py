@@ -102,11 +102,13 @@ def export_lora(directory: str, config: RunConfig, model: Any,
                          tie_embeddings=bool(getattr(model.config, "tie_embeddings", False)), what=what)
 
 
-def hf_stream(config: RunConfig, iter_params: Callable[[], Iterable[tuple[str, np.ndarray]]]
+def hf_stream(config: RunConfig, iter_params: Callable[[], Iterable[tuple[str, np.ndarray]]],
+              iter_adapters: Callable[[], Iterable[tuple[str, np.ndarray]]] | None = None
               ) -> Iterable[tuple[str, np.ndarray]]:
     """The tensors an HF export writes: the parameters, with a LoRA run's adapters merged into
-    their kernels (W + scale * lora_a @ lora_b, fp32) as the base streams by."""
+    their kernels (W + scale * lora_a @ lora_b, fp32) as the base streams by; ``iter_adapters``
+    (peft_io.merged_stream) gives the adapters more cheaply than ``iter_params``."""
     lora = config.lora
     if not lora.enabled:
         return iter_params()
-    return merged_stream(iter_params, lora_scale(float(lora.alpha), lora.rank, lora.rslora))
+    return merged_stream(iter_params, lora_scale(float(lora.alpha), lora.rank, lora.rslora), iter_adapters)

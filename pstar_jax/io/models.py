@@ -99,13 +99,24 @@ def hf_functions(config: RunConfig) -> tuple[Any, Any]:
     return _module_function(module, "hf_tensors", config), _module_function(module, "hf_config", config)
 
 
+def hf_export_source(config: RunConfig) -> str | None:
+    """The run's --init-from-hf directory, if an HF export follows it (its config.json is there and
+    the module's hf_config takes ``source``): the export keeps its config's fields and layout, and
+    the rows of a tensor cut short on import (pstar_jax.io.hf_export)."""
+    src = config.model.init_from_hf
+    if src and os.path.isfile(os.path.join(src, "config.json")) and \
+            "source" in inspect.signature(hf_functions(config)[1]).parameters:
+        return src
+    return None
+
+
 def hf_export_config(config: RunConfig, model: StagedModel) -> tuple[Any, dict]:
     """The model's HF tensor map and config.json; the config keeps the fields and layout of the
-    run's --init-from-hf config.json where the module's hf_config takes ``source``."""
+    run's --init-from-hf config.json where the export follows it (``hf_export_source``)."""
     tensors, hf_config = hf_functions(config)
     source = None
-    src = config.model.init_from_hf
-    if src and os.path.isfile(os.path.join(src, "config.json")) and "source" in inspect.signature(hf_config).parameters:
+    src = hf_export_source(config)
+    if src:
         from pstar_jax.io.hf import read_hf_config
         source = read_hf_config(src)
     try:

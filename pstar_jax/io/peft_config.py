@@ -120,8 +120,8 @@ def lora_settings(config: Mapping, path: str) -> tuple[int, float, float, bool]:
     rank, alpha, dropout = config.get("r"), config.get("lora_alpha", 8), config.get("lora_dropout", 0.0)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise AdapterError(f"{path}'s r is {rank!r}; it must be a positive whole number")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"{path}'s lora_alpha is {alpha!r}; it must be a number")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{path}'s lora_alpha is {alpha!r}; it must be a positive number")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise AdapterError(f"{path}'s lora_dropout is {dropout!r}; it must be in [0, 1)")
     return rank, float(alpha), float(dropout), bool(config.get("use_rslora", False))

@@ -81,12 +81,15 @@ def merged_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], adapters: Ma
                           f"({len(pending)} such adapters); the adapters belong to another model")
 
 
-def merged_stream(iter_tensors: Callable[[], Iterable[tuple[str, np.ndarray]]],
-                  scale: float) -> Iterator[tuple[str, np.ndarray]]:
+def merged_stream(iter_tensors: Callable[[], Iterable[tuple[str, np.ndarray]]], scale: float,
+                  iter_adapters: Callable[[], Iterable[tuple[str, np.ndarray]]] | None = None
+                  ) -> Iterator[tuple[str, np.ndarray]]:
     """``merged_tensors`` over a stream that holds its own adapters (an engine's or a checkpoint's
     parameters): a first pass keeps the adapters (small), a second merges them as the base streams
-    by, so the model never sits in host memory whole."""
-    adapters = {name: np.array(value, np.float32) for name, value in iter_tensors() if is_adapter(name)}
+    by, so the model never sits in host memory whole. ``iter_adapters``, a cheaper stream that holds
+    the adapters too (the trained tensors alone, without a base read from disk), serves the first pass."""
+    first = iter_adapters if iter_adapters is not None else iter_tensors
+    adapters = {name: np.array(value, np.float32) for name, value in first() if is_adapter(name)}
     return merged_tensors(iter_tensors(), adapters, scale)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from pstar_jax.config import ConfigError, RunConfig, from_dict, math_differences, to_dict
 from pstar_jax.run.metrics import JsonlWriter, MetricsWriter, Progress, TensorBoardWriter, step_record
-from pstar_jax.io.models import hf_export_config, hf_functions, load_model
+from pstar_jax.io.models import hf_functions, load_model
 from pstar_jax.model.staged import StagedModel, flops_per_token
 
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
@@ -50,6 +50,9 @@ class Run:
         self._ckpt = None
         self.base: dict | None = None  # the record of a frozen base (checkpoints hold the rest)
         self.stopped_by, self.stopped_by_peer = 0, False
+        self.profile_written: tuple[str, int, int] | None = None  # fit()'s profile: (folder, first, last step)
+        from pstar_jax.run.preflight import check_inputs, positions_warning
+        check_inputs(cfg)  # (pstar-train asks this before importing JAX)
         if cfg.checkpoint.directory:
             check_run_checkpoints(cfg.checkpoint.directory, cfg.checkpoint.resume, cfg.checkpoint.keep)
         from pstar_jax.config.paths import check_output_dir, check_output_file
@@ -83,6 +86,9 @@ class Run:
                                heartbeat_timeout_s=d.heartbeat_timeout)
         self.main_process = distributed.is_main_process()
         self.verbose = verbose and self.main_process
+        if cfg.checkpoint.resume:
+            from pstar_jax.run.resume import check_resume
+            check_resume(cfg)  # its base and data, before a model is built from flags that lack them
 
         self._adapter: dict[str, np.ndarray] = {}  # --init-from-lora's tensors
         if cfg.model.init_from_lora:  # the adapter's LoRA settings become the run's
@@ -92,6 +98,8 @@ class Run:
             self.config = cfg = (adopted := adopt_adapter(cfg, base))[0]
             self._adapter = adopted[1]
         self.model = model if model is not None else load_model(cfg)
+        if self.main_process and (warning := positions_warning(self.model)):
+            log.warning(warning)
         from pstar_jax.data.training import is_packed, open_training_data
         self.tokens = tokens if tokens is not None else open_training_data(cfg.data.path, self.model.vocab_size)
         _check_packing(self.model, self.tokens, "DataConfig.path")
@@ -149,7 +157,8 @@ class Run:
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.io.checkpoint import restore_engine
                 log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
-                position = restore_engine(self._ckpt, self.engine)["data_position"]
+                from pstar_jax.run.resume import data_position
+                position = data_position(restore_engine(self._ckpt, self.engine), self._ckpt.directory)
         except BaseException:
             self.close()
             raise
@@ -271,6 +280,7 @@ class Run:
                         break
         finally:
             profile.close()
+            self.profile_written = profile.written
             watchdog.stop()
             progress.close()
             for writer in writers[len(self._writers):]:
@@ -287,13 +297,13 @@ class Run:
 
     def export_hf(self, directory: str, dtype: str | None = None) -> list[str]:
         """The current parameters as a Hugging Face checkpoint, streamed a chunk at a time (a LoRA
-        run's adapters merged into their kernels), with the tokenizer files of the checkpoint the
-        run started from."""
-        from pstar_jax.io.hf import export_hf
-        from pstar_jax.io.lora_io import hf_stream
-        tensor_map, config = hf_export_config(self.config, self.model)
-        return export_hf(directory, hf_stream(self.config, self.engine.iter_params), tensor_map, config,
-                         dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf)
+        run's adapters merged into their kernels, frozen tensors read from the base's source), with
+        the tokenizer files of the checkpoint the run started from: what pstar-export writes from
+        the run's checkpoint (pstar_jax.io.hf_export)."""
+        from pstar_jax.io.hf_export import export_run_hf
+        return export_run_hf(directory, self.config, self.model, self.engine.iter_params,
+                             dtype or self.config.checkpoint.export_dtype, self.config.model.init_from_hf,
+                             frozen=self.frozen, base=self.base)
 
     def export_lora(self, directory: str) -> list[str]:
         """A LoRA run's adapters (and modules_to_save) as a Hugging Face peft adapter."""
@@ -315,10 +325,14 @@ class Run:
 
 
 def _check_packing(model: StagedModel, data: Any, what: str) -> None:
-    """Packed SFT rows need a model whose attention stays within each example of a row."""
+    """Packed SFT rows need a model whose attention stays within each example of a row, and rows of
+    its seq_len (refused here, before the seconds of planning, not when the first batch is drawn)."""
     from pstar_jax.data.batch import model_name, supports_packing
+    from pstar_jax.data.rows import check_rows
     from pstar_jax.data.training import is_packed
     from pstar_jax.config.errors import DataError
+    if is_packed(data):
+        check_rows(data, model.seq_len, what)
     if is_packed(data) and not supports_packing(model):
         raise DataError(f"{what} is packed SFT data, but model {model_name(model)} does not follow segment ids "
                         "(it has no supports_packing), so it would mix the examples of a row; use a model that "
@@ -349,7 +363,8 @@ class Profile:
 
     def __init__(self, directory: str | None, first: int, count: int):
         self.directory, self.first, self.last = directory, first, first + count - 1
-        self.tracing = False
+        self.tracing, self.traced = False, -1
+        self.written: tuple[str, int, int] | None = None  # (the trace's folder, its first and last step)
 
     def before(self, step: int) -> None:
         if self.directory and step == self.first:
@@ -358,6 +373,7 @@ class Profile:
             self.tracing = True
 
     def after(self, step: int) -> None:
+        self.traced = step
         if step == self.last:
             self.close()
 
@@ -366,6 +382,10 @@ class Profile:
             import jax
             self.tracing = False
             jax.profiler.stop_trace()
+            runs = os.path.join(self.directory, "plugins", "profile")  # one folder per trace, named by its time
+            folders = [os.path.join(runs, n) for n in os.listdir(runs)] if os.path.isdir(runs) else []
+            folder = max(folders, key=os.path.getmtime) if folders else self.directory
+            self.written = (folder, self.first, self.traced) if self.traced >= self.first else None
 
 
 def signal_name(signum: int) -> str:
