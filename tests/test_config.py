@@ -177,6 +177,16 @@ def test_every_flag_has_help_and_errors_name_flags():
     assert cli.error_line("x", err) == "x: error: --lr must be positive; --micro-batches too"
 
 
+def test_each_flag_states_its_default_once_and_quiet_says_what_it_hides():
+    """A help text that says its own default ('--host-memory ... default: 85% of ...') gets no second
+    '(default: auto)'; --quiet names the start-up lines it hides beside the bar."""
+    from pstar_jax.cli.train import build_parser
+    actions = {a.option_strings[-1]: a.help for a in build_parser()._actions if a.option_strings}
+    assert [flag for flag, text in actions.items() if text.count("default:") > 1] == []
+    assert actions["--host-memory"].count("default") == 1 and "85%" in actions["--host-memory"]
+    assert "start-up lines" in actions["--quiet"] and "progress bar" in actions["--quiet"]
+
+
 def _wrong_values(allowed: tuple) -> list:
     """Values of a type the annotation ``allowed`` does not take (an int is a number to a float field;
     a bool is never a number)."""

@@ -185,11 +185,28 @@ def test_bad_input_is_one_line_and_exit_2(trained, hf_dir, tmp_path, capsys):
         ("--checkpoint-dir", ckpt, "--step", "999"): f"no checkpoint step 999 in {ckpt}; the steps there are 3",
     }
     for argv, message in cases.items():
-        code, out, err = generate(capsys, *argv)
+        code, out, err = generate(capsys, *argv, "--quiet")  # (without it, the start-up lines come first)
         assert code == 2 and out == "", argv
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pstar-generate: error: ") and message in lines[0], (argv, err)
         assert "remove" not in err, (argv, err)
+
+
+def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(hf_dir, capsys):
+    """Loading and compiling take seconds to minutes for a large model: each phase is one stderr line
+    (the cached path and the streamed one), the text alone on stdout; --quiet keeps the last line only."""
+    base = ["--hf", hf_dir[0], "--prompt", "hello", "--max-new-tokens", 2, "--temperature", 0]
+    for extra, phases in (((), ["building the model of", "compiling the decoder (", "loading the weights onto the "
+                                "device", "decoding"]),
+                          (("--stream",), ["building the model of", "loading the weights into host memory",
+                                           "decoding (each stage compiles"])):
+        code, out, err = generate(capsys, *base, *extra)
+        lines = err.splitlines()
+        assert code == 0 and out.startswith("hello") and len(lines) == len(phases) + 1, err
+        assert all(line.startswith(phase) for line, phase in zip(lines, phases)), err
+        assert lines[-1].startswith("pstar-generate: 2 new tokens")
+    code, _, err = generate(capsys, *base, "--quiet")
+    assert code == 0 and err.count("\n") == 1 and err.startswith("pstar-generate: 2 new tokens"), err
 
 
 def test_registered_as_a_script():

@@ -58,6 +58,22 @@ def test_lora_over_two_processes_equals_one_process_of_two_devices(tmp_path):
     np.testing.assert_allclose(losses[2], losses[1], rtol=0, atol=64 * np.finfo(np.float32).eps * losses[1].max())
 
 
+def test_logs_go_to_runs_launch_not_the_current_directory_and_the_help_shows_the_defaults(tmp_path):
+    """Processes 1.. log into runs/launch/ (which .gitignore leaves out), never loose files in the
+    directory the launcher runs in."""
+    r = subprocess.run([sys.executable, "-m", "pstar_jax.cli.launch", "-n", "2", "--", "--data",
+                        str(tmp_path / "none.u16.bin")], cwd=tmp_path, env={**ENV, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr
+    assert "does not exist" in (tmp_path / "runs" / "launch" / "pstar_process_1.log").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    text = " ".join(launch("--help").stdout.split())
+    assert "-n NUM_PROCESSES, --num-processes NUM_PROCESSES pstar-train processes to start (default: 2)" in text
+    assert "(default: runs/launch)" in text
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/runs/" in f.read().split()
+
+
 def test_a_log_dir_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     bad = launch("-n", "2", "--log-dir", str(tmp_path / "file" / "logs"), "--", "--steps", "1")

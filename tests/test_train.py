@@ -154,16 +154,20 @@ def test_output_paths_are_checked_before_training(tmp_path, capsys):
     assert (tmp_path / "user" / "config.json").read_text() == "mine"
 
 
-def test_profile_traces_the_chosen_steps_with_named_stages_and_host_updates(tmp_path):
-    """--profile writes a jax.profiler trace of --profile-steps steps after the two that compile:
-    the executor's moments and the host optimizer's updates appear by name, the updates on the
-    optimizer's own thread (on a GPU: beside the device's work)."""
+def test_profile_traces_the_chosen_steps_with_named_stages_and_host_updates(tmp_path, capsys):
+    """--profile writes a jax.profiler trace of --profile-steps steps after the two that compile, and
+    says which steps and where: the executor's moments and the host optimizer's updates appear by
+    name, the updates on the optimizer's own thread (on a GPU: beside the device's work)."""
     import collections
     import gzip
     import json
     assert main(["--steps", "5", "--quiet", "--adam-placement", "host", "--profile", str(tmp_path),
                  "--profile-steps", "2"]) == 0
     (trace,) = tmp_path.glob("plugins/profile/*/*.trace.json.gz")
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("profile:")]
+    assert said == [f"profile: steps 2 to 3 (numbered as in --metrics-out) traced into {trace.parent}; open it with "
+                    f"TensorBoard's profile plugin (tensorboard --logdir {tmp_path}), or its .trace.json.gz in "
+                    "Perfetto"], said
     events = [e for e in json.load(gzip.open(trace))["traceEvents"] if e.get("name", "").startswith("pstar ")]
     threads = collections.defaultdict(set)
     for e in events:

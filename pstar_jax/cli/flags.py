@@ -82,7 +82,7 @@ def add_section(parser: argparse.ArgumentParser, section: str, skip: Sequence[st
                                                   "float | None": float}.get(field.type, str))
             kwargs.update(type=_typed(parse), choices=meta.get("choices"),
                           metavar=None if meta.get("choices") else meta.get("metavar") or field.name.upper())
-            if shown is not None:
+            if shown is not None and "default:" not in kwargs["help"]:  # (a help that says its default)
                 kwargs["help"] += f" (default: {shown})"
         group.add_argument(flag, **kwargs)
 
@@ -113,19 +113,29 @@ def error_line(prog: str, err: BaseException) -> str:
     return f"{prog}: error: {' '.join(_with_flags(str(err)).split())}"
 
 
+class _NoteFormatter(logging.Formatter):
+    """A note as it is; a warning as 'prog: warning: ...' with its fields named by their flags."""
+
+    def __init__(self, prog: str):
+        super().__init__("%(message)s")
+        self.prog = prog
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{self.prog}: warning: {_with_flags(text)}" if record.levelno >= logging.WARNING else text
+
+
 @contextlib.contextmanager
-def start_up_notes(enabled: bool = True) -> Iterator[None]:
+def start_up_notes(enabled: bool = True, prog: str = "pstar_jax") -> Iterator[None]:
     """Inside, pstar_jax's notes on what it is doing (the INFO lines of its loggers: measuring the
     machine, tracing, planning, compiling) go to stderr, one line each, so that the seconds
-    before the first step are not silent."""
-    if not enabled:
-        yield
-        return
+    before the first step are not silent; ``enabled`` False keeps only its warnings (one line
+    each, 'prog: warning: ...')."""
     logger, handler = logging.getLogger("pstar_jax"), logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_NoteFormatter(prog))
     level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if enabled else logging.WARNING)
     logger.propagate = False  # once: a library may have given the root logger a handler too
     try:
         yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from pstar_jax.config import MAX_SEED, ConfigError, ModelConfig, RunConfig, form
 from pstar_jax.config.errors import DataError
 
 PRECISIONS = ("bf16", "fp32")
+notes = logging.getLogger(__name__)  # what it is doing while it loads and compiles (cli.start_up_notes)
 
 
 def _device_memory(text: str) -> Any:
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "auto (0.9 of an accelerator, all of a CPU); a larger model is streamed from host memory")
     p.add_argument("--stream", action="store_true", help="stream the parameters stage by stage even if the "
                    "model fits on the device")
+    p.add_argument("--quiet", action="store_true", help="no start-up lines on stderr (reading the weights, "
+                   "compiling); the text, the tokens/s line, notes and errors still print")
     return p
 
 
@@ -99,6 +103,7 @@ def checkpoint_source(directory: str, step: int | None, module: str | None) -> S
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError
     from pstar_jax.engine.chunks import ChunkLayout
     from pstar_jax.io.models import load_model, saved_run_config
+    notes.info("reading the checkpoint in %s and building its run's model", directory)
     ckpt = Checkpointer(directory)
     try:
         meta = ckpt.meta(step)
@@ -131,6 +136,7 @@ def hf_source(directory: str, module: str | None) -> Source:
     from pstar_jax.io.hf import HFCheckpoint
     from pstar_jax.io.models import hf_functions, load_model
     config = RunConfig(model=ModelConfig(module=module or "pstar_models", init_from_hf=directory))
+    notes.info("building the model of %s", directory)
     model = load_model(config)
     try:
         tensor_map = hf_functions(config)[0](model)
@@ -162,6 +168,7 @@ def flax_source(directory: str) -> Source:
     from pstar_jax.io.flax_io import import_flax
     if not os.path.isdir(directory):
         raise ConfigError(f"--flax {directory} is not a directory")
+    notes.info("reading the Flax export %s", directory)
     model = flax_model(directory)
     params = import_flax(directory, model.param_shapes())
     return Source(model, lambda: iter(params.items()), None, "bf16")
@@ -305,11 +312,14 @@ def generate(source: Source, prompt_ids: list[int], n_new: int, sampling: Any, p
     if not stream and budget is not None and decode.params_bytes(model, dtype) >= budget:
         why_stream = f"the parameters ({format_bytes(decode.params_bytes(model, dtype))})"
     elif not stream:
+        notes.info("compiling the decoder (%d prompt tokens, up to %d new)", len(prompt_ids), n_new)
         cached = decode.CachedDecoder(model, dtype, 1, len(prompt_ids), n_new, sampling)
         if budget is not None and cached.device_bytes() > budget:
             why_stream, cached = f"decoding on the device ({format_bytes(cached.device_bytes())})", None
     if cached is not None:
+        notes.info("loading the weights onto the device")
         params = {n: jax.device_put(np.asarray(v).astype(dtype)) for n, v in source.tensors()}
+        notes.info("decoding")
         start = time.perf_counter()
         return cached(params, prompt)[0], "cached", time.perf_counter() - start
     streamed = decode.StreamedDecoder(model, dtype)
@@ -321,7 +331,9 @@ def generate(source: Source, prompt_ids: list[int], n_new: int, sampling: Any, p
     if not stream:
         log(f"note: {why_stream} exceeds the device budget of {format_bytes(budget)}: streaming the parameters "
             "from host memory stage by stage (slow)")
+    notes.info("loading the weights into host memory")
     streamed.load(source.tensors())
+    notes.info("decoding (each stage compiles during the first tokens)")
     start = time.perf_counter()
     return streamed(prompt, n_new, sampling)[0], "streamed", time.perf_counter() - start
 
@@ -339,6 +351,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     if (args.messages or args.chat_template) and not args.chat:  # before the seconds of loading a model
         raise ConfigError("--messages and --chat-template need --chat")
     _check_text(args.prompt, "--prompt")
+    with cli.start_up_notes(not args.quiet, "pstar-generate"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from pstar_jax.engine.decode import Sampling
 
     from pstar_jax.engine.memory import configure_backend, host_budget_bytes

@@ -4,7 +4,8 @@
 
 Each process gets PSTAR_COORDINATOR / PSTAR_NUM_PROCESSES / PSTAR_PROCESS_ID and, on a CPU,
 ``--local-devices`` fake devices, so 2 processes x 2 devices train with W=4. Process 0's output
-is shown; the others' goes to files beside it.
+is shown; the others' goes to ``--log-dir`` (``runs/launch`` by default, never the bare current
+directory), one ``pstar_process_N.log`` each.
 
 The launcher watches every trainer: the first one to fail is named, the others are stopped, and
 the launcher exits with its code. SIGINT (Ctrl-C) or SIGTERM to the launcher is forwarded once to
@@ -31,6 +32,7 @@ from pstar_jax.config import ConfigError
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 60  # how long stopped trainers get to save before they are killed
+LOG_DIR = os.path.join("runs", "launch")  # the others' logs, under the repository's ignored runs/
 
 
 def free_port() -> int:
@@ -114,9 +116,10 @@ class Trainers:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-launch", description=__doc__.splitlines()[0].split(": ", 1)[1])
-    p.add_argument("-n", "--num-processes", type=int, default=2)
+    p.add_argument("-n", "--num-processes", type=int, default=2, help="pstar-train processes to start (default: 2)")
     p.add_argument("--local-devices", type=int, default=None, help="fake CPU devices per process")
-    p.add_argument("--log-dir", default=None, help="where processes 1.. write their output")
+    p.add_argument("--log-dir", default=LOG_DIR, help="where processes 1.. write their output, one "
+                   f"pstar_process_N.log each (default: {LOG_DIR})")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then pstar-train's flags")
     return p
@@ -128,7 +131,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--num-processes must be at least 1, got {args.num_processes}")
     train_args = [a for a in args.train_args if a != "--"]
     port = free_port()
-    log_dir = args.log_dir or os.getcwd()
+    log_dir = args.log_dir
     if args.num_processes > 1:  # processes 1.. write their logs there before any trainer starts
         try:
             os.makedirs(log_dir, exist_ok=True)

@@ -30,10 +30,12 @@ def parse_config(argv: Sequence[str] | None = None) -> RunConfig:
 def run(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()  # the done line's throughput covers everything from here
     config = parse_config(argv)
+    from pstar_jax.run.preflight import check_inputs
+    check_inputs(config)  # missing inputs, misplaced outputs: in well under a second, before JAX loads
     from pstar_jax.run.distributed import resolve  # imports JAX: after the signal handlers (cli.run_main)
     d = config.distributed
     resolved = resolve(d.coordinator, d.num_processes, d.process_id)  # only process 0 speaks
-    with cli.start_up_notes(not config.output.quiet and (resolved is None or resolved[2] == 0)):
+    with cli.start_up_notes(not config.output.quiet and (resolved is None or resolved[2] == 0), "pstar-train"):
         return _train(config, start)
 
 
@@ -50,6 +52,8 @@ def _train(config: RunConfig, start: float) -> int:
         for record in r.fit():
             eval_loss = record.get("eval_loss", eval_loss)
         wall_s = time.perf_counter() - start
+        if r.main_process and config.output.profile:
+            print(_profile_line(r.profile_written, config.output.profile), flush=True)
         if r.stopped_by or r.stopped_by_peer:
             if r.main_process:
                 where = (f"; checkpoint saved in {r.checkpoint_directory}" if r.checkpoint_directory
@@ -75,6 +79,15 @@ def _train(config: RunConfig, start: float) -> int:
                   f"included), moved {format_bytes(record['h2d_bytes'])} h2d / {format_bytes(record['d2h_bytes'])} "
                   "d2h per device in the last step")
     return 0
+
+
+def _profile_line(written: tuple[str, int, int] | None, directory: str) -> str:
+    if written is None:
+        return f"profile: nothing traced into {directory}: the run stopped before the trace's first step"
+    folder, first, last = written
+    steps = f"step {first}" if first == last else f"steps {first} to {last}"
+    return (f"profile: {steps} (numbered as in --metrics-out) traced into {folder}; open it with TensorBoard's "
+            "profile plugin (tensorboard --logdir " + directory + "), or its .trace.json.gz in Perfetto")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

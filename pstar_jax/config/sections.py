@@ -262,7 +262,8 @@ class OutputConfig:
     metrics_out: str | None = option(None, "JSON lines, one per step", metavar="FILE")
     tensorboard: str | None = option(None, "TensorBoard event files of the same metrics (needs tensorboardX: "
                                      "pip install 'pstar_jax[tensorboard]')", metavar="DIR")
-    quiet: bool = option(False, "no progress bar")
+    quiet: bool = option(False, "no progress bar and no start-up lines (what the run is doing before its first "
+                         "step: measuring, tracing, planning, compiling); warnings and errors still print")
     profile: str | None = option(None, "write a jax.profiler trace (TensorBoard's profile plugin, Perfetto) of "
                                  "--profile-steps steps to this directory, from the run's third step (the first "
                                  "two compile): stages, copies, host optimizer updates", metavar="DIR")
