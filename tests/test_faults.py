@@ -337,18 +337,49 @@ def test_a_signal_during_start_up_is_one_line_and_exit_128_plus_it(phase, sig):
     assert "Traceback" not in err
 
 
+LONG_CALL_INTO_C = """
+import numpy as np
+from pstar_jax.run.exits import signals_end_the_process
+a = np.ones((9000, 9000), np.float32)
+with signals_end_the_process("pstar-x"):
+    print("ready", flush=True)
+    np.dot(a, a)  # seconds in one call that releases the GIL and ignores signals, as XLA's compiler does
+    print("returned", flush=True)
+"""
+
+
+def test_a_signal_ends_start_up_at_once_even_inside_a_long_call_into_c():
+    """Python runs a signal's handler only between bytecodes; before the watcher thread, SIGTERM
+    during a first step's compilation (minutes at --seq-len 65536) waited for it to finish."""
+    proc = subprocess.Popen([sys.executable, "-c", LONG_CALL_INTO_C], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    time.sleep(0.3)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err == "pstar-x: terminated (SIGTERM)\n" and "returned" not in out, err
+    assert time.monotonic() - sent < 5
+
+
 @pytest.mark.slow
-def test_ctrl_c_while_resuming_keeps_the_checkpoint_and_in_the_first_step_saves_one(tmp_path):
+def test_ctrl_c_before_a_step_ends_keeps_the_checkpoint_and_after_one_saves_one(tmp_path):
     d = tmp_path / "ck"
     assert main([*BASE, "--steps", "6", "--stop-after", "2", "--checkpoint-dir", str(d)]) == 0
     code, err = signal_at(["--steps", "6", "--resume", "--checkpoint-dir", str(d)], "restoring", signal.SIGINT)
     assert code == 130 and err.strip().splitlines()[-1] == "pstar-train: interrupted", err[-3000:]
     assert Checkpointer(str(d)).committed_steps() == [2]
-    # Once training has begun (the first step compiles), Ctrl-C stops after that step with a checkpoint.
+    # While the first step compiles (minutes in XLA at a long --seq-len, where Python's handlers
+    # cannot run) nothing has been trained since the checkpoint: Ctrl-C ends the run at once.
     code, err = signal_at(["--steps", "6", "--resume", "--checkpoint-dir", str(d)], "compiling the first step",
                           signal.SIGINT)
-    assert code == 0 and f"stopped by SIGINT after step 3; checkpoint saved in {d}" in err, err[-3000:]
-    assert Checkpointer(str(d)).committed_steps() == [2, 3]
+    assert code == 130 and err.strip().splitlines()[-1].endswith("pstar-train: interrupted"), err[-3000:]
+    assert Checkpointer(str(d)).committed_steps() == [2]
+    # After a step, Ctrl-C stops after the current step with a checkpoint.
+    code, err = signal_at(["--steps", "100", "--resume", "--checkpoint-dir", str(d), "--allow-config-change"],
+                          "  3%", signal.SIGINT)  # the bar after step 3
+    assert code == 0 and "stopped by SIGINT after step" in err and f"checkpoint saved in {d}" in err, err[-3000:]
+    assert len(Checkpointer(str(d)).committed_steps()) == 2
 
 
 # -- signals to multi-process runs and to the launcher --------------------------------------------

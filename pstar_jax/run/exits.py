@@ -22,13 +22,23 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Iterator
+import threading
+import time
+from typing import Callable, Iterator
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, what shells report for Ctrl-C
 
 
+_EXITING = threading.Lock()  # held by the one thread that ends the process
+
+
 def hard_exit(code: int, line: str | None = None) -> None:
-    """Print ``line`` (one line on stderr) and end the process now, without exit-time handlers."""
+    """Print ``line`` (one line on stderr) and end the process now, without exit-time handlers.
+    A second caller (a signal's handler and the watcher below, both woken by one signal) waits
+    for the first to end the process, so the line is printed once."""
+    if not _EXITING.acquire(blocking=False):
+        while True:
+            time.sleep(60)
     if line:
         print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -46,7 +56,14 @@ def signal_line(prog: str, signum: int) -> str:
 @contextlib.contextmanager
 def signals_end_the_process(prog: str) -> Iterator[None]:
     """Inside, SIGINT and SIGTERM end the process at once: one line, exit 128 + the signal. The
-    previous handlers come back on leaving (a test may call a tool's ``main`` in its process)."""
+    previous handlers come back on leaving (a test may call a tool's ``main`` in its process).
+
+    Python runs a signal's handler only when the main thread is back in bytecode, which a long
+    call into C (XLA compiling a step, minutes at a long --seq-len) delays until it returns. So
+    the signal also wakes a watcher thread (``signal.set_wakeup_fd``), which ends the process at
+    once while ``leave`` is still the signal's handler, or while the training loop's handler (stop
+    after a step, with a checkpoint) says it has nothing to save yet (the first step compiling);
+    otherwise the watcher leaves the signal to that handler."""
     def leave(signum: int, frame: object) -> None:
         hard_exit(128 + signum, signal_line(prog, signum))
 
@@ -56,11 +73,44 @@ def signals_end_the_process(prog: str) -> Iterator[None]:
             old[sig] = signal.signal(sig, leave)
         except ValueError:  # not the main thread: signals are not ours to handle
             pass
+    watcher = _Watcher(leave) if old else None
     try:
         yield
     finally:
+        if watcher:
+            watcher.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+class _Watcher:
+    """A daemon thread reading the signal numbers Python's C-level handler writes to a wakeup fd."""
+
+    def __init__(self, leave: Callable[[int, object], None]) -> None:
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._write = write
+        self._old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(leave,), name="pstar-signal-watcher", daemon=True).start()
+
+    def _watch(self, leave: Callable[[int, object], None]) -> None:
+        while True:
+            try:
+                got = os.read(self._read, 1)
+            except OSError:  # closed
+                return
+            if not got:
+                return
+            signum = got[0]
+            if signum not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            handler = signal.getsignal(signum)
+            if handler is leave or getattr(getattr(handler, "__self__", None), "nothing_to_save", False):
+                leave(signum, None)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._write)  # the watcher's read returns b"" and it ends
 
 
 __all__ = ["EXIT_INTERRUPTED", "hard_exit", "signal_line", "signals_end_the_process"]

@@ -252,6 +252,7 @@ class Run:
                 for step in range(engine.step_count, cfg.train.steps):
                     profile.before(step)
                     result = engine.step([next(self.batches) for _ in range(cfg.engine.micro_batches)])
+                    stop.nothing_to_save = False
                     profile.after(step)
                     timed = step > first_step  # the first two steps compile: not timed (see Watchdog)
                     if timed:

@@ -12,6 +12,9 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.signum = 0
+        # True until the loop's first step has returned: a signal then ends the process at once,
+        # even inside a call into C that delays Python's handlers (see run.exits).
+        self.nothing_to_save = True
         self._old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
