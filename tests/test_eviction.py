@@ -1,10 +1,11 @@
 """Eviction: Belady never moves more than LRU or FIFO, and equals the brute-force optimum."""
 
+import dataclasses as dc
 import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from pstar_jax.plan.eviction import policy_for
+from pstar_jax.plan.eviction import policy_for, victim
 from pstar_jax.plan.replay import ReplayState, simulate
 from pstar_jax.plan.schedule import Access
 
@@ -79,9 +80,9 @@ def test_policies_choose_as_named():
     accesses = read_trace([[0], [1], [2], [0], [1]])
     resident = {("param", 0): False, ("param", 1): False}
     candidates = list(resident)
-    assert policy_for("belady", accesses)(candidates, 2, resident) == ("param", 1)
-    assert policy_for("lru", accesses)(candidates, 2, resident) == ("param", 0)
-    assert policy_for("fifo", accesses)(candidates, 2, resident) == ("param", 0)
+    assert victim(policy_for("belady", accesses), candidates, 2, resident) == ("param", 1)
+    assert victim(policy_for("lru", accesses), candidates, 2, resident) == ("param", 0)
+    assert victim(policy_for("fifo", accesses), candidates, 2, resident) == ("param", 0)
 
 
 @settings(max_examples=100, deadline=None)
@@ -99,4 +100,47 @@ def test_belady_keys_are_next_uses_at_any_moment(trace, moments):
         if candidates:
             resident = {it: bool(it[1] % 2) for it in candidates}
             expected = max(candidates, key=lambda it: (next_use(uses, it, t, period), not resident[it], it[1]))
-            assert policy(candidates, t, resident) == expected
+            assert victim(policy, candidates, t, resident) == expected
+
+
+class ScanReplay:
+    """The replay's victims picked by scanning every candidate (as before the heap): each call
+    returns the lowest (key, arrival) among the items on the device the moment may evict."""
+
+    def __init__(self, rule, accesses):
+        self.policy = policy_for(rule, accesses)
+        self.picks = []
+
+    def __call__(self, candidates, t, resident):
+        self.picks.append(victim(self.policy, candidates, t, resident))
+        return self.picks[-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces(), st.sampled_from(["belady", "lru", "fifo"]), st.booleans())
+def test_the_replays_heap_evicts_what_a_scan_of_every_item_would(trace, rule, prefetch):
+    """Keys kept in a heap between an item's uses pick the very victims a scan at each eviction picks."""
+    accesses, n, cap = trace
+    accesses = [dc.replace(a, needs=a.needs + (("slot", a.needs[0][1]),) if t % 3 == 0 else a.needs)
+                for t, a in enumerate(accesses)]  # dirty items too
+    scan = ScanReplay(rule, accesses)
+    size = lambda item: 1
+    expected = []
+    state = ReplayState({}, {("param", c) for c in range(n)})
+    for t, a in enumerate(accesses):  # the scan: the items on the device in arrival order
+        missing = [it for it in a.needs if it not in state.device]
+        over = len(state.device) + len(missing) - (cap + 1)
+        resident = dict(state.device)
+        for _ in range(max(over, 0)):
+            out = scan([it for it in resident if it not in a.needs], t, resident)
+            del resident[out]
+            expected.append(out)
+        for it in list(state.device):
+            if it not in resident:
+                del state.device[it]
+        for it in a.needs:
+            state.device[it] = it[0] == "slot" or state.device.get(it, False)
+    state = ReplayState({}, {("param", c) for c in range(n)})
+    moments, _ = simulate(accesses, [cap + 1] * len(accesses), size, state, policy_for(rule, accesses),
+                          prefetch=False)
+    assert [it for m in moments for it in m.evict] == expected

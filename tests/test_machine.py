@@ -8,8 +8,8 @@ import pytest
 
 from pstar_jax.planner import measure as mach
 from pstar_jax.config import ConfigError
-from pstar_jax.plan.machine import H200, MACHINES, load_machine, save_machine
-from pstar_jax.planner.measure import machine_key, saved_machine
+from pstar_jax.plan.machine import H200, MACHINES, load_machine, load_note, provenance, save_machine
+from pstar_jax.planner.measure import machine_key, saved_machine, step_gap_note
 
 ODD = dataclasses.replace(H200, name="odd", h2d_bytes_per_s=1.2345678901234567e10, call_s=3.3e-5, duplex=True)
 
@@ -100,3 +100,69 @@ def test_rates_that_cannot_be_kept_serve_the_run(tmp_path, monkeypatch):
     assert len(warnings) == 1 and "cannot keep" in warnings[0] and mach.MACHINES_DIR_ENV in warnings[0]
     with pytest.raises(OSError):
         saved_machine(None, _Optimizer(), must_keep=True)
+
+
+def _kept(tmp_path, monkeypatch, **fields):
+    """A kept rates file with ``fields`` (the old ones: no measured_* fields at all)."""
+    monkeypatch.setenv(mach.MACHINES_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(mach, "measure", lambda placement, optimizer: pytest.fail("measured again"))
+    path = tmp_path / f"{machine_key(jnp.bfloat16)}.json"
+    rates = {k: v for k, v in dataclasses.asdict(ODD).items() if not k.startswith("measured")}
+    path.write_text(json.dumps({**rates, "name": path.stem, **fields}))
+    return path
+
+
+def test_a_file_kept_before_loads_were_recorded_still_loads(tmp_path, monkeypatch, caplog):
+    path = _kept(tmp_path, monkeypatch)
+    monkeypatch.setattr(mach.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    with caplog.at_level("INFO", logger="pstar_jax"):
+        machine = saved_machine(None, _Optimizer())
+    assert machine == dataclasses.replace(ODD, name=path.stem) and machine.measured_load is None
+    assert provenance(machine) == "measured, load not recorded" and load_note(machine, 7.0) is None
+    assert caplog.messages == []
+
+
+def test_rates_kept_from_a_busy_machine_say_so_at_start_up(tmp_path, monkeypatch, caplog):
+    """Measured at load 5.2 on 2 cores (above half a process per core): one note, with the remedy."""
+    _kept(tmp_path, monkeypatch, measured_at="2025-01-02 13:04", measured_load=5.2, measured_cores=2)
+    monkeypatch.setattr(mach.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    with caplog.at_level("INFO", logger="pstar_jax"):
+        saved_machine(None, _Optimizer())
+    assert len(caplog.messages) == 1, caplog.messages
+    note = caplog.messages[0]
+    assert "rates measured 2025-01-02 13:04 at load 5.2 on 2 cores: predictions may be off" in note
+    assert "pstar-machine --remeasure" in note and "load now" not in note
+
+
+@pytest.mark.parametrize("measured, now, said", [(0.2, 0.3, False), (0.2, 4.0, True), (1.0, 0.1, False)])
+def test_rates_from_a_quiet_machine_say_so_when_the_load_moved(tmp_path, monkeypatch, caplog, measured, now, said):
+    _kept(tmp_path, monkeypatch, measured_at="2025-01-02 13:04", measured_load=measured, measured_cores=2)
+    monkeypatch.setattr(mach.os, "getloadavg", lambda: (now, 0.0, 0.0))
+    with caplog.at_level("INFO", logger="pstar_jax"):
+        saved_machine(None, _Optimizer())
+    assert [m for m in caplog.messages if f"load now {now:.1f}" in m] == caplog.messages
+    assert bool(caplog.messages) == said
+
+
+def test_a_reading_records_its_load_and_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setattr(mach.os, "getloadavg", lambda: (5.2, 1.0, 1.0))
+    conditions = mach.measuring_conditions()
+    assert conditions["measured_load"] == 5.2 and conditions["measured_cores"] == mach.os.cpu_count()
+    measured = dataclasses.replace(ODD, **conditions)
+    save_machine(measured, tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json") == measured
+    (tmp_path / "m.json").write_text(json.dumps({**dataclasses.asdict(measured), "measured_load": "high"}))
+    with pytest.raises(ConfigError, match="measured_load"):
+        load_machine(tmp_path / "m.json")
+
+
+def test_a_first_step_far_from_the_prediction_names_the_rates_and_the_remedy(monkeypatch):
+    machine = dataclasses.replace(ODD, measured_at="2025-01-02 13:04", measured_load=5.2, measured_cores=2)
+    monkeypatch.setattr(mach.os, "getloadavg", lambda: (0.4, 0.0, 0.0))
+    note = step_gap_note(2, 2.10, 0.05, machine)
+    assert note == ("step 3 took 2.10 s, the plan predicted 0.05 s (42x slower): the odd rates (measured "
+                    "2025-01-02 13:04 at load 5.2, load now 0.4) do not describe this machine now; pstar-machine "
+                    "--remeasure measures them again")
+    assert step_gap_note(2, 0.075, 0.05, machine) is None  # 1.5x: a fair prediction
+    assert "(5x faster)" in step_gap_note(2, 0.01, 0.05, machine)
+    assert "(preset" in step_gap_note(2, 2.1, 0.05, H200) and "without --machine" in step_gap_note(2, 2.1, 0.05, H200)

@@ -139,3 +139,26 @@ def test_longest_seq_len_trains_and_a_little_longer_does_not():
         got, want = (e.step([(tokens[:, :-1], tokens[:, 1:])]) for e in (chunked, untiled))
         assert got.h2d_bytes == got.predicted_h2d_bytes > 0 and got.d2h_bytes == got.predicted_d2h_bytes
         assert abs(got.loss - want.loss) <= 64 * np.finfo(np.float32).eps * abs(want.loss), (got.loss, want.loss)
+
+
+def test_longest_within_with_a_guess_probes_as_few_lengths_however_long_the_answer():
+    """Given a guess of the answer (what memory allows, from the longest trace that fit), the
+    search probes about log2(1 / tolerance) lengths past it whether the answer is 4k or 8M tokens,
+    and a wild guess still brackets the answer, the bracket halved geometrically."""
+    import math
+    from pstar_jax.planner.search import longest_within
+    g, tol, cap = 64, 0.03, 1 << 23
+    for answer in (0, 64, 4096, 77_777, 540_000, (1 << 23) - 1000, 1 << 23):
+        for guess, slack in ((lambda n, a=answer: 1.2 * a, 0), (lambda n: cap, 4 + math.log2(math.log2(cap / g)))):
+            asked = []
+
+            def fits(n, answer=answer):
+                asked.append(n)
+                return n <= answer
+            n, capped = longest_within(fits, 64, g, tol, cap, guess=guess)
+            assert all(a % g == 0 for a in asked) and (n == 0 or fits(n) and n % g == 0)
+            assert capped == (answer >= cap)
+            if not capped and n:
+                step = math.ceil((n + max(g, tol * n)) / g) * g
+                assert not fits(step) and n >= answer // g * g / (1 + tol) - g, (answer, n)
+            assert len(set(asked)) <= math.log2(1 / tol) + slack + 4, (answer, asked)

@@ -200,6 +200,16 @@ def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp
     assert capsys.readouterr().err == ""
 
 
+def test_a_third_step_far_from_the_prediction_is_noted_once(capsys):
+    """The H200's rates predict this CPU's steps far too fast: after the first step that compiles
+    nothing (the third) one note says so and what to do; --quiet keeps it out."""
+    assert main(["--steps", "4", "--batch-size", "8", "--machine", "h200"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "the plan predicted" in line]
+    assert len(notes) == 1 and notes[0].startswith("step 3 took ") and "x slower): the h200 rates (preset" in notes[0]
+    assert main(["--steps", "3", "--batch-size", "8", "--machine", "h200", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 CONSOLE_SCRIPT = ("import sys, os; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]; "
                   "from pstar_jax.cli.train import main; raise SystemExit(main(sys.argv[1:]))")
 

@@ -156,6 +156,8 @@ def _backend(W: int) -> None:
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         if W > 1:
+            from pstar_jax.compat import patient_cpu_collectives
+            patient_cpu_collectives()
             jax.config.update("jax_num_cpu_devices", W)
     if jax.config.jax_compilation_cache_dir is None:
         from pstar_jax.planner.measure import cache_dir
@@ -184,6 +186,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.io.models import load_model
     from pstar_jax.plan.machine import load_machine
     from pstar_jax.planner.report import plan_report
+    from pstar_jax.planner.search import Progress
 
     machine = load_machine(engine.machine)
     model = load_model(config)
@@ -196,7 +199,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     report = plan_report(model, engine, config.train.batch_size, mesh, machine, host_bytes,
                          label=model_label(config.model, model, config.lora), model_at=depth_builder(config, model),
                          search=not args.no_search and not args.json,
-                         seq_len_at=seq_len_at, lora=config.lora)
+                         seq_len_at=seq_len_at, lora=config.lora, progress=Progress("pstar-plan"))
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model.config) if hasattr(model, "config") else {},
                           **report.to_json()}))

@@ -3,6 +3,12 @@
 The planner knows the whole step in advance, so it evicts as Belady's OPT (as PatrickStar): the
 item whose next use is furthest away. LRU and FIFO are here to compare against (scripts/bench_plan.py,
 tests/test_eviction.py): Belady never moves more bytes than either.
+
+A policy gives each item on the device a key; the item of the lowest key leaves first, and among
+equal keys the one that arrived first. A key holds from the moment the item arrives or a moment
+uses it until its next use, so the replay (replay.py) keeps the keys in a heap, asking the policy
+only when an item arrives or is used: a victim then costs a heap pop, not a scan of every item on
+the device (a deep model keeps hundreds there, and a search replays thousands of moments).
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from pstar_jax.plan.schedule import Access, Item
 
 
 class EvictionPolicy(Protocol):
-    def __call__(self, candidates: list[Item], t: int, resident: Mapping[Item, bool]) -> Item:
-        """The item to evict among ``candidates`` at moment ``t``; ``resident`` maps each item on the
-        device to whether it is dirty (no valid host copy), in the order the items arrived."""
+    def key(self, item: Item, t: int, dirty: bool) -> tuple:
+        """``item``'s place in the queue to leave the device, from moment ``t`` (when it arrived or
+        a moment used it; ``dirty``: it has no valid host copy) until its next use: the lowest key
+        leaves first. It must not change before that next use."""
         ...
 
 
@@ -39,54 +46,47 @@ def next_use(uses: dict[Item, list[int]], item: Item, t: int, period: int) -> in
     return period + times[0] if times else 2 * period
 
 
-def belady(accesses: Sequence[Access]) -> EvictionPolicy:
-    """Furthest next use first; among equals a clean item (free to drop), then the higher chunk id.
+class Belady:
+    """Furthest next use first; among equals a clean item (free to drop), then the higher chunk id."""
 
-    The planner asks at moments in increasing order (starting over for each replay of the step),
-    so the next use of every item is kept up to date as moments pass instead of searched for each
-    candidate: the key of a candidate is ``next_use(uses, item, t, period)``, read from a dict."""
-    uses, period = uses_of(accesses), len(accesses)
-    after = [[(item, next_use(uses, item, t, period)) for item in a.needs] for t, a in enumerate(accesses)]
-    first = {item: times[0] for item, times in uses.items()}
-    upcoming = dict(first)  # item -> its next use after the moments seen so far
-    seen = [-1]  # the last moment whose uses ``upcoming`` reflects
+    def __init__(self, accesses: Sequence[Access]):
+        self.uses, self.period = uses_of(accesses), len(accesses)
 
-    def victim(candidates: list[Item], t: int, resident: Mapping[Item, bool]) -> Item:
-        if t < seen[0]:  # a new replay of the step
-            upcoming.clear()
-            upcoming.update(first)
-            seen[0] = -1
-        for u in range(seen[0] + 1, t + 1):
-            upcoming.update(after[u])
-        seen[0] = max(seen[0], t)
-        never = 2 * period
-        return max(candidates, key=lambda it: (upcoming.get(it, never), not resident[it], it[1]))
-    return victim
+    def key(self, item: Item, t: int, dirty: bool) -> tuple:
+        return -next_use(self.uses, item, t, self.period), dirty, -item[1]
 
 
-def lru(accesses: Sequence[Access]) -> EvictionPolicy:
-    """Least recently used (for comparison)."""
-    uses = uses_of(accesses)
+class LRU:
+    """Least recently used first, then the lower chunk id (for comparison)."""
 
-    def last_use(it: Item, t: int) -> int:
-        times = uses.get(it, [])
+    def __init__(self, accesses: Sequence[Access]):
+        self.uses = uses_of(accesses)
+
+    def key(self, item: Item, t: int, dirty: bool) -> tuple:
+        times = self.uses.get(item, [])
         i = bisect.bisect_right(times, t)
-        return times[i - 1] if i else -1
-
-    def victim(candidates: list[Item], t: int, resident: Mapping[Item, bool]) -> Item:
-        return min(candidates, key=lambda it: (last_use(it, t), it[1]))
-    return victim
+        return times[i - 1] if i else -1, item[1]
 
 
-def fifo(accesses: Sequence[Access]) -> EvictionPolicy:
+class FIFO:
     """First in, first out: the item that came to the device earliest (for comparison)."""
-    def victim(candidates: list[Item], t: int, resident: Mapping[Item, bool]) -> Item:
-        allowed = set(candidates)
-        return next(it for it in resident if it in allowed)
-    return victim
+
+    def __init__(self, accesses: Sequence[Access]):
+        pass
+
+    def key(self, item: Item, t: int, dirty: bool) -> tuple:
+        return ()  # equal keys: the arrival order decides
 
 
-POLICIES = {"belady": belady, "lru": lru, "fifo": fifo}
+def victim(policy: EvictionPolicy, candidates: Sequence[Item], t: int, resident: Mapping[Item, bool]) -> Item:
+    """The item ``policy`` evicts among ``candidates`` at moment ``t``; ``resident`` maps each item on
+    the device to whether it is dirty, in the order the items arrived (a scan, for tests and
+    readers: the replay keeps the same keys in a heap)."""
+    arrival = {item: i for i, item in enumerate(resident)}
+    return min(candidates, key=lambda it: (policy.key(it, t, resident[it]), arrival[it]))
+
+
+POLICIES = {"belady": Belady, "lru": LRU, "fifo": FIFO}
 VICTIM_RULES = tuple(POLICIES)
 
 

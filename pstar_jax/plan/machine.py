@@ -26,6 +26,11 @@ class Machine:
     host_adam_params_per_s: float
     call_s: float = 0.0  # fixed cost of one stage or optimizer call (dispatch, launch, sync)
     duplex: bool = False  # host->device and device->host copies run at full rate at once
+    # Under what a measured machine's rates were taken (None, "": a preset, or a file kept before
+    # these were recorded): a reading on a busy CPU can be many times off (``load_note``).
+    measured_at: str = ""  # local time, "YYYY-MM-DD HH:MM"
+    measured_load: float | None = None  # the 1-minute load average (os.getloadavg) just before
+    measured_cores: int | None = None  # os.cpu_count() then
 
 
 # One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, Adam on the device and with
@@ -46,6 +51,34 @@ def describe(machine: Machine) -> str:
     """'h200 rates (preset)' or 'NAME rates (measured)': where a plan's rates came from."""
     preset = MACHINES.get(machine.name) == machine
     return f"{machine.name} rates ({'preset' if preset else 'measured'})"
+
+
+BUSY_LOAD_PER_CORE = 0.5  # a load above this many runnable processes per core counts as a busy machine
+
+
+def provenance(machine: Machine) -> str:
+    """'measured 2025-01-02 13:04 at load 5.2 on 2 cores', 'preset' or 'measured, load not recorded'."""
+    if MACHINES.get(machine.name) == machine:
+        return "preset"
+    if machine.measured_load is None or not machine.measured_cores:
+        return "measured, load not recorded"
+    return f"measured {machine.measured_at} at load {machine.measured_load:.1f} on {machine.measured_cores} cores"
+
+
+def load_note(machine: Machine, load_now: float | None) -> str | None:
+    """A start-up note when ``machine``'s rates were measured on a busy machine (a load above
+    ``BUSY_LOAD_PER_CORE`` per core) or under a load that far from ``load_now``: the plan's
+    predictions may then be off by the same large factor as the rates. None when neither holds."""
+    load, cores = machine.measured_load, machine.measured_cores
+    if load is None or not cores:
+        return None
+    busy = load > BUSY_LOAD_PER_CORE * cores
+    moved = load_now is not None and abs(load_now - load) > BUSY_LOAD_PER_CORE * cores
+    if not (busy or moved):
+        return None
+    now = f", load now {load_now:.1f}" if moved else ""
+    return (f"{machine.name} rates {provenance(machine)}{now}: predictions may be off; pstar-machine --remeasure "
+            f"measures them again")
 
 
 def copies_overlap(h2d_s: float, d2h_s: float, both_s: float) -> bool:
@@ -86,4 +119,8 @@ def load_machine(source: str | os.PathLike) -> Machine:
              machine.device_adam_params_per_s, machine.host_adam_params_per_s)
     if not all(number(r, 1e-300) for r in rates) or not number(machine.call_s, 0.0):
         raise ConfigError(f"machine file {str(source)!r} holds a rate that is not a positive number")
+    if not (machine.measured_load is None or number(machine.measured_load, 0.0)) or not isinstance(
+            machine.measured_at, str) or not (machine.measured_cores is None or number(machine.measured_cores, 1)):
+        raise ConfigError(f"machine file {str(source)!r} holds a measured_load, measured_cores or measured_at "
+                          f"that is not a load, a core count or a time; measure it again with pstar-machine --remeasure")
     return machine

@@ -41,8 +41,8 @@ from pstar_jax.config import format_bytes
 from pstar_jax.plan.eviction import policy_for
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.predict import predict_step_s, state_leads
-from pstar_jax.plan.replay import Infeasible, PlanMoment, ReplayState, moment_name, simulate
-from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses
+from pstar_jax.plan.replay import HostShort, Infeasible, PlanMoment, ReplayState, moment_name, settle, simulate
+from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses, working_moments
 
 
 def shortfall(n_bytes: int) -> str:
@@ -98,11 +98,13 @@ class Plan:
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
-              streamed: Sequence[bool] | None = None, hide_state: bool = True) -> Plan:
+              streamed: Sequence[bool] | None = None, hide_state: bool = True, stop_short: bool = False) -> Plan:
     """The plan for a given optimizer placement (see ``make_plan`` for choosing one).
 
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
-    else one moment ahead (less device memory)."""
+    else one moment ahead (less device memory). ``stop_short``: stop replaying once the host is
+    known to overflow (replay.settle's ``host_limit``): the plan does not fit, short of host
+    memory by at least the bytes seen then (the searches' candidates need no more)."""
     # A frozen chunk has no optimizer state: nothing of it is on the device or streamed.
     opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
     streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
@@ -127,20 +129,20 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
     capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
+    host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
             own = sum(map(shape.item_size, a.needs))
             if own > room:
                 raise Infeasible(moment_name(a), own - room)
-        victim = policy_for(victim_rule, accesses)
-        for _ in range(8):  # to the fixed point: the step ends where it started
-            start = ReplayState(state.device, state.host)
-            moments, state = simulate(accesses, capacity, shape.item_size, state, victim)
-            if state.key() == start.key():
-                break
-        else:
-            raise Infeasible("the placement does not settle into a repeating step", 0)
+        # to the fixed point: the step ends where it started
+        moments, start, state = settle(accesses, capacity, shape.item_size, state, policy_for(victim_rule, accesses),
+                                       host_limit=host_bytes - host_opt if stop_short else None)
+    except HostShort as err:
+        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+                    device_bytes, 0, 0, 0, err.host_bytes + host_opt, float("inf"), False,
+                    f"host memory runs out by at least {shortfall(err.host_bytes + host_opt - host_bytes)}")
     except Infeasible as err:
         problem = (f"device memory runs out at {err} by {shortfall(err.shortfall)}" if err.shortfall
                    else str(err))
@@ -148,7 +150,6 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
                       for m, a in zip(moments, accesses))
-    host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
     peak_host = state.peak_host_bytes + host_opt
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
@@ -216,29 +217,33 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
 def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
                       streamed: Sequence[bool]) -> int:
     """A lower bound on the peak host memory of any plan with this optimizer placement. Every
-    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and at the
-    moment with the most non-model data the device holds the fewest; and params made by host Adam
-    all sit on the host once the last update has run (a copy fetched to the device leaves the
-    host copy valid). A frozen chunk's params are on the host at every moment."""
+    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and so has
+    every stage input from its forward to its backward (``working_moments``): what the device
+    cannot hold beside a moment's non-model data is on the host then (at the moment with the most
+    non-model data, counted in whole chunks); and params made by host Adam all sit on the host
+    once the last update has run (a copy fetched to the device leaves the host copy valid). A
+    frozen chunk's params are on the host at every moment."""
     k = sum(d for c, d in enumerate(opt_on_device) if not shape.is_frozen(c))
     busiest = shape.busiest_non_model_bytes
     room = device_bytes - k * shape.opt_state_bytes - busiest
     trainable = shape.n_trainable
     on_device = max(0, min(trainable, room // shape.item_bytes))
     host_adam = sum(not d and not s for c, (d, s) in enumerate(zip(opt_on_device, streamed)) if not shape.is_frozen(c))
-    items = max(trainable - on_device, host_adam) + (shape.n_chunks - trainable)
-    return items * shape.item_bytes + (trainable - k) * shape.opt_state_bytes
+    beside_inputs = trainable * shape.item_bytes + max(n + alive for n, alive in working_moments(shape)) - (
+        device_bytes - k * shape.opt_state_bytes)
+    items = max((trainable - on_device) * shape.item_bytes, host_adam * shape.item_bytes, beside_inputs)
+    return items + (shape.n_chunks - trainable) * shape.item_bytes + (trainable - k) * shape.opt_state_bytes
 
 
 def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
     """Whether the two memories together could hold the model data: every chunk has its bf16
-    item (params or grad) and its optimizer state somewhere at every moment, and at the moment
-    with the most non-model data the device holds the least; a frozen chunk has its params alone,
-    always on the host. False: no placement fits."""
-    busiest = shape.busiest_non_model_bytes
+    item (params or grad) and its optimizer state somewhere at every moment, and so has every
+    stage input alive then, beside the moment's non-model data on the device; a frozen chunk has
+    its params alone, always on the host. False: no placement fits."""
     frozen_bytes = (shape.n_chunks - shape.n_trainable) * shape.item_bytes
     trainable_bytes = shape.n_trainable * (shape.item_bytes + shape.opt_state_bytes)
-    return frozen_bytes <= host_bytes and trainable_bytes + frozen_bytes <= max(0, device_bytes - busiest) + host_bytes
+    return frozen_bytes <= host_bytes and all(trainable_bytes + frozen_bytes + alive <= max(0, device_bytes - n) + host_bytes
+                                              for n, alive in working_moments(shape))
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -273,7 +278,8 @@ def choose(plans: Sequence[Plan]) -> Plan:
 
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
-              adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True) -> Plan:
+              adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True,
+              tried: dict[tuple[int, int], Plan] | None = None) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
@@ -294,7 +300,12 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     in one round of coarse grids (for searches that only ask whether anything fits, as
     pstar-plan's largest depth and batch: the same candidates in the same order until then, so
     the same answer); ``mixes`` False: try only the rest all on the host or all streamed. k and b
-    count trainable chunks (frozen ones have no optimizer state to place)."""
+    count trainable chunks (frozen ones have no optimizer state to place). Candidates stop
+    replaying once the host overflows (plan_step's ``stop_short``: most of a search near the
+    memories' limit is spent on candidates that do not fit); a plan returned that does not fit is
+    replayed in full, so its problem says by how much. ``tried``: the candidates already planned
+    for this very shape and budgets, by (k, b), filled as they are planned (a search that asks
+    about one shape twice, without mixes then with them, plans each candidate once)."""
     order = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
     rank = {c: r for r, c in enumerate(order)}
     n = len(order)
@@ -302,26 +313,34 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     def ranked(low: int, high: int) -> list[bool]:  # per chunk: a trainable one ranked in [low, high)
         return [c in rank and low <= rank[c] < high for c in range(shape.n_chunks)]
 
-    def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool]) -> Plan:
-        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed)
+    def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool], stop_short: bool = True) -> Plan:
+        plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed,
+                         stop_short=stop_short)
         if plan.fits or not any(plan.opt_streamed) or not plan.problem.startswith("device"):
             return plan  # the retry below saves device memory
-        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False)
+        return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False,
+                         stop_short=stop_short)
+
+    def answer(plan: Plan) -> Plan:  # a candidate that does not fit, replayed in full for its exact shortfall
+        return plan if plan.fits else planned(plan.opt_on_device, plan.opt_streamed, stop_short=False)
 
     everything = ranked(0, n)
     if adam_placement != "auto":
         return planned(everything if adam_placement == "device" else ranked(0, 0),
-                       everything if adam_placement == "stream" else ranked(0, 0))
+                       everything if adam_placement == "stream" else ranked(0, 0), stop_short=False)
     if first_fit and not could_fit(shape, device_bytes, host_bytes):
-        return planned(ranked(0, 0), ranked(0, 0))  # one candidate, to say what runs out
+        return planned(ranked(0, 0), ranked(0, 0), stop_short=False)  # one candidate, to say what runs out
     scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
+    tried = {} if tried is None else tried
 
     class _Fits(Exception):
         pass
 
     def consider(k: int, b: int) -> None:
         if (k, b) not in scores:
-            scores[k, b] = planned(ranked(0, k), ranked(k, b))
+            if (k, b) not in tried:
+                tried[k, b] = planned(ranked(0, k), ranked(k, b))
+            scores[k, b] = tried[k, b]
             if first_fit and scores[k, b].fits:
                 raise _Fits
 
@@ -358,4 +377,4 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 break
     except _Fits:
         return next(plan for plan in scores.values() if plan.fits)
-    return choose(list(scores.values()))
+    return answer(choose(list(scores.values())))

@@ -8,12 +8,14 @@ stage inputs at their forward); when the device would overflow, the eviction pol
 (eviction.py) picks the victims among items the moment (and, when prefetching, the previous one)
 does not use: a clean one leaves for free, a dirty one is written back. Items have sizes of their
 own (``Size``), so stage inputs and chunks share one capacity. placement.py drives the replay to a
-fixed point and turns its moments into a Plan.
+fixed point and turns its moments into a Plan. The items on the device wait in a heap by the
+policy's keys (re-keyed when they arrive or are used), so a victim costs a pop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Callable, Sequence
 
 from pstar_jax.plan.eviction import EvictionPolicy
@@ -44,28 +46,76 @@ class Infeasible(Exception):
         self.shortfall = shortfall
 
 
+class HostShort(Exception):
+    """A replay overflowed its host memory limit (``host_bytes`` there)."""
+
+    def __init__(self, host_bytes: int):
+        super().__init__(host_bytes)
+        self.host_bytes = host_bytes
+
+
 Size = Callable[[Item], int]  # an item's bytes per device
 
 
 class ReplayState:
     """Where every item is during a replay, and the bytes that puts in each memory (kept as items
-    come and go: a replay visits every moment of a step, many times per search)."""
+    come and go: a replay visits every moment of a step, many times per search); the items on the
+    device wait in a heap by the eviction policy's keys."""
 
     def __init__(self, device: dict[Item, bool], host: set[Item]):
-        self.device = dict(device)  # item -> dirty (no valid host copy)
+        self.device = dict(device)  # item -> dirty (no valid host copy), in the order they arrived
         self.host = set(host)  # items with a valid host copy
         self.size: Size = lambda item: 0
         self.device_bytes = self.host_bytes = self.peak_host_bytes = 0
+        self.policy: EvictionPolicy | None = None
+        self.queue: list[tuple] = []  # heap of (key, arrival, item); an entry is live while ``entry`` holds it
+        self.entry: dict[Item, tuple] = {}
+        self.arrival: dict[Item, int] = {}
+        self.arrivals = 0
 
-    def measure(self, size: Size) -> None:
-        """Count the bytes of the items where they are now, by ``size``."""
-        self.size = size
+    def measure(self, size: Size, policy: EvictionPolicy | None = None) -> None:
+        """Count the bytes of the items where they are now, by ``size``, and queue those on the
+        device by ``policy``'s keys, as of before the step's first moment."""
+        self.size, self.policy = size, policy
         self.device_bytes = sum(map(size, self.device))
         self.host_bytes = self.peak_host_bytes = sum(map(size, self.host))
+        self.queue, self.entry, self.arrival, self.arrivals = [], {}, {}, 0
+        for item in self.device:
+            self._arrive(item)
+            self.touch(item, -1)
+
+    def _arrive(self, item: Item) -> None:
+        self.arrival[item] = self.arrivals
+        self.arrivals += 1
+
+    def touch(self, item: Item, t: int) -> None:
+        """Re-key ``item`` (on the device) at moment ``t``, which uses it or brought it."""
+        if self.policy is not None:
+            e = (self.policy.key(item, t, self.device[item]), self.arrival[item], item)
+            self.entry[item] = e
+            heapq.heappush(self.queue, e)
+
+    def pop_victim(self, keep: set[Item], popped: list[tuple]) -> Item | None:
+        """The next item on the device the policy evicts, skipping ``keep``; None when there is none.
+        Live entries popped are appended to ``popped``, for ``requeue`` to put back."""
+        while self.queue:
+            e = heapq.heappop(self.queue)
+            if self.entry.get(e[2]) is not e:
+                continue  # the item left or was re-keyed since
+            popped.append(e)
+            if e[2] not in keep:
+                return e[2]
+        return None
+
+    def requeue(self, popped: list[tuple]) -> None:
+        for e in popped:
+            heapq.heappush(self.queue, e)
 
     def to_device(self, item: Item, dirty: bool) -> None:
+        """Put ``item`` on the device (``touch`` it next, to queue it)."""
         if item not in self.device:
             self.device_bytes += self.size(item)
+            self._arrive(item)
         self.device[item] = dirty
 
     def off_device(self, item: Item) -> bool | None:
@@ -73,6 +123,7 @@ class ReplayState:
         dirty = self.device.pop(item, None)
         if dirty is not None:
             self.device_bytes -= self.size(item)
+            self.entry.pop(item, None)
         return dirty
 
     def to_host(self, item: Item) -> None:
@@ -90,13 +141,15 @@ class ReplayState:
 
 
 def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: ReplayState,
-             victim: EvictionPolicy, prefetch: bool = True) -> tuple[list[PlanMoment], ReplayState]:
+             policy: EvictionPolicy, prefetch: bool = True, host_limit: int | None = None
+             ) -> tuple[list[PlanMoment], ReplayState]:
     """Replay one step from ``state``; returns the moments' actions and the end state.
 
     ``capacity[t]`` is the device memory for items at moment t, ``size(item)`` an item's bytes.
-    Raises Infeasible when a moment's own items do not fit."""
+    Raises Infeasible when a moment's own items do not fit, HostShort when the host holds more
+    than ``host_limit`` bytes of items after a moment."""
     moments: list[PlanMoment] = []
-    state.measure(size)
+    state.measure(size, policy)
     inputs = 0  # stage-input bytes on the device
     for t, a in enumerate(accesses):
         fetched, evicted, early = None, None, False
@@ -104,23 +157,24 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, st
             prev = accesses[t - 1]
             try:
                 evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
-                                            min(capacity[t], capacity[t - 1]), t, state, victim,
+                                            min(capacity[t], capacity[t - 1]), state,
                                             extra=set(prev.drops) | set(prev.to_host))
                 early = True
             except Infeasible:
                 pass
         if not early:
-            evicted, fetched = _actions(a, set(a.needs), capacity[t], t, state, victim)
-        inputs -= sum(size(it) for it in evicted if it[0] == "act")
+            evicted, fetched = _actions(a, set(a.needs), capacity[t], state)
+        if evicted:
+            inputs -= sum(size(it) for it in evicted if it[0] == "act")
         inputs += sum(size(it) for it in a.needs if it[0] == "act" and it not in state.device)
-        h2d, d2h = _apply(a, evicted, fetched, state)
-        h2d, d2h = h2d + a.state_bytes_each_way, d2h + a.state_bytes_each_way
+        h2d, d2h = _apply(a, t, evicted, fetched, state)
+        # a final grad for host Adam goes up to the host after the moment (unless its host copy is valid)
+        up = sum(size(it) for it in a.to_host if state.device.get(it)) if a.to_host else 0
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
-                                  capacity[t], state.device_bytes - inputs, inputs, h2d, d2h))
-        for item in a.to_host:  # a final grad for host Adam goes up to the host (unless its host copy is valid)
-            if state.off_device(item):
-                d2h += size(item)
-                moments[-1] = dataclasses.replace(moments[-1], d2h_bytes=d2h)
+                                  capacity[t], state.device_bytes - inputs, inputs, h2d + a.state_bytes_each_way,
+                                  d2h + a.state_bytes_each_way + up))
+        for item in a.to_host:
+            state.off_device(item)
             state.to_host(item)
         for item in a.consumes + a.drops:
             if state.off_device(item) is not None and item[0] == "act":
@@ -130,13 +184,35 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, st
             state.to_host(item)
         for item in a.creates_device:
             state.to_device(item, True)
+            state.touch(item, t)
             state.off_host(item)
         state.peak_host_bytes = max(state.peak_host_bytes, state.host_bytes)
+        if host_limit is not None and state.host_bytes > host_limit:
+            raise HostShort(state.host_bytes)
     return moments, state
 
 
-def _actions(a: Access, protect: set[Item], capacity: int, t: int, state: ReplayState,
-             victim: EvictionPolicy, extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
+def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: ReplayState,
+           policy: EvictionPolicy, rounds: int = 8, host_limit: int | None = None
+           ) -> tuple[list[PlanMoment], ReplayState, ReplayState]:
+    """Replay the step from ``state`` until it ends in the state it started in: (moments, start,
+    end). Raises Infeasible when a moment's own items do not fit, or after ``rounds`` replays.
+
+    ``host_limit``: raise HostShort as soon as a replay after the first holds more items on the
+    host (the first starts from a made-up state, everything on the host; the second, from where
+    the first ended, has in practice always been the one that repeats, so it overflowing means
+    the plan's step does)."""
+    for round_ in range(rounds):
+        start = ReplayState(state.device, state.host)
+        moments, state = simulate(accesses, capacity, size, state, policy,
+                                  host_limit=host_limit if round_ else None)
+        if state.key() == start.key():
+            return moments, start, state
+    raise Infeasible("the placement does not settle into a repeating step", 0)
+
+
+def _actions(a: Access, protect: set[Item], capacity: int, state: ReplayState,
+             extra: set[Item] = frozenset()) -> tuple[list[Item], list[Item]]:
     """Evictions and fetches that put ``a.needs`` on the device within ``capacity``.
 
     Items created at this moment (grads at first use, stage inputs at their forward) count as
@@ -148,16 +224,16 @@ def _actions(a: Access, protect: set[Item], capacity: int, t: int, state: Replay
                   + sum(size(e) for e in extra if e not in state.device))
     if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
         return [], [it for it in missing if it in state.host]
-    resident = dict(state.device)
-    evicted = []
-    while need_bytes > capacity:
-        candidates = [it for it in resident if it not in protect and it not in extra]
-        if not candidates:
-            raise Infeasible(moment_name(a), need_bytes - capacity)
-        out = victim(candidates, t, resident)
-        del resident[out]
-        evicted.append(out)
-        need_bytes -= size(out)
+    keep, popped, evicted = protect | extra, [], []
+    try:
+        while need_bytes > capacity:
+            out = state.pop_victim(keep, popped)
+            if out is None:
+                raise Infeasible(moment_name(a), need_bytes - capacity)
+            evicted.append(out)
+            need_bytes -= size(out)
+    finally:
+        state.requeue(popped)  # the moment may yet run without prefetch: the victims are not gone yet
     return evicted, [it for it in missing if it in state.host]
 
 
@@ -166,7 +242,7 @@ def moment_name(a: Access) -> str:
     return f"the optimizer update of chunk {a.index}" if a.phase == "adam" else f"the {a.phase} of stage {a.index}"
 
 
-def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: ReplayState) -> tuple[int, int]:
+def _apply(a: Access, t: int, evicted: list[Item], fetched: list[Item], state: ReplayState) -> tuple[int, int]:
     d2h = 0
     for it in evicted:
         if state.off_device(it):
@@ -180,4 +256,6 @@ def _apply(a: Access, evicted: list[Item], fetched: list[Item], state: ReplaySta
             state.off_host(it)
         elif it[0] == "act" and it not in state.device:  # a stage input, made by the forward below: no host copy yet
             state.to_device(it, True)
+        if it in state.device:  # used now: queued by its next use
+            state.touch(it, t)
     return sum(map(state.size, fetched)), d2h

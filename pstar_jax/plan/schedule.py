@@ -29,6 +29,7 @@ then where the device waits for that update's new params, not where it computes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 # ("param" | "slot", chunk id): bf16 params a stage reads, or the chunk's slot (its grad, or its
@@ -126,6 +127,29 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
                                bwd_flops=f(shape.bwd_flops))
 
 
+def lowest_trained_stage(shape: StepShape) -> int:
+    """The stage the backward ends at: the lowest with a trainable chunk (the head when none has)."""
+    return min((i for i, cs in enumerate(shape.stage_chunks) if any(not shape.is_frozen(c) for c in cs)),
+               default=len(shape.stage_chunks) - 1)
+
+
+def working_moments(shape: StepShape) -> list[tuple[int, int]]:
+    """(non-model bytes, bytes of the stage inputs alive) at each forward, head and backward moment
+    of a micro-batch, as ``step_accesses`` lays them out (one micro-batch's inputs are alive at a
+    time): an input lives from its stage's forward to its backward, and only its forward below
+    the lowest trainable stage, where no backward reads it. The planner's memory bounds read it."""
+    head = len(shape.stage_chunks) - 1
+    lowest = lowest_trained_stage(shape)
+    own = list(shape.input_bytes) if shape.input_bytes else [0] * (head + 1)
+    kept = [0] * (head + 2)  # kept[i]: inputs of the stages below i still held for their backward
+    for i in range(head + 1):
+        kept[i + 1] = kept[i] + (own[i] if i >= lowest else 0)
+    out = [(shape.fwd_non_model[i], kept[i] + own[i] * (i < lowest)) for i in range(head)]
+    out.append((shape.head_non_model, kept[head + 1] if head >= lowest else own[head]))
+    out += [(shape.bwd_non_model[i], kept[i + 1] if i >= lowest else 0) for i in reversed(range(head))]
+    return out
+
+
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
                   streamed: Sequence[bool] | None = None, leads: Sequence[int] | None = None) -> list[Access]:
     """The moments of one step in the executor's order, with what each needs.
@@ -151,6 +175,40 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
     forward."""
     streamed = streamed or [False] * shape.n_chunks
     leads = leads or [1] * shape.n_chunks
+    on_host = [not opt_on_device[c] and not streamed[c] for c in range(shape.n_chunks)]
+
+    def updates(chunks):
+        for c in chunks:
+            g, p = ("slot", c), ("param", c)
+            if opt_on_device[c]:
+                yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
+            elif streamed[c]:
+                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
+                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
+            else:
+                yield Access("adam", c, 0, (), 0, consumes=(g,), creates_host=(p,))
+
+    out: list[Access] = []
+    for a, updated, finished in _passes(shape):
+        out.extend(updates(updated))
+        up = tuple(("slot", c) for c in finished if on_host[c])  # final grads bound for host Adam
+        out.append(dataclasses.replace(a, to_host=up) if up else a)
+    if not any(streamed):
+        return out
+    extra = [0] * len(out)  # streamed state on the device beside other moments' own data
+    for u, a in enumerate(out):
+        for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
+            if t != u:
+                extra[t] += a.state_bytes_each_way
+    return [dataclasses.replace(a, non_model_bytes=a.non_model_bytes + x) if x else a for a, x in zip(out, extra)]
+
+
+@functools.lru_cache(maxsize=4)
+def _passes(shape: StepShape) -> tuple[tuple[Access, tuple[int, ...], tuple[int, ...]], ...]:
+    """The forward, head and backward moments of ``step_accesses`` before any optimizer placement,
+    each with the chunks whose update comes right before it and those whose grad it finishes (in
+    the last micro-batch): what step_accesses adds per placement. Kept for the last few shapes: a
+    search plans one shape many times, and these moments are most of a step."""
     head = len(shape.stage_chunks) - 1
     first_use: dict[int, int] = {}
     for i, cs in enumerate(shape.stage_chunks):
@@ -161,59 +219,31 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
         if not shape.is_frozen(c):
             updated_at.setdefault(first_use[c], []).append(c)
     last_bwd = first_use  # the backward visits stages in reverse
-    out: list[Access] = []
-
     trained = [tuple(c for c in cs if not shape.is_frozen(c)) for cs in shape.stage_chunks]
-    lowest = min((i for i, cs in enumerate(trained) if cs), default=head)  # the backward's last stage
+    lowest = lowest_trained_stage(shape)  # the backward's last stage
     params = [tuple(("param", c) for c in cs) for cs in shape.stage_chunks]
     both = [params[i] + tuple(("slot", c) for c in cs) if i >= lowest else () for i, cs in enumerate(trained)]
-    last_drops = [tuple(("param", c) for c in cs if last_bwd[c] == i) for i, cs in enumerate(trained)]
-    on_host = [not opt_on_device[c] and not streamed[c] for c in range(shape.n_chunks)]
-    last_up = [tuple(("slot", c) for _, c in items if on_host[c]) for items in last_drops]
-
-    def drops(i, last):  # params after their last backward use, in the last micro-batch
-        return last_drops[i] if last else ()
-
-    def up(i, last):  # final grads bound for host Adam
-        return last_up[i] if last else ()
+    last_chunks = [tuple(c for c in cs if last_bwd[c] == i) for i, cs in enumerate(trained)]
+    last_drops = [tuple(("param", c) for c in cs) for cs in last_chunks]
 
     def inputs(i, m):  # the stage input of stage i, micro-batch m, as an item
         return (("act", i, m),) if shape.has_input(i) else ()
 
-    def updates(i):
-        for c in updated_at.get(i, ()):
-            g, p = ("slot", c), ("param", c)
-            if opt_on_device[c]:
-                yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
-            elif streamed[c]:
-                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
-                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
-            else:
-                yield Access("adam", c, 0, (), 0, consumes=(g,), creates_host=(p,))
-
+    out = []
     for m in range(shape.micro_batches):
         last = m == shape.micro_batches - 1
+        finished = (lambda i: last_chunks[i]) if last else (lambda i: ())
+        dropped = (lambda i: last_drops[i]) if last else (lambda i: ())  # params after their last backward use
         for i in range(head):
-            if m == 0:
-                out.extend(updates(i))
-            out.append(Access("fwd", i, m, params[i] + inputs(i, m), shape.fwd_non_model[i], shape.fwd_flops[i],
-                              drops=inputs(i, m) if i < lowest else ()))
-        if m == 0:
-            out.extend(updates(head))
-        out.append(Access("head", head, m, both[head] + inputs(head, m), shape.head_non_model,
-                          shape.head_flops, drops(head, last) + inputs(head, m), up(head, last)))
+            out.append((Access("fwd", i, m, params[i] + inputs(i, m), shape.fwd_non_model[i], shape.fwd_flops[i],
+                               drops=inputs(i, m) if i < lowest else ()), tuple(updated_at.get(i, ())) * (m == 0), ()))
+        out.append((Access("head", head, m, both[head] + inputs(head, m), shape.head_non_model, shape.head_flops,
+                           dropped(head) + inputs(head, m)), tuple(updated_at.get(head, ())) * (m == 0), finished(head)))
         for i in reversed(range(head)):
             read = inputs(i, m) if i >= lowest else ()
-            out.append(Access("bwd", i, m, both[i] + read, shape.bwd_non_model[i],
-                              shape.bwd_flops[i] if i >= lowest else 0.0, drops(i, last) + read, up(i, last)))
-    if not any(streamed):
-        return out
-    extra = [0] * len(out)  # streamed state on the device beside other moments' own data
-    for u, a in enumerate(out):
-        for t in range(max(0, u - a.state_lead), min(u + 2, len(out))):
-            if t != u:
-                extra[t] += a.state_bytes_each_way
-    return [dataclasses.replace(a, non_model_bytes=a.non_model_bytes + x) if x else a for a, x in zip(out, extra)]
+            out.append((Access("bwd", i, m, both[i] + read, shape.bwd_non_model[i],
+                               shape.bwd_flops[i] if i >= lowest else 0.0, dropped(i) + read), (), finished(i)))
+    return tuple(out)
 
 
 def staged_after(accesses: Sequence[Access]) -> dict[int, list[int]]:

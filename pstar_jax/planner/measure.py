@@ -25,7 +25,7 @@ import numpy as np
 
 from pstar_jax.config import ConfigError
 from pstar_jax.engine.memory import Space
-from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, save_machine
+from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, load_note, provenance, save_machine
 
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
@@ -45,6 +45,7 @@ def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
 def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     """Time a chunk's copies each way and both at once, a matmul and a chunk's optimizer update in
     each space."""
+    conditions = measuring_conditions()  # before our own work adds to the load
     x = placement.put(np.zeros((numel,), np.float32), Space.DEVICE)
     on_host = jax.device_put(x, x.sharding.with_memory_kind(Space.HOST.value))
     nbytes = numel * 4 // placement.n_devices
@@ -72,7 +73,43 @@ def measure(placement, optimizer, numel: int = 1 << 22) -> Machine:
     call = jax.jit(lambda x: x + 1)
     call_s = _best_time(lambda: call(tiny), repeats=20)
     return Machine(f"{jax.devices()[0].platform} (measured)", nbytes / h2d_s, nbytes / d2h_s, flops, adam[Space.DEVICE],
-                   adam[Space.HOST], call_s, duplex=copies_overlap(h2d_s, d2h_s, both_s))
+                   adam[Space.HOST], call_s, duplex=copies_overlap(h2d_s, d2h_s, both_s), **conditions)
+
+
+def load_now() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def measuring_conditions() -> dict:
+    """The ``Machine.measured_*`` fields of a reading taken now."""
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "measured_load": load_now(),
+            "measured_cores": os.cpu_count()}
+
+
+STEP_GAP = 3.0  # a timed step this many times slower or faster than predicted: the rates are wrong
+
+
+def step_gap_note(step: int, step_s: float, predicted_s: float, machine: Machine) -> str | None:
+    """One line when step ``step`` (0-based) took ``step_s`` and the plan made with ``machine``
+    predicted ``predicted_s``, more than ``STEP_GAP`` times apart either way: the rates do not
+    describe the machine now (measured under another load, or another machine's); None otherwise."""
+    if not (0 < predicted_s < float("inf") and step_s > 0):
+        return None
+    gap = max(step_s / predicted_s, predicted_s / step_s)
+    if gap <= STEP_GAP:
+        return None
+    now = load_now()
+    how = (f"measured {machine.measured_at} at load {machine.measured_load:.1f}" if machine.measured_load is not None
+           else provenance(machine))
+    fix = ("without --machine it plans with this machine's own, measured rates" if how == "preset" else
+           "pstar-machine --remeasure measures them again")
+    return (f"step {step + 1} took {step_s:.2f} s, the plan predicted {predicted_s:.2f} s "
+            f"({gap:.0f}x {'slower' if step_s > predicted_s else 'faster'}): the {machine.name} rates ({how}"
+            f"{f', load now {now:.1f}' if now is not None else ''}) do not describe this machine now; {fix}")
 
 
 def cache_dir() -> Path:
@@ -108,13 +145,18 @@ def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool
     The file is a cache: one that cannot be read (not JSON, a field missing, a directory) is
     measured again and replaced, and rates that cannot be kept (a read-only or impossible
     directory) serve this run only; both with a ``warn`` line. ``must_keep`` (pstar-machine,
-    whose job is to keep them) raises the OSError instead."""
+    whose job is to keep them) raises the OSError instead. Rates measured on a busy machine, or
+    under a load far from today's, are said so in a start-up note (``load_note``)."""
     path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
     if path.exists() and not remeasure:
         try:
-            return load_machine(path)
+            machine = load_machine(path)
         except ConfigError as err:
             warn(f"{err}; measuring this machine again")
+        else:
+            if note := load_note(machine, load_now()):
+                log.info("kept %s", note)
+            return machine
     log.info("measuring this machine's rates (once, kept in %s)", path)
     machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
     try:
@@ -124,4 +166,6 @@ def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool
             raise
         warn(f"cannot keep this machine's rates in {path} ({err.strerror}); measured them for this run only "
              f"(set {MACHINES_DIR_ENV} to a writable directory)")
+    if note := load_note(machine, load_now()):
+        log.info(note)
     return machine

@@ -23,8 +23,8 @@ from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, plan_model, resolve_engine_config
 from pstar_jax.planner.search import (MAX_SEARCH_CHUNKS, MAX_SEARCH_SEQ_LEN, SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE, Largest,
-                                     default_tx_for_shapes, largest_batch, largest_depth, longest_within,
-                                     trainable_for)
+                                     Progress, announced, default_tx_for_shapes, largest_batch, largest_depth,
+                                     longest_within, trainable_for)
 
 # A plan replays every moment of the step, evicting among the chunks: its cost grows with both
 # (tiny at 500 one-layer chunks: 8 s; 4096 micro-batches: 40 s on a 2-core VM). The largest
@@ -168,14 +168,16 @@ class PlanReport:
 def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh: Mesh, machine: Machine,
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
                 search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
-                cache: dict | None = None, lora: LoraConfig | None = None) -> PlanReport:
+                cache: dict | None = None, lora: LoraConfig | None = None,
+                progress: Progress | None = None) -> PlanReport:
     """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
     ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
     depth search (no depth search without it). ``seq_len_at(seq_len)`` rebuilds it for another
     sequence length: given, the report also answers the longest sequence that trains at one
     sequence per device (``longest_seq_len``), whatever ``search`` says. ``lora``: a LoRA run
     (``model`` built with its adapters) trains only them and ``modules_to_save``; the rest is
-    frozen, as ``EngineConfig.freeze`` freezes. No model data is allocated."""
+    frozen, as ``EngineConfig.freeze`` freezes. No model data is allocated. ``progress`` hears
+    what the searches try (search.Progress: lines on stderr once they have run a few seconds)."""
     if batch_size < 1 or batch_size % config.micro_batches:
         raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
                           f"EngineConfig.micro_batches {config.micro_batches}")
@@ -202,27 +204,32 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
             report.depth = largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
-                                          cache, cfg.n_layer, lora)
-        report.batch = largest_batch(planned, micro, machine, host_bytes, resolved)
+                                         cache, cfg.n_layer, lora, progress)
+        report.batch = largest_batch(planned, micro, machine, host_bytes, resolved, progress)
     if seq_len_at is not None:
         report.seq_len_search, report.longest = longest_seq_len(seq_len_at, resolved, mesh, machine, host_bytes,
-                                                                start=model.seq_len, cache=cache, lora=lora)
+                                                                start=model.seq_len, cache=cache, lora=lora,
+                                                                progress=progress)
     return report
 
 
 def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConfig, mesh: Mesh, machine: Machine,
                     host_bytes: int, *, start: int, cache: dict | None = None,
-                    tolerance: float = SEQ_LEN_TOLERANCE, lora: LoraConfig | None = None
-                    ) -> tuple[Largest, PlanReport | None]:
+                    tolerance: float = SEQ_LEN_TOLERANCE, lora: LoraConfig | None = None,
+                    progress: Progress | None = None) -> tuple[Largest, PlanReport | None]:
     """The longest sequence (a multiple of SEQ_LEN_GRANULE tokens) that trains at one sequence per
     device, one micro-batch, and the report at that length (None when none fits).
 
     Each probe rebuilds the model at that length (``seq_len_at``), lays it out with the run's
     chunk size and frozen set, traces it (shape only; ``cache`` shares the stages' analyses) and
-    asks whether any placement fits (make_plan's ``first_fit``). From ``start`` it doubles while
-    it fits (halves while it does not), then bisects until the answer is within ``tolerance`` of
-    the first length that fails: about log2(answer / start) + log2(1 / tolerance) traces."""
+    asks whether any placement fits (make_plan's ``first_fit``). After ``start`` it probes what
+    memory allows: the longest length at which that trace, its activation memory scaled
+    linearly (schedule.scale_batch), still has a placement that fits (plans only, no trace); then
+    it steps down or doubles and bisects until the answer is within ``tolerance`` of the first
+    length that fails (search.longest_within): a handful of traces whether the answer is 4k or
+    8M tokens, since each trace costs about the same at any length."""
     from pstar_jax.plan.placement import make_plan
+    from pstar_jax.plan.schedule import scale_batch
     cache = {} if cache is None else cache
     cfg = dataclasses.replace(config, micro_batches=1)
     W = mesh.devices.size
@@ -230,6 +237,7 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     first = seq_len_at(start)
     chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg, lora)).chunk_numel
     fitted: dict[int, bool] = {}
+    shapes: dict[int, tuple] = {}  # seq_len -> (its step's shape, its device budget)
 
     def resolved_at(model: StagedModel) -> EngineConfig:
         # The run's chunk size at every length, unless a tensor grows past it (GPT's positions).
@@ -244,10 +252,25 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
             resolved = resolved_at(model)
             layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora))
             shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
-            fitted[seq_len] = any(make_plan(shape, resolved.device_budget_bytes, host_bytes, machine,
-                                            cfg.adam_placement, first_fit=True, mixes=mixes).fits
-                                  for mixes in (False, True))
+            shapes[seq_len] = shape, resolved.device_budget_bytes
+            fitted[seq_len] = any_fits(shape, resolved.device_budget_bytes)
         return fitted[seq_len]
+
+    def any_fits(shape, device_bytes: int) -> bool:
+        tried: dict = {}
+        return any(make_plan(shape, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
+                             mixes=mixes, tried=tried).fits for mixes in (False, True))
+
+    def memory_allows(seq_len: int) -> int:
+        # The longest length at which seq_len's trace, scaled, fits: the search's first guess.
+        shape, device_bytes = shapes[seq_len]
+        if any_fits(scale_batch(shape, MAX_SEARCH_SEQ_LEN / seq_len), device_bytes):
+            return MAX_SEARCH_SEQ_LEN
+        low, high = seq_len, MAX_SEARCH_SEQ_LEN
+        while high - low > max(SEQ_LEN_GRANULE, tolerance * low / 2):
+            mid = (low + high) // 2 // SEQ_LEN_GRANULE * SEQ_LEN_GRANULE
+            low, high = (mid, high) if any_fits(scale_batch(shape, mid / seq_len), device_bytes) else (low, mid)
+        return low
 
     def report_at(seq_len: int) -> PlanReport:
         # The full plan (placement search, predicted step) at the answer: its traces are cached.
@@ -255,7 +278,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
         return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache,
                            lora=lora)
 
-    length, capped = longest_within(fits, start, SEQ_LEN_GRANULE, tolerance, MAX_SEARCH_SEQ_LEN)
+    length, capped = longest_within(announced(fits, "seq-len", "tokens", progress), start, SEQ_LEN_GRANULE,
+                                    tolerance, MAX_SEARCH_SEQ_LEN, guess=memory_allows)
     return Largest(length, capped=capped), report_at(length) if length else None
 
 

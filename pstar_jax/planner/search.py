@@ -3,9 +3,11 @@ least device memory a model fits in, and the search algorithms under them (doubl
 bisection, over a monotone question).
 
 The searches stay quick for any model: the largest depth lies below what host and device memory
-can hold at the model's bytes per layer, each probe asks only whether any placement fits
-(make_plan's ``first_fit``), traces of equal stages are analysed once, and the depth search
-stops at ``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them.
+can hold at the model's bytes per layer (its parameters' and its stage input's), and the search
+starts near that bound; each probe asks only whether any placement fits (make_plan's
+``first_fit``), traces of equal stages are analysed once, and the depth search stops at
+``MAX_SEARCH_CHUNKS`` chunks (and says so) because a plan's cost grows with them. A search that
+runs for more than a few seconds says what it tries on stderr (``Progress``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import dataclasses
 import fnmatch
 import functools
 import math
+import sys
+import time
 from typing import Callable
 
 from pstar_jax.config import EngineConfig, OptimConfig
@@ -27,7 +31,7 @@ from pstar_jax.model.lora import frozen_for_lora
 from pstar_jax.model.staged import StagedModel, decays, n_params
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan
-from pstar_jax.plan.schedule import scale_batch
+from pstar_jax.plan.schedule import lowest_trained_stage, scale_batch, working_moments
 from pstar_jax.planner.build import Planned
 from pstar_jax.planner.trace import trace_step
 
@@ -45,6 +49,37 @@ class Largest:
     value: int
     capped: bool = False
     memory_bound: int | None = None
+
+
+class Progress:
+    """Lines on stderr about a search under way ("pstar-plan: searching depth: 1,536 layers fit,
+    trying 2,240 ..."), from ``quiet_s`` seconds after it was made on: a quick answer stays silent."""
+
+    def __init__(self, prog: str, quiet_s: float = 3.0, write: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.prog, self.quiet_s, self.clock = prog, quiet_s, clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.start = clock()
+
+    def __call__(self, line: str) -> None:
+        if self.clock() - self.start >= self.quiet_s:
+            self.write(f"{self.prog}: {line}")
+
+
+def announced(fits: Callable[..., bool], what: str, unit: str, progress: Progress | None) -> Callable[..., bool]:
+    """``fits``, saying before each probe what the search tries and the most it has seen fit."""
+    if progress is None:
+        return fits
+    best = [0]
+
+    def probe(n: int, *args) -> bool:
+        known = f"{best[0]:,} {unit} fit, " if best[0] else ""
+        progress(f"searching {what}: {known}trying {n:,} ...")
+        ok = fits(n, *args)
+        if ok:
+            best[0] = max(best[0], n)
+        return ok
+    return probe
 
 
 def largest(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
@@ -72,27 +107,44 @@ def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> 
     return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
 
 
-def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int
-                   ) -> tuple[int, bool]:
+def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolerance: float, limit: int,
+                   guess: Callable[[int], int] | None = None) -> tuple[int, bool]:
     """(n, capped): the largest multiple n of ``granule`` in [granule, limit] with fits(n) (0: none),
     fits monotone, to within ``tolerance``: some m <= n + max(granule, tolerance * n) does not fit
     (capped: ``limit`` fits). From ``start`` (rounded to a granule) it doubles while fits (halves
-    while not), then bisects, each probe a multiple of ``granule``."""
-    low = max(granule, start // granule * granule)
+    while not), then bisects, each probe a multiple of ``granule``.
+
+    ``guess(n)``, given the longest length known to fit, estimates the answer (what memory allows
+    there, from n's trace: pstar-plan's longest-sequence search): probed right after ``start``, it
+    replaces the doubling, and when it does not fit the search steps down from it (by twice the
+    tolerance, then twice as far each time), so a search costs about as many probes however long
+    the answer is; a bracket still wider than a factor of two is halved geometrically."""
+    def snap(n: float) -> int:
+        return max(granule, min(limit, int(n)) // granule * granule)
+    low = snap(start)
+    high = None
     if fits(low):
-        high = None
+        target = snap(guess(low)) if guess is not None else low
+        if target > low:
+            low, high = (target, None) if fits(target) else (low, target)
+            below = 2 * tolerance  # a guess is mostly a little long: step down from it, twice as far each time
+            while high is not None and below < 0.5 and snap(target * (1 - below)) > low:
+                nxt = snap(target * (1 - below))
+                low, high, below = (nxt, high, 1.0) if fits(nxt) else (low, nxt, 2 * below)
         while high is None and low < limit:
-            nxt = min(2 * low, limit) // granule * granule
+            nxt = snap(2 * low)
             low, high = (nxt, None) if fits(nxt) else (low, nxt)
         if high is None:
             return low, True
     else:
         low, high = 0, low
         while low == 0 and high > granule:
-            nxt = max(granule, high // 2 // granule * granule)
+            nxt = snap(high // 2)
             low, high = (nxt, high) if fits(nxt) else (0, nxt)
     while low and high - low > max(granule, tolerance * low):
-        mid = (low + high) // 2 // granule * granule
+        mid = max(low + granule, snap(math.sqrt(low * high) if high > 2 * low else (low + high) // 2))
+        if mid >= high:
+            break  # within one granule
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low, False
 
@@ -138,44 +190,63 @@ def default_tx_for_shapes():
 
 
 def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, host_bytes: int, make_tx,
-                   cache: dict, depth0: int, lora: LoraConfig | None = None) -> Largest:
+                  cache: dict, depth0: int, lora: LoraConfig | None = None,
+                  progress: Progress | None = None) -> Largest:
     shape, device_bytes = planned.shape, planned.device_budget_bytes
     placement = Placement(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
+    traced_at: dict[int, tuple] = {}  # depth -> (its step's shape, the candidates planned for it)
 
     def depth_fits(n_layer: int, mixes: bool) -> bool:
         # The trace of plan_model without its full placement search: only "does any placement fit?".
-        deeper = model_at(n_layer)
-        layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
-                              trainable=trainable_for(deeper, cfg, lora, strict=False))
-        bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
-        traced = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
-                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
-                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
+        if n_layer not in traced_at:
+            deeper = model_at(n_layer)
+            layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
+                                  trainable=trainable_for(deeper, cfg, lora, strict=False))
+            bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
+            traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
+                                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+                                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False))), {}
+        traced, tried = traced_at[n_layer]
         return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                         mixes=mixes).fits
-    # Every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too:
-    # no deeper model fits in device and host memory together. The search also stops at
-    # MAX_SEARCH_CHUNKS chunks.
+                         mixes=mixes, tried=tried).fits
     one_more = model_at(depth0 + 1)
     layer_numel = n_params(one_more) - n_params(model)
     if layer_numel <= 0:
         return Largest(depth0)
-    item, state = (b / shape.shard_numel / mesh.devices.size for b in (shape.item_bytes, shape.opt_state_bytes))
+    memory_bound = depth_memory_bound(model, one_more, shape, cfg, lora, mesh.devices.size, depth0,
+                                      device_bytes + host_bytes)
+    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
+    limit = max(1, min(memory_bound, chunk_bound))
+    # From half the bound: the answer is usually near it, and deep probes cost the most.
+    depth = largest_mixed(announced(depth_fits, "depth", "layers", progress), max(depth0, limit // 2), limit)
+    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+
+
+def depth_memory_bound(model, one_more, shape, cfg: EngineConfig, lora: LoraConfig | None, W: int, depth0: int,
+                       memory_bytes: int) -> int:
+    """The depth past which the model cannot fit in ``memory_bytes`` (device and host, per device):
+    every parameter needs its bf16 item somewhere, and a trainable one its optimizer state too;
+    and at the head's moment every stage input kept for the backward is alive beside the head's
+    working memory (working_moments), one more per added stage. A layer adds the bytes the next
+    deeper model adds; its stage input at least the smallest kept one of this model's."""
+    item, state = (b / shape.shard_numel / W for b in (shape.item_bytes, shape.opt_state_bytes))
 
     def data_bytes(m) -> float:
         trainable = trainable_for(m, cfg, lora, strict=False)
         trained = sum(math.prod(s) for n, s in m.param_shapes().items() if trainable is None or trainable(n))
         return n_params(m) * item + trained * state
-    layer_bytes = data_bytes(one_more) - data_bytes(model)
-    memory_bound = depth0 + int((device_bytes + host_bytes - data_bytes(model)) // layer_bytes)
-    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
-    limit = max(1, min(memory_bound, chunk_bound))
-    depth = largest_mixed(depth_fits, depth0, limit)
-    return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+    head = len(shape.stage_chunks) - 1
+    head_non_model, alive = working_moments(shape)[head]
+    lowest = lowest_trained_stage(shape)
+    kept = [shape.input_bytes[i] for i in range(max(1, lowest), head + 1)] if shape.input_bytes else []
+    new_stages = len(list(one_more.stages(cfg.compute_dtype))) - len(shape.stage_chunks)
+    layer_bytes = data_bytes(one_more) - data_bytes(model) + max(0, new_stages) * min(kept, default=0)
+    return depth0 + int((memory_bytes - data_bytes(model) - head_non_model - alive) // layer_bytes)
 
 
-def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig) -> Largest:
+def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: EngineConfig,
+                  progress: Progress | None = None) -> Largest:
     shape, device_bytes = planned.shape, planned.device_budget_bytes
     # Activation memory grows with the batch: no batch whose busiest moment alone overflows fits.
     busiest = shape.busiest_non_model_bytes
@@ -185,10 +256,10 @@ def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: E
     def batch_fits(batch: int, mixes: bool) -> bool:
         return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
                          first_fit=True, mixes=mixes).fits
-    batch = largest_mixed(batch_fits, micro, batch_limit)
+    batch = largest_mixed(announced(batch_fits, "batch", "sequences per micro-batch", progress), micro, batch_limit)
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 
-__all__ = ["Largest", "largest", "largest_mixed", "longest_within", "largest_depth", "largest_batch",
+__all__ = ["Progress", "announced", "depth_memory_bound", "Largest", "largest", "largest_mixed", "longest_within", "largest_depth", "largest_batch",
            "smallest_device_bytes", "trainable_for", "default_tx_for_shapes", "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH",
            "MAX_SEARCH_SEQ_LEN", "SEQ_LEN_TOLERANCE", "SEQ_LEN_GRANULE"]

@@ -230,6 +230,7 @@ class Run:
         from pstar_jax.run import distributed
         from pstar_jax.run.signals import StopSignal
         from pstar_jax.engine.optim import learning_rate
+        from pstar_jax.planner.measure import step_gap_note
         cfg, engine = self.config, self.engine
         writers = list(self._writers)
         if self.main_process and cfg.output.metrics_out:
@@ -271,6 +272,10 @@ class Run:
                     for writer in writers:
                         writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
                     progress.update(record)
+                    if step == first_step + 2 and self.main_process and hasattr(engine, "machine"):  # compiles nothing
+                        if note := step_gap_note(step, result.step_s, engine.plan.predicted_step_s, engine.machine):
+                            with progress.aside():
+                                log.info(note)
                     stopping = distributed.agree_to_stop(stop.signum != 0)  # all processes stop after one step
                     if stopping and not last:
                         self.stopped_by, self.stopped_by_peer = stop.signum, not stop.signum

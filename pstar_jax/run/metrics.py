@@ -10,9 +10,11 @@ step's update; left out for an optimizer factory whose schedule is not known), `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 from typing import IO, Any, Protocol
 
 from tqdm import tqdm
@@ -133,6 +135,10 @@ class Progress:
             f"h2d {format_bytes(record['h2d_bytes'])} d2h {format_bytes(record['d2h_bytes'])}",
             refresh=False)
         self._bar.update(1)
+
+    def aside(self) -> contextlib.AbstractContextManager:
+        """Inside, the bar is off the terminal: a line written to stderr then does not cut it."""
+        return tqdm.external_write_mode(file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()
