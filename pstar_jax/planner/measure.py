@@ -6,6 +6,11 @@ measured once and its rates kept in a JSON file named by what they depend on (pl
 device kind, jax version, core count, compute dtype) under ``machines_dir()``;
 ``saved_machine`` reads it back, measuring only when there is none. Re-measure with
 ``pstar-machine --remeasure`` (pstar_jax/cli/machine.py).
+
+A reading on a busy CPU can be many times off, so it keeps the load it was taken at
+(``measuring_conditions``): start-up notes a kept reading from a busy machine or from a load far
+from today's (``load_note``), and a first step that compiles nothing yet runs far from the plan's prediction
+(``step_gap_note``).
 """
 
 from __future__ import annotations
@@ -107,9 +112,13 @@ def step_gap_note(step: int, step_s: float, predicted_s: float, machine: Machine
            else provenance(machine))
     fix = ("without --machine it plans with this machine's own, measured rates" if how == "preset" else
            "pstar-machine --remeasure measures them again")
-    return (f"step {step + 1} took {step_s:.2f} s, the plan predicted {predicted_s:.2f} s "
+    return (f"step {step + 1} took {_seconds(step_s)}, the plan predicted {_seconds(predicted_s)} "
             f"({gap:.0f}x {'slower' if step_s > predicted_s else 'faster'}): the {machine.name} rates ({how}"
             f"{f', load now {now:.1f}' if now is not None else ''}) do not describe this machine now; {fix}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.3g} ms"
 
 
 def cache_dir() -> Path:
