@@ -220,7 +220,7 @@ def test_eval_data_file_is_used_and_nothing_is_held_out(tmp_path):
     (["--eval-every", "-1"], "--eval-every must be a whole number of at least 0"),
     (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches must be a whole number of at least 1"),
     (["--eval-data", "EVAL"], "--eval-data is set but --eval-every is 0"),
-    (["--eval-every", "2", "--eval-data", "/nonexistent/eval.u16.bin"], "--eval-data: data file"),
+    (["--eval-every", "2", "--eval-data", "/nonexistent/eval.u16.bin"], "--eval-data /nonexistent/eval.u16.bin does not exist"),
     (["--eval-every", "2", "--eval-data", "SHORT"], "--eval-data holds 40 tokens, fewer than one window"),
     (["--eval-every", "2", "--eval-data", "WIDE"], "--eval-data: data holds token id 300"),
     (["--eval-every", "2", "--data", "SMALL"], "held-out last 1% of the training tokens (--eval-every without "

@@ -80,7 +80,7 @@ def test_pstar_generate_with_a_huge_vocab_size_is_one_line(tmp_path, capsys):
     from pstar_jax.cli.generate import main
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     edit_config(tmp_path / "src", vocab_size=10**12)
-    assert main(["--hf", str(tmp_path / "src"), "--max-new-tokens", "2"]) == 2
+    assert main(["--hf", str(tmp_path / "src"), "--max-new-tokens", "2", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "vocab_size=1000000000000 disagrees" in err, err
 
@@ -114,7 +114,7 @@ def test_pstar_generate_from_a_nan_weight_is_one_line(tmp_path, capsys):
     write_family_checkpoint(tmp_path / "src", StagedLlama(LLAMA))
     name = poison(tmp_path / "src")
     os.remove(tmp_path / "src" / "tokenizer.json")  # a 256-token vocabulary: the byte-level path
-    assert main(["--hf", str(tmp_path / "src"), "--max-new-tokens", "2", "--temperature", "0"]) == 2
+    assert main(["--hf", str(tmp_path / "src"), "--max-new-tokens", "2", "--temperature", "0", "--quiet"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and name in captured.err, captured
     with pytest.raises(ConfigError, match="parameter w in ck holds NaN"):

@@ -38,7 +38,8 @@ def test_a_checkpoint_of_before_the_layers_resumes_and_trains_as_it_did(tmp_path
     shutil.copytree(FIXTURES / name, directory)
     metrics = tmp_path / "resumed.jsonl"
     argv = COMMON + RUNS[name] + ["--data", _tokens(tmp_path / "tokens.u16.bin"), "--checkpoint-dir",
-                                  str(directory), "--keep-checkpoints", "1", "--resume", "--metrics-out", str(metrics)]
+                                  str(directory), "--keep-checkpoints", "1", "--resume", "--metrics-out", str(metrics),
+                                  "--allow-config-change"]  # the fixture's data was written elsewhere
     assert train_main(argv) == 0
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
     # the old code resuming these checkpoints (fixtures/pre_layout/resume.py) on each JAX the project
