@@ -50,7 +50,8 @@ def _run(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess
 
 @pytest.mark.slow  # four processes, each importing JAX (~1 min on 2 cores)
 @pytest.mark.parametrize("command, args", [
-    ("pstar_jax.cli.generate", ["--max-new-tokens", "2", "--prompt", "A", "--tokenizer", "TOKENIZER", "--eos-token", "!"]),
+    ("pstar_jax.cli.generate", ["--max-new-tokens", "2", "--prompt", "A", "--tokenizer", "TOKENIZER", "--eos-token", "!",
+                                "--quiet"]),
     ("pstar_jax.cli.export", ["--hf", "OUT", "--export-dtype", "fp32"]),
 ])
 def test_a_checkpoint_naming_another_model_module_runs_its_code_only_when_the_user_names_it(tmp_path, command,
