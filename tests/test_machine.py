@@ -160,10 +160,10 @@ def test_a_first_step_far_from_the_prediction_names_the_rates_and_the_remedy(mon
     machine = dataclasses.replace(ODD, measured_at="2025-01-02 13:04", measured_load=5.2, measured_cores=2)
     monkeypatch.setattr(mach.os, "getloadavg", lambda: (0.4, 0.0, 0.0))
     note = step_gap_note(2, 2.10, 0.05, machine)
-    assert note == ("step 3 took 2.10 s, the plan predicted 50 ms (42x slower): the odd rates (measured "
+    assert note == ("step 3 took 2.1 s, the plan predicted 50 ms (42x slower): the odd rates (measured "
                     "2025-01-02 13:04 at load 5.2, load now 0.4) do not describe this machine now; pstar-machine "
                     "--remeasure measures them again")
     assert step_gap_note(2, 0.075, 0.05, machine) is None  # 1.5x: a fair prediction
     assert "took 10 ms, the plan predicted 50 ms (5x faster)" in step_gap_note(2, 0.01, 0.05, machine)
-    assert "predicted 0.0013 ms" in step_gap_note(2, 0.02, 1.3e-6, machine)
+    assert "predicted 1.3 µs" in step_gap_note(2, 0.02, 1.3e-6, machine)
     assert "(preset" in step_gap_note(2, 2.1, 0.05, H200) and "without --machine" in step_gap_note(2, 2.1, 0.05, H200)

@@ -2,7 +2,7 @@
 
 import dataclasses as dc
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from pstar_jax.plan.machine import H200
 from pstar_jax.plan.eviction import policy_for
@@ -278,3 +278,97 @@ def test_offloading_stage_inputs_fits_a_step_that_keeping_them_cannot_and_costs_
     assert not short.fits and short.problem.startswith("host memory runs out")
     roomy = make_plan(shape, 10**6, 10**9, H200)
     assert roomy.input_offload_bytes == 0 and roomy.h2d_bytes == roomy.d2h_bytes == 0
+
+
+def moved(plan):
+    return plan.h2d_bytes + plan.d2h_bytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 2), st.sampled_from([0, 50, 150, 250]),
+       st.integers(0, 1500), st.integers(0, 20), st.lists(st.booleans(), min_size=14, max_size=14))
+def test_a_plan_never_moves_more_than_lru_fifo_or_streaming_under_its_rules(n_blocks, per_block, micro, inputs,
+                                                                           extra, k, stream):
+    """Under one optimizer placement and its state leads, the plan an engine gets moves no more
+    bytes than LRU or FIFO eviction at its capacity, nor than streaming every item at every use."""
+    from pstar_jax.plan.placement import fewest_bytes
+    shape = gpt_like_shape(n_blocks, per_block, micro, input_bytes=inputs)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    opt = [c < k for c in range(shape.n_chunks)]
+    streamed = [c >= k and s for c, s in enumerate(stream[:shape.n_chunks])]
+    plan = fewest_bytes(plan_step(shape, device, 10**9, H200, opt, streamed=streamed), shape, 10**9, H200)
+    if not plan.fits:
+        return
+    same = dict(streamed=plan.opt_streamed, leads=plan.state_leads)
+    for rule in ("belady", "lru", "fifo"):
+        other = plan_step(shape, device, 10**9, H200, plan.opt_on_device, victim_rule=rule, **same)
+        assert not other.fits or moved(plan) <= moved(other), rule
+    streaming = plan_step(shape, device, 10**9, H200, plan.opt_on_device, streaming=True, **same)
+    assert streaming.fits and moved(plan) <= moved(streaming)
+
+
+def test_where_belady_moves_more_than_lru_the_plan_is_lrus():
+    """Furthest next use first loses to LRU here (stage inputs 2.5 chunks' size beside the chunks):
+    the plan is the one that moves less."""
+    from pstar_jax.plan.placement import fewest_bytes
+    shape = gpt_like_shape(2, 1, 2, input_bytes=250)
+    opt, streamed = [True, False, False], [False, True, False]
+    belady = plan_step(shape, 1800, 10**9, H200, opt, streamed=streamed)
+    lru = plan_step(shape, 1800, 10**9, H200, opt, victim_rule="lru", streamed=streamed)
+    assert belady.fits and lru.fits and moved(lru) < moved(belady)
+    plan = fewest_bytes(belady, shape, 10**9, H200)
+    assert plan.victim_rule == "lru" and moved(plan) == moved(lru)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 2), st.sampled_from([0, 100, 250]),
+       st.integers(0, 3000), st.integers(300, 4000), st.integers(0, 20))
+def test_stopping_short_on_the_host_answers_as_replaying_in_full(n_blocks, per_block, micro, inputs, extra, host, k):
+    """The searches' candidates stop replaying once the host overflows: they fit exactly when the
+    full replay fits, and the host bound (stage inputs counted) is never above a replayed peak."""
+    shape = gpt_like_shape(n_blocks, per_block, micro, input_bytes=inputs)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    opt = [c < k for c in range(shape.n_chunks)]
+    full = plan_step(shape, device, host, H200, opt)
+    assert plan_step(shape, device, host, H200, opt, stop_short=True).fits == full.fits
+    replayed = plan_step(shape, device, 10**9, H200, opt)
+    if replayed.fits:
+        assert host_needed_bytes(shape, device, replayed.opt_on_device, replayed.opt_streamed) <= \
+            replayed.peak_host_bytes
+
+
+def test_a_host_too_small_for_the_stage_inputs_is_known_without_replaying(monkeypatch):
+    """Every stage input is alive at the head's moment: what the device cannot hold of them is on
+    the host, so a host short of them is refused before any replay (the depth search's deepest
+    probes were spent replaying such steps)."""
+    import pstar_jax.plan.placement as placement
+    shape = gpt_like_shape(6, 1, input_bytes=400)
+    device = 300 + 2 * 2 * 100 + 1200
+    replayed = plan_step(shape, device, 10**9, H200, [False] * shape.n_chunks)
+    assert replayed.fits
+    need = host_needed_bytes(shape, device, replayed.opt_on_device, replayed.opt_streamed)
+    assert need > shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes)  # more than the model data alone
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed")
+    monkeypatch.setattr(placement, "settle", no_replay)
+    plan = plan_step(shape, device, need - 1, H200, [False] * shape.n_chunks)
+    assert not plan.fits and plan.problem.startswith("host memory runs out by at least")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 2), st.sampled_from([0, 100]), st.integers(0, 4000),
+       st.integers(0, 6000), st.sampled_from([1e3, 1e9]))
+@example(3, 1, 2, 0, 1655 - 700, 2200, 1e3)  # only a mix fits
+def test_skipping_the_pure_placements_where_they_fail_answers_as_make_plan(n_blocks, per_block, micro, inputs, extra,
+                                                                        host, host_adam):
+    """Past the answer without mixes (none of those placements fits), asking with mixes but
+    without planning those placements again gets make_plan's own answer."""
+    shape = gpt_like_shape(n_blocks, per_block, micro, input_bytes=inputs)
+    machine = dc.replace(H200, host_adam_params_per_s=host_adam)
+    device = 300 + 2 * (per_block + 1) * 100 + extra
+    if make_plan(shape, device, host, machine, first_fit=True, mixes=False).fits:
+        return
+    full = make_plan(shape, device, host, machine)
+    assert make_plan(shape, device, host, machine, first_fit=True, pure_fails=True).fits == \
+        make_plan(shape, device, host, machine, first_fit=True).fits <= full.fits

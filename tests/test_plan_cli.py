@@ -36,10 +36,11 @@ def test_json_is_the_plan(capsys):
     assert data["plan"]["input_bytes"] > 0 and 0 <= data["plan"]["input_offload_bytes"] <= data["plan"]["d2h_bytes"]
 
 
-def test_plot_writes_a_png(tmp_path):
-    path = tmp_path / "timeline.png"
-    assert main([*TINY, "--device-memory", "4MiB", "--no-search", "--plot", str(path)]) == 0
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_plot_writes_a_png_and_says_where(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--device-memory", "4MiB", "--no-search", "--plot", "timeline.png"]) == 0
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"pstar-plan: memory timeline written to {tmp_path / 'timeline.png'}\n" in capsys.readouterr().err
 
 
 def test_gpt3_175b_answers_without_allocating(capsys):
@@ -309,3 +310,35 @@ def test_lora_depth_search_rebuilds_adapters_and_goes_deeper(capsys):
         text = capsys.readouterr().out
         return int(re.search(r"largest depth that fits with this batch: (?:at least )?(\d+)", text).group(1))
     assert depth([*LORA_FLAGS, "--lora-rank", "4"]) > depth(LORA_FLAGS)
+
+
+def test_model_line_counts_the_runs_precision_and_times_have_a_fitting_unit(capsys):
+    """fp32 params and grads take 4 B, so a trained param is 16 B (bf16: 14); a tiny model's
+    predicted step is in ns or µs, never '0.000 s'."""
+    for precision, per_param in (("bf16", 14), ("fp32", 16)):
+        assert main([*TINY, "--device-memory", "4MiB", "--no-search", "--precision", precision]) == 0
+        out = capsys.readouterr().out
+        assert f"model data at {per_param} B/param" in out and out.split("\n")[1].endswith(precision)
+        step = re.search(r"predicted: ([\d.]+) (\w+)/step", out)
+        assert step and step.group(2) in ("ns", "µs", "ms", "s") and float(step.group(1)) >= 1
+
+
+def test_help_says_what_the_default_device_memory_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "128GiB is 92% of an H200's 139.8 GiB" in text and "pstar-train itself takes 0.9 of an accelerator" in text
+
+
+def test_long_searches_say_what_they_try_on_stderr(capsys, monkeypatch):
+    """A search past its quiet seconds writes one line per probe ('searching depth: N layers fit,
+    trying M ...'); stdout keeps the answer alone."""
+    from pstar_jax.planner import search
+    monkeypatch.setattr(search, "QUIET_S", 0.0)
+    assert main([*TINY, "--device-memory", "4MiB", "--host-memory", "1GiB"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().split("\n")
+    assert lines and all(line.startswith("pstar-plan: searching ") and line.endswith(" ...") for line in lines)
+    assert any(re.match(r"pstar-plan: searching depth: [\d,]+ layers fit, trying [\d,]+ \.\.\.", line) for line in lines)
+    assert any(line.startswith("pstar-plan: searching batch: ") for line in lines)
+    assert "searching" not in captured.out

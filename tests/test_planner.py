@@ -149,7 +149,8 @@ def test_longest_within_with_a_guess_probes_as_few_lengths_however_long_the_answ
     from pstar_jax.planner.search import longest_within
     g, tol, cap = 64, 0.03, 1 << 23
     for answer in (0, 64, 4096, 77_777, 540_000, (1 << 23) - 1000, 1 << 23):
-        for guess, slack in ((lambda n, a=answer: 1.2 * a, 0), (lambda n: cap, 4 + math.log2(math.log2(cap / g)))):
+        for guess, slack in ((lambda n, a=answer: 1.2 * a, 0), (lambda n: cap, 4 + math.log2(math.log2(cap / g))),
+                             (lambda n, a=answer: (n + a) / 2, 4)):  # a short guess, nearer from a longer trace
             asked = []
 
             def fits(n, answer=answer):
@@ -162,3 +163,36 @@ def test_longest_within_with_a_guess_probes_as_few_lengths_however_long_the_answ
                 step = math.ceil((n + max(g, tol * n)) / g) * g
                 assert not fits(step) and n >= answer // g * g / (1 + tol) - g, (answer, n)
             assert len(set(asked)) <= math.log2(1 / tol) + slack + 4, (answer, asked)
+
+
+def test_progress_is_silent_for_its_quiet_seconds_then_one_line_per_probe():
+    from pstar_jax.planner.search import Progress, announced, largest
+    now, lines = [0.0], []
+    progress = Progress("pstar-plan", quiet_s=3.0, write=lines.append, clock=lambda: now[0])
+
+    def fits(n):
+        now[0] += 1.0  # each probe takes a second
+        return n <= 40
+    assert largest(announced(fits, "depth", "layers", progress), 8, 100) == 40
+    assert lines[0] == "pstar-plan: searching depth: 16 layers fit, trying 32 ..."  # the first 3 s are quiet
+    assert lines[1] == "pstar-plan: searching depth: 32 layers fit, trying 64 ..."
+    assert len(lines) == len(set(lines)) and all(line.endswith(" ...") for line in lines)
+
+
+def test_depth_bound_counts_the_stage_inputs_and_holds():
+    """The depth search's bound counts each layer's kept stage input beside its parameters: tighter
+    than the parameters alone, and never below the depth that fits."""
+    from pstar_jax.planner.search import default_tx_for_shapes, depth_memory_bound, largest_depth
+    model, one_more = build_model("tiny"), build_model("tiny", n_layer=3)
+    report = ps.plan_report(model, ps.EngineConfig(device_memory=4 * MiB), 8, mesh(), H200, 8 * MiB, search=False)
+    planned, shape = report.planned, report.planned.shape
+    assert report.fits
+    cfg = dataclasses.replace(ps.EngineConfig(device_memory=4 * MiB), chunk_numel=planned.layout.chunk_numel)
+    bound = depth_memory_bound(model, one_more, shape, cfg, None, 1, 2, 12 * MiB)
+    per_param = (shape.item_bytes + shape.opt_state_bytes) / shape.shard_numel
+    params_only = 2 + int((12 * MiB - model.n_params() * per_param) // ((one_more.n_params() - model.n_params())
+                                                                      * per_param))
+    assert bound < params_only
+    found = largest_depth(model, lambda n: build_model("tiny", n_layer=n), planned, cfg, mesh(), H200, 8 * MiB,
+                          default_tx_for_shapes(), {}, 2)
+    assert 2 < found.value <= bound == found.memory_bound

@@ -17,14 +17,14 @@ from pstar_jax.config.run import SECTIONS, RunConfig, from_dict, holds_out, math
 from pstar_jax.config.sections import (ADAM_PLACEMENTS, ENGINES, MODEL_SHAPE, PRECISIONS, REMATS, CheckpointConfig,
                                        DataConfig, DistributedConfig, EngineConfig, ModelConfig, OptimConfig,
                                        OutputConfig, TrainConfig)
-from pstar_jax.config.sizes import (format_bytes, parse_bytes, parse_chunk_numel, parse_clip_norm, parse_count,
-                                    parse_device_memory, parse_optional_bytes)
+from pstar_jax.config.sizes import (format_bytes, format_seconds, parse_bytes, parse_chunk_numel, parse_clip_norm,
+                                    parse_count, parse_device_memory, parse_optional_bytes)
 
 __all__ = [
     "RunConfig", "ModelConfig", "TrainConfig", "OptimConfig", "EngineConfig", "DataConfig", "CheckpointConfig",
     "DistributedConfig", "OutputConfig", "LoraConfig", "SECTIONS", "to_dict", "from_dict", "math_differences",
     "holds_out", "ConfigError", "DataError", "CheckpointError", "HFCheckpointError", "AdapterError",
     "option", "section", "MAX_STEPS", "MAX_SEED", "DEFAULT_ALPHA", "MODEL_SHAPE", "PRECISIONS", "ADAM_PLACEMENTS",
-    "ENGINES", "REMATS", "parse_bytes", "parse_count", "format_bytes", "parse_device_memory", "parse_optional_bytes",
-    "parse_chunk_numel", "parse_clip_norm",
+    "ENGINES", "REMATS", "parse_bytes", "parse_count", "format_bytes", "format_seconds", "parse_device_memory",
+    "parse_optional_bytes", "parse_chunk_numel", "parse_clip_norm",
 ]

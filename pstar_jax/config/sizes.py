@@ -44,6 +44,15 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_seconds(seconds: float) -> str:
+    """A time in the unit that shows it: '1.25 s', '12.5 ms', '830 µs', '45 ns'."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= 0.9995 * scale:
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
 def parse_device_memory(text: str | int | float | None) -> int | float | None:
     """'auto' -> None; a plain number in (0, 1] -> a fraction of the device; anything else a size
     in bytes ('2GiB', '1e9', '1000000'). A plain number above 1 is bytes."""

@@ -2,7 +2,9 @@
 
 The planner knows the whole step in advance, so it evicts as Belady's OPT (as PatrickStar): the
 item whose next use is furthest away. LRU and FIFO are here to compare against (scripts/bench_plan.py,
-tests/test_eviction.py): Belady never moves more bytes than either.
+tests/test_eviction.py): for items of one size that are only read, Belady never moves more bytes
+than either; beside stage inputs of other sizes and write-backs it can lose a little, so the plan
+an engine gets is whichever of the three moves least (placement.fewest_bytes).
 
 A policy gives each item on the device a key; the item of the lowest key leaves first, and among
 equal keys the one that arrived first. A key holds from the moment the item arrives or a moment

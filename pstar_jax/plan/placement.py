@@ -5,7 +5,9 @@ chunks the stage needs, how much device memory the stage's non-model data takes,
 the optimizer state kept on the device takes. What the stage needs but is not on the device is
 fetched; when the device would overflow, the resident chunk whose next use is furthest away is
 evicted (Belady's OPT, as PatrickStar): a clean one costs nothing (its host copy is still
-valid), a dirty one (a gradient, or params the device optimizer wrote) is written back.
+valid), a dirty one (a gradient, or params the device optimizer wrote) is written back. The plan
+an engine gets is Belady's unless LRU or FIFO eviction moves fewer bytes under the same placement
+(``fewest_bytes``): with items of several sizes, furthest next use first is not always best.
 
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
 update and the stage inputs are explained), the replay of a step from replay.py, the eviction
@@ -75,6 +77,7 @@ class Plan:
     problem: str | None
     input_bytes: int = 0  # all stage inputs a step keeps for its backward, per device
     input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
+    victim_rule: str = "belady"  # the eviction rule that made the moments (eviction.py)
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -98,13 +101,18 @@ class Plan:
 
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
-              streamed: Sequence[bool] | None = None, hide_state: bool = True, stop_short: bool = False) -> Plan:
+              streamed: Sequence[bool] | None = None, hide_state: bool = True, stop_short: bool = False,
+              leads: Sequence[int] | None = None, streaming: bool = False) -> Plan:
     """The plan for a given optimizer placement (see ``make_plan`` for choosing one).
 
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
-    else one moment ahead (less device memory). ``stop_short``: stop replaying once the host is
-    known to overflow (replay.settle's ``host_limit``): the plan does not fit, short of host
-    memory by at least the bytes seen then (the searches' candidates need no more)."""
+    else one moment ahead (less device memory); ``leads`` gives them instead. ``stop_short``:
+    stop replaying once the host is known to overflow (replay.settle's ``host_limit``): the plan
+    does not fit, short of host memory by at least the bytes seen then (the searches' candidates
+    need no more). ``streaming``: no plan, the baseline it beats: each moment's device holds
+    only that moment's own items, fetched for it and evicted after it, with no prefetch (every
+    chunk streamed at every use, under the same placement and rules; ``device_bytes`` is then
+    what that takes)."""
     # A frozen chunk has no optimizer state: nothing of it is on the device or streamed.
     opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
     streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
@@ -112,22 +120,28 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     opt_device = sum(opt_on_device) * shape.opt_state_bytes
     busiest = shape.busiest_non_model_bytes
     short = opt_device + busiest + shape.item_bytes - device_bytes
-    if opt_device and short > 0:  # the state kept on the device leaves no room for a chunk: say so, not
-        #                            a host shortfall computed as if the device could hold that state
+    if opt_device and short > 0 and not streaming:  # the state kept on the device leaves no room for a chunk:
+        # say so, not a host shortfall computed as if the device could hold that state
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, opt_device + busiest, 0, float("inf"), False,
                     f"device memory runs out by {shortfall(short)}: the optimizer state of "
                     f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
                     f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
     host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
-    if host_needed > host_bytes:  # known without building the step, let alone replaying it
+    if host_needed > host_bytes and not streaming:  # known without building the step, let alone replaying it
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
                     f"host memory runs out by at least {shortfall(host_needed - host_bytes)}")
-    leads = tuple(state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
-                  if hide_state and any(streamed) else [1] * shape.n_chunks)
+    if leads is None:
+        leads = (state_leads(step_accesses(shape, opt_on_device, streamed), shape, machine)
+                 if hide_state and any(streamed) else [1] * shape.n_chunks)
+    leads = tuple(leads)
     accesses = step_accesses(shape, opt_on_device, streamed, leads)
-    capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
+    if streaming:
+        capacity = [sum(map(shape.item_size, a.needs)) for a in accesses]
+        device_bytes = max(room + a.non_model_bytes + opt_device for room, a in zip(capacity, accesses))
+    else:
+        capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
     host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
     problem, moments = None, []
@@ -138,7 +152,8 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 raise Infeasible(moment_name(a), own - room)
         # to the fixed point: the step ends where it started
         moments, start, state = settle(accesses, capacity, shape.item_size, state, policy_for(victim_rule, accesses),
-                                       host_limit=host_bytes - host_opt if stop_short else None)
+                                       host_limit=host_bytes - host_opt if stop_short else None,
+                                       prefetch=not streaming)
     except HostShort as err:
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, err.host_bytes + host_opt, float("inf"), False,
@@ -158,7 +173,19 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem,
-                shape.input_bytes_per_step, offloaded)
+                shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule)
+
+
+def fewest_bytes(plan: Plan, shape: StepShape, host_bytes: int, machine: Machine) -> Plan:
+    """``plan``, or the plan of its very placement and state leads under LRU or FIFO eviction where
+    that moves fewer bytes (Belady's on ties). Furthest next use first is optimal for items of one
+    size that are only read; beside stage inputs of other sizes and write-backs it can lose a
+    little to a simpler rule, and a plan is never to move more than one (tests/test_eviction.py)."""
+    if not plan.fits:
+        return plan
+    others = [plan_step(shape, plan.device_capacity_bytes, host_bytes, machine, plan.opt_on_device, victim_rule=rule,
+                        streamed=plan.opt_streamed, leads=plan.state_leads) for rule in ("lru", "fifo")]
+    return min([plan, *(p for p in others if p.fits)], key=lambda p: p.h2d_bytes + p.d2h_bytes)
 
 
 def _host_items(shape: StepShape) -> list[Item]:
@@ -279,7 +306,7 @@ def choose(plans: Sequence[Plan]) -> Plan:
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True,
-              tried: dict[tuple[int, int], Plan] | None = None) -> Plan:
+              pure_fails: bool = False) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
@@ -303,9 +330,14 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     count trainable chunks (frozen ones have no optimizer state to place). Candidates stop
     replaying once the host overflows (plan_step's ``stop_short``: most of a search near the
     memories' limit is spent on candidates that do not fit); a plan returned that does not fit is
-    replayed in full, so its problem says by how much. ``tried``: the candidates already planned
-    for this very shape and budgets, by (k, b), filled as they are planned (a search that asks
-    about one shape twice, without mixes then with them, plans each candidate once)."""
+    replayed in full, so its problem says by how much.
+
+    While no candidate fits, the search centres its next grids on the unfit candidate nearest to
+    fitting by what is known without replaying it (``unfit_rank``: the device's room for its
+    optimizer state, then its host bound), so its path does not hang on replays that fail: with
+    ``pure_fails`` (first_fit and mixes only: the caller knows no candidate of the rest all on
+    the host or all streamed fits, as a search past the answer without mixes) those candidates
+    are not planned at all, and the mixes tried are the ones the full search would try."""
     order = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
     rank = {c: r for r, c in enumerate(order)}
     n = len(order)
@@ -326,28 +358,38 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     everything = ranked(0, n)
     if adam_placement != "auto":
-        return planned(everything if adam_placement == "device" else ranked(0, 0),
-                       everything if adam_placement == "stream" else ranked(0, 0), stop_short=False)
+        return fewest_bytes(planned(everything if adam_placement == "device" else ranked(0, 0),
+                                    everything if adam_placement == "stream" else ranked(0, 0), stop_short=False),
+                            shape, host_bytes, machine)
     if first_fit and not could_fit(shape, device_bytes, host_bytes):
         return planned(ranked(0, 0), ranked(0, 0), stop_short=False)  # one candidate, to say what runs out
-    scores: dict[tuple[int, int], Plan] = {}  # (k, b) -> plan
-    tried = {} if tried is None else tried
+    scores: dict[tuple[int, int], Plan | None] = {}  # (k, b) -> plan (None: known not to fit, not planned)
+    busiest = shape.busiest_non_model_bytes
+
+    def unfit_rank(key: tuple[int, int]) -> tuple[int, int]:
+        k, b = key
+        device_short = max(0, k * shape.opt_state_bytes + busiest + shape.item_bytes - device_bytes)
+        return device_short, host_needed_bytes(shape, device_bytes, ranked(0, k), ranked(k, b))
 
     class _Fits(Exception):
         pass
 
     def consider(k: int, b: int) -> None:
         if (k, b) not in scores:
-            if (k, b) not in tried:
-                tried[k, b] = planned(ranked(0, k), ranked(k, b))
-            scores[k, b] = tried[k, b]
-            if first_fit and scores[k, b].fits:
+            if pure_fails and b in (k, n):
+                scores[k, b] = None
+            else:
+                scores[k, b] = planned(ranked(0, k), ranked(k, b))
+            if first_fit and scores[k, b] is not None and scores[k, b].fits:
                 raise _Fits
 
     def chosen(among: Callable[[tuple[int, int]], bool] = lambda key: True) -> tuple[int, int]:
         keys = [key for key in scores if among(key)]
-        best = choose([scores[key] for key in keys])
-        return next(key for key in keys if scores[key] is best)
+        fitting = [key for key in keys if scores[key] is not None and scores[key].fits]
+        if not fitting:
+            return min(keys, key=unfit_rank)  # min keeps the first of equal keys
+        best = choose([scores[key] for key in fitting])
+        return next(key for key in fitting if scores[key] is best)
 
     def line(point: Callable[[int], tuple[int, int]], lo: int, hi: int, refine: bool = True) -> None:
         """Plans at point(x) for x on a grid over lo..hi, then finer grids around the best of them."""
@@ -376,5 +418,8 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
             if chosen() == before:
                 break
     except _Fits:
-        return next(plan for plan in scores.values() if plan.fits)
-    return answer(choose(list(scores.values())))
+        return next(plan for plan in scores.values() if plan is not None and plan.fits)
+    made = [plan for plan in scores.values() if plan is not None]
+    if first_fit:  # nothing fits: the caller asks no more
+        return choose(made) if made else planned(ranked(0, 0), ranked(0, 0))
+    return fewest_bytes(answer(choose(made)), shape, host_bytes, machine)

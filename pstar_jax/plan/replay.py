@@ -193,7 +193,7 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, st
 
 
 def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: ReplayState,
-           policy: EvictionPolicy, rounds: int = 8, host_limit: int | None = None
+           policy: EvictionPolicy, rounds: int = 8, host_limit: int | None = None, prefetch: bool = True
            ) -> tuple[list[PlanMoment], ReplayState, ReplayState]:
     """Replay the step from ``state`` until it ends in the state it started in: (moments, start,
     end). Raises Infeasible when a moment's own items do not fit, or after ``rounds`` replays.
@@ -204,7 +204,7 @@ def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, stat
     the plan's step does)."""
     for round_ in range(rounds):
         start = ReplayState(state.device, state.host)
-        moments, state = simulate(accesses, capacity, size, state, policy,
+        moments, state = simulate(accesses, capacity, size, state, policy, prefetch,
                                   host_limit=host_limit if round_ else None)
         if state.key() == start.key():
             return moments, start, state

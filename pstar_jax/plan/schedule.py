@@ -133,7 +133,8 @@ def lowest_trained_stage(shape: StepShape) -> int:
                default=len(shape.stage_chunks) - 1)
 
 
-def working_moments(shape: StepShape) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=8)  # asked for every candidate placement of a search
+def working_moments(shape: StepShape) -> tuple[tuple[int, int], ...]:
     """(non-model bytes, bytes of the stage inputs alive) at each forward, head and backward moment
     of a micro-batch, as ``step_accesses`` lays them out (one micro-batch's inputs are alive at a
     time): an input lives from its stage's forward to its backward, and only its forward below
@@ -147,7 +148,7 @@ def working_moments(shape: StepShape) -> list[tuple[int, int]]:
     out = [(shape.fwd_non_model[i], kept[i] + own[i] * (i < lowest)) for i in range(head)]
     out.append((shape.head_non_model, kept[head + 1] if head >= lowest else own[head]))
     out += [(shape.bwd_non_model[i], kept[i + 1] if i >= lowest else 0) for i in reversed(range(head))]
-    return out
+    return tuple(out)
 
 
 def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],

@@ -27,7 +27,7 @@ from pstar_jax.plan.machine import Machine
 from pstar_jax.engine.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
 from pstar_jax.model.staged import StagedModel, decays, validate_stages
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
-from pstar_jax.plan.placement import Plan, make_plan, plan_forward, plan_step
+from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_forward, plan_step
 from pstar_jax.plan.schedule import Access, StepShape, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.trace import trace_forward, trace_step
@@ -94,6 +94,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
         if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
             plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
+        plan = fewest_bytes(plan, shape, host_bytes, machine)
     return Planned(layout, bound, fns, shape, plan,
                    step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
                    tuple(batch_shape))

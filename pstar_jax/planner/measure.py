@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pstar_jax.config import ConfigError
+from pstar_jax.config import ConfigError, format_seconds
 from pstar_jax.engine.memory import Space
 from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, load_note, provenance, save_machine
 
@@ -112,13 +112,9 @@ def step_gap_note(step: int, step_s: float, predicted_s: float, machine: Machine
            else provenance(machine))
     fix = ("without --machine it plans with this machine's own, measured rates" if how == "preset" else
            "pstar-machine --remeasure measures them again")
-    return (f"step {step + 1} took {_seconds(step_s)}, the plan predicted {_seconds(predicted_s)} "
+    return (f"step {step + 1} took {format_seconds(step_s)}, the plan predicted {format_seconds(predicted_s)} "
             f"({gap:.0f}x {'slower' if step_s > predicted_s else 'faster'}): the {machine.name} rates ({how}"
             f"{f', load now {now:.1f}' if now is not None else ''}) do not describe this machine now; {fix}")
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.3g} ms"
 
 
 def cache_dir() -> Path:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from jax.sharding import Mesh
 
-from pstar_jax.config import ConfigError, EngineConfig, format_bytes
+from pstar_jax.config import ConfigError, EngineConfig, format_bytes, format_seconds
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
@@ -54,10 +54,20 @@ class PlanReport:
     n_trainable: int | None = None  # trained params (None: all of them)
 
     @property
+    def bytes_per_param(self) -> tuple[int, int]:
+        """(trained, frozen) bytes per parameter in the run's precision: its param/grad item (2 B in
+        bf16, 4 B in fp32) and, if trained, its fp32 master and optimizer state (12 B for AdamW):
+        14 and 2 B in bf16, 16 and 4 B in fp32."""
+        shape = self.planned.shape
+        item = shape.item_bytes / shape.shard_numel
+        return round(item + shape.opt_state_bytes / shape.shard_numel), round(item)
+
+    @property
     def model_data_bytes(self) -> int:
-        """14 B per trained param (bf16 param/grad, fp32 master, m, v), 2 B per frozen one."""
+        """``bytes_per_param`` over the trained and the frozen params."""
         trained = self.n_params if self.n_trainable is None else self.n_trainable
-        return 14 * trained + 2 * (self.n_params - trained)
+        per_trained, per_frozen = self.bytes_per_param
+        return per_trained * trained + per_frozen * (self.n_params - trained)
 
     @property
     def plan(self):
@@ -119,7 +129,8 @@ class PlanReport:
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host",
                     plan.stage_inputs_line(),
-                    f"predicted: {step_s:.3f} s/step, {self.tokens_per_step / step_s:,.0f} tokens/s, {tflops:.0f} "
+                    f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
+                    f"{tflops:.0f} "
                     "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
         if self.depth is not None:
             d = self.depth
@@ -144,10 +155,11 @@ class PlanReport:
         return out
 
     def _data_words(self) -> str:
-        data = format_bytes(self.model_data_bytes)
+        data, (trained, frozen) = format_bytes(self.model_data_bytes), self.bytes_per_param
         if self.n_trainable is None or self.n_trainable == self.n_params:
-            return f"{data} of model data at 14 B/param"
-        return (f"{self.n_trainable:,} trained at 14 B/param, the rest frozen at 2 B/param: {data} of model data")
+            return f"{data} of model data at {trained} B/param"
+        return (f"{self.n_trainable:,} trained at {trained} B/param, the rest frozen at {frozen} B/param: {data} of "
+                "model data")
 
     def _longest_line(self) -> str:
         s, longest, W = self.seq_len_search, self.longest, self.data_parallel
@@ -158,7 +170,7 @@ class PlanReport:
                  else f"{s.value:,} tokens (to {100 * SEQ_LEN_TOLERANCE:.0f}%)")
         line = f"longest sequence that trains at {rows}: {bound}"
         if longest is not None and longest.fits:
-            line += (f", predicted {longest.plan.predicted_step_s:.3f} s/step, {longest.tokens_per_s:,.0f} "
+            line += (f", predicted {format_seconds(longest.plan.predicted_step_s)}/step, {longest.tokens_per_s:,.0f} "
                      f"tokens/s, {longest.model_tflops:.0f} model TFLOPS, peak device "
                      f"{format_bytes(longest.plan.peak_device_bytes)}, peak host "
                      f"{format_bytes(longest.plan.peak_host_bytes)}")
@@ -257,9 +269,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
         return fitted[seq_len]
 
     def any_fits(shape, device_bytes: int) -> bool:
-        tried: dict = {}
         return any(make_plan(shape, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                             mixes=mixes, tried=tried).fits for mixes in (False, True))
+                             mixes=mixes, pure_fails=mixes).fits for mixes in (False, True))  # mixes: the pure did not
 
     def memory_allows(seq_len: int) -> int:
         # The longest length at which seq_len's trace, scaled, fits: the search's first guess.

@@ -51,13 +51,17 @@ class Largest:
     memory_bound: int | None = None
 
 
+QUIET_S = 3.0  # a search says nothing for its first seconds
+
+
 class Progress:
     """Lines on stderr about a search under way ("pstar-plan: searching depth: 1,536 layers fit,
-    trying 2,240 ..."), from ``quiet_s`` seconds after it was made on: a quick answer stays silent."""
+    trying 2,240 ..."), from ``quiet_s`` seconds (``QUIET_S``) after it was made on: a quick
+    answer stays silent."""
 
-    def __init__(self, prog: str, quiet_s: float = 3.0, write: Callable[[str], None] | None = None,
+    def __init__(self, prog: str, quiet_s: float | None = None, write: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.prog, self.quiet_s, self.clock = prog, quiet_s, clock
+        self.prog, self.quiet_s, self.clock = prog, QUIET_S if quiet_s is None else quiet_s, clock
         self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self.start = clock()
 
@@ -102,7 +106,8 @@ def largest_mixed(fits: Callable[[int, bool], bool], start: int, limit: int) -> 
     PatrickStar's placements (the rest of the optimizer state all on the host or all streamed),
     True also mixes of the two, which cost far more plans and fit at least as far. The search
     runs on the cheap question, then goes on past its answer with the full one (usually a single
-    probe that fails)."""
+    probe that fails), only ever where the cheap one said no (more never fits less): a caller may
+    skip the pure placements then (make_plan's ``pure_fails``)."""
     low = largest(lambda n: fits(n, False), start, limit)
     return low + largest(lambda i: fits(low + i, True), 1, limit - low) if low < limit else low
 
@@ -115,22 +120,29 @@ def longest_within(fits: Callable[[int], bool], start: int, granule: int, tolera
     while not), then bisects, each probe a multiple of ``granule``.
 
     ``guess(n)``, given the longest length known to fit, estimates the answer (what memory allows
-    there, from n's trace: pstar-plan's longest-sequence search): probed right after ``start``, it
-    replaces the doubling, and when it does not fit the search steps down from it (by twice the
-    tolerance, then twice as far each time), so a search costs about as many probes however long
-    the answer is; a bracket still wider than a factor of two is halved geometrically."""
+    there, from n's trace: pstar-plan's longest-sequence search). It replaces the doubling: its
+    guess is probed, and guessed again from there while it fits (a few times: a guess from a short
+    trace is mostly short, one from a longer trace nearer); where one does not fit the search
+    steps down from it (by twice the tolerance, then twice as far each time). So a search costs
+    about as many probes however long the answer is; a bracket still wider than a factor of two
+    is halved geometrically."""
     def snap(n: float) -> int:
         return max(granule, min(limit, int(n)) // granule * granule)
     low = snap(start)
     high = None
     if fits(low):
-        target = snap(guess(low)) if guess is not None else low
-        if target > low:
-            low, high = (target, None) if fits(target) else (low, target)
-            below = 2 * tolerance  # a guess is mostly a little long: step down from it, twice as far each time
+        for _ in range(4 if guess is not None else 0):
+            target = max(snap(guess(low)), snap(low * (1 + tolerance) + granule))  # past the tolerance at least
+            if target <= low:
+                break  # at the limit
+            if fits(target):
+                low = target
+                continue
+            high, below = target, 2 * tolerance  # a little long, mostly: step down, twice as far each time
             while high is not None and below < 0.5 and snap(target * (1 - below)) > low:
                 nxt = snap(target * (1 - below))
                 low, high, below = (nxt, high, 1.0) if fits(nxt) else (low, nxt, 2 * below)
+            break
         while high is None and low < limit:
             nxt = snap(2 * low)
             low, high = (nxt, None) if fits(nxt) else (low, nxt)
@@ -195,7 +207,7 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
     shape, device_bytes = planned.shape, planned.device_budget_bytes
     placement = Placement(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
-    traced_at: dict[int, tuple] = {}  # depth -> (its step's shape, the candidates planned for it)
+    traced_at: dict[int, object] = {}  # depth -> its step's shape (asked without mixes, then with)
 
     def depth_fits(n_layer: int, mixes: bool) -> bool:
         # The trace of plan_model without its full placement search: only "does any placement fit?".
@@ -206,10 +218,9 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
             bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
             traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
                                             *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
-                                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False))), {}
-        traced, tried = traced_at[n_layer]
-        return make_plan(traced, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                         mixes=mixes, tried=tried).fits
+                                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
+        return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
+                         mixes=mixes, pure_fails=mixes).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)
     layer_numel = n_params(one_more) - n_params(model)
     if layer_numel <= 0:
@@ -255,8 +266,9 @@ def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: E
 
     def batch_fits(batch: int, mixes: bool) -> bool:
         return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
-                         first_fit=True, mixes=mixes).fits
-    batch = largest_mixed(announced(batch_fits, "batch", "sequences per micro-batch", progress), micro, batch_limit)
+                         first_fit=True, mixes=mixes, pure_fails=mixes).fits
+    batch = largest_mixed(announced(batch_fits, "batch", "sequences per micro-batch", progress),
+                          max(micro, batch_limit // 2), batch_limit)  # from half the bound, as the depth
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
 
 
