@@ -30,6 +30,7 @@ from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_forward, plan_step
 from pstar_jax.plan.schedule import Access, StepShape, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
+from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes
 from pstar_jax.planner.trace import trace_forward, trace_step
 
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
@@ -60,6 +61,27 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     streamed) instead of choosing it: an engine places its optimizer state once, for every
     batch shape. ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
     given ``layout``, which records its frozen chunks."""
+    layout, bound, fns, shape, budget = trace_model(model, cfg, mesh, batch_shape, make_tx, layout, fns, trace_cache,
+                                                    trainable)
+    log.info("planning where each chunk lives at each moment of the step")
+    if adam is None:
+        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+    else:
+        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
+        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
+            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
+        plan = fewest_bytes(plan, shape, host_bytes, machine)
+    return Planned(layout, bound, fns, shape, plan,
+                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
+                   tuple(batch_shape))
+
+
+def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tuple[int, int], make_tx: TxFactory,
+                layout: ChunkLayout | None = None, fns: StageFunctions | None = None, trace_cache: dict | None = None,
+                trainable: Callable[[str], bool] | None = None
+                ) -> tuple[ChunkLayout, list[BoundStage], StageFunctions, StepShape, int]:
+    """plan_model's layout, bound stages, stage functions, trace and device budget in bytes, before
+    any placement is planned."""
     if cfg.chunk_numel is None:
         raise ConfigError("EngineConfig.chunk_numel is auto; resolve the config first (resolve_engine_config)")
     placement = Placement(mesh)
@@ -87,25 +109,17 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         working = shape.busiest_working_bytes  # stage inputs kept on the device
         model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
         budget = working + max(model_data // 2, 2 * stage_bytes)
-    log.info("planning where each chunk lives at each moment of the step")
-    if adam is None:
-        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
-    else:
-        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
-        if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
-            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
-        plan = fewest_bytes(plan, shape, host_bytes, machine)
-    return Planned(layout, bound, fns, shape, plan,
-                   step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
-                   tuple(batch_shape))
+    return layout, bound, fns, shape, budget
 
 
-def require_fit(planned: Planned, host_bytes: int) -> None:
+def require_fit(planned: Planned, host_bytes: int, fixes: Callable[[Planned], str] | None = None) -> None:
+    """ConfigError when ``planned`` does not fit, saying what would: ``fixes(planned)`` (e.g.
+    fit.misfit_fixes: values found to fit), else which settings to change."""
     if not planned.plan.fits:
         raise ConfigError(
             f"the model does not fit: {planned.plan.problem} (device memory "
-            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); raise "
-            f"EngineConfig.device_memory or EngineConfig.host_memory, or lower EngineConfig.chunk_numel or the batch")
+            f"{format_bytes(planned.device_budget_bytes)}, host memory {format_bytes(host_bytes)}); "
+            f"{fixes(planned) if fixes is not None else MEMORY_FLAGS}")
 
 
 class EnginePlanner:
@@ -142,14 +156,25 @@ class EnginePlanner:
 def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, mesh: Mesh,
                    batch_shape: tuple[int, int], machine: Machine, seed: int = 0, clip_norm: float | None = 1.0,
                    host_bytes: int | None = None, layout: ChunkLayout | None = None, init_params: Any = None,
-                   skip_nonfinite: bool = False, trainable: Callable[[str], bool] | None = None):
+                   skip_nonfinite: bool = False, trainable: Callable[[str], bool] | None = None,
+                   traced_at: Callable[[int], tuple[StepShape, int]] | None = None):
     """Plan ``model`` for ``batch_shape`` (global micro-batch rows, seq_len) and build the chunked
     engine that carries the plan out. ``cfg`` resolved (resolve_engine_config); ``host_bytes`` per
     device (default: what the machine has available); ``trainable(name)`` false freezes a tensor.
-    Raises ConfigError, before allocating model data, when the plan does not fit."""
+    Raises ConfigError, before allocating model data, when the plan does not fit, naming the
+    least device memory that fits and, given ``traced_at(n)`` (the step's shape and device budget
+    with the model built for sequences of n tokens), a shorter sequence that fits."""
     host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
     planned = plan_model(model, cfg, mesh, batch_shape, machine, host_bytes, make_tx, layout, trainable=trainable)
-    require_fit(planned, host_bytes)
+
+    def fixes(planned: Planned) -> str:
+        shorter = 0
+        if traced_at is not None:
+            log.info("looking for a sequence length that fits (a trace for each length tried)")
+            shorter = fitting_seq_len(traced_at, batch_shape[1], host_bytes, machine, cfg.adam_placement,
+                                      planned.shape)
+        return misfit_fixes(planned, host_bytes, machine, cfg, shorter)
+    require_fit(planned, host_bytes, fixes)
     return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
                          make_tx, seed, clip_norm, init_params, skip_nonfinite)
 
@@ -194,7 +219,8 @@ def resolve_machine(config: EngineConfig, mesh: Mesh, make_tx: TxFactory | None 
 def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, batch_shape: tuple[int, int], *,
                  mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
                  machine: Machine | None = None, make_tx: TxFactory | None = None, scan_layers: bool = True,
-                 opt_on_host: bool = False, frozen: Frozen = None) -> Engine:
+                 opt_on_host: bool = False, frozen: Frozen = None,
+                 seq_len_at: Callable[[int], StagedModel] | None = None) -> Engine:
     """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
     data when the plan does not fit.
 
@@ -205,7 +231,9 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     (see pstar_jax.engine.optim); ``optim.clip_norm`` still clips. ``machine`` replaces the rates of
     ``resolve_machine``. The plain engine only (baselines): ``scan_layers=False`` unrolls the
     blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory. ``frozen`` (tensor
-    names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns."""
+    names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns.
+    ``seq_len_at(n)``: the model built for sequences of n tokens, for a "does not fit" error to
+    name a length that fits (as the same config would plan it)."""
     from pstar_jax.engine.plain import PlainEngine
 
     mesh = mesh if mesh is not None else default_mesh()
@@ -222,9 +250,16 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
     machine = machine or resolve_machine(resolved, mesh, make_tx)
+    traced_at = None
+    if seq_len_at is not None:
+        def traced_at(seq_len: int) -> tuple[StepShape, int]:
+            shorter = seq_len_at(seq_len)  # planned as the same flags would plan it (its own chunk size)
+            cfg = resolve_engine_config(config, shorter, mesh, make_trainable(frozen))
+            return trace_model(shorter, cfg, mesh, (batch_shape[0], seq_len), make_tx,
+                               trainable=make_trainable(frozen))[3:]
     return chunked_engine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
                           host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
-                          trainable=make_trainable(frozen))
+                          trainable=make_trainable(frozen), traced_at=traced_at)
 
 
 def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:
@@ -237,5 +272,5 @@ def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: M
     return micro, seq_len
 
 
-__all__ = ["Planned", "plan_model", "require_fit", "EnginePlanner", "chunked_engine", "resolve_engine_config",
-           "resolve_machine", "build_engine", "default_mesh", "micro_batch_shape"]
+__all__ = ["Planned", "plan_model", "trace_model", "require_fit", "EnginePlanner", "chunked_engine",
+           "resolve_engine_config", "resolve_machine", "build_engine", "default_mesh", "micro_batch_shape"]

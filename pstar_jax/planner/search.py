@@ -1,5 +1,5 @@
 """pstar-plan's searches: the largest depth at this batch, the largest batch at this depth, the
-least device memory a model fits in, and the search algorithms under them (doubling, then
+least device (or host) memory a model fits in, and the search algorithms under them (doubling, then
 bisection, over a monotone question).
 
 The searches stay quick for any model: the largest depth lies below what host and device memory
@@ -18,7 +18,7 @@ import functools
 import math
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pstar_jax.config import EngineConfig, OptimConfig
 from pstar_jax.config.lora import LoraConfig
@@ -31,9 +31,11 @@ from pstar_jax.model.lora import frozen_for_lora
 from pstar_jax.model.staged import StagedModel, decays, n_params
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan
-from pstar_jax.plan.schedule import lowest_trained_stage, scale_batch, working_moments
-from pstar_jax.planner.build import Planned
+from pstar_jax.plan.schedule import StepShape, lowest_trained_stage, scale_batch, working_moments
 from pstar_jax.planner.trace import trace_step
+
+if TYPE_CHECKING:  # only a type here: build imports planner.fit, which imports this module
+    from pstar_jax.planner.build import Planned
 
 MAX_SEARCH_CHUNKS = 512  # the depth search plans models of at most this many chunks
 MAX_SEARCH_BATCH = 1 << 16  # micro-batch sequences
@@ -177,23 +179,44 @@ def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | N
     return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
 
 
-def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
-    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
-    None when not even everything on the device fits: the value a "does not fit" answer suggests,
-    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
-    shape = planned.shape
+def resident_bytes(shape: StepShape) -> int:
+    """Everything resident, twice the working memory of the busiest moment: a device budget that
+    fits if any does."""
+    return 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
 
-    def fits(device_bytes: int) -> bool:
-        return make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement, first_fit=True).fits
-    # Everything resident, twice the working memory of the busiest moment: a budget that fits if any does.
-    high = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
-    low = planned.device_budget_bytes
+
+def _least(fits: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The least n in (low, high] (to 1/256 of it) with fits(n), fits monotone; None when not even
+    ``high`` fits."""
     if low >= high or not fits(high):
         return None
     while high - low > max(high // 256, 1):
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
     return high
+
+
+def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig) -> int | None:
+    """The least device memory (to 1/256 of it) at which some placement fits with ``host_bytes``, or
+    None when not even everything on the device fits: the value a "does not fit" answer suggests,
+    found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
+    shape = planned.shape
+    return _least(lambda device_bytes: make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement,
+                                                 first_fit=True).fits,
+                  planned.device_budget_bytes, resident_bytes(shape))
+
+
+def smallest_host_bytes(planned: Planned, host_bytes: int, device_bytes: int, machine: Machine,
+                        config: EngineConfig) -> int | None:
+    """The least host memory above ``host_bytes`` (to 1/256 of it) at which some placement fits
+    with ``device_bytes`` device memory, or None when not even room for every chunk's params,
+    grads and optimizer state and every stage input, twice over, fits (more host memory never
+    fits less): what a "does not fit" answer suggests where no device memory fits."""
+    shape = planned.shape
+    room = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes)
+                + shape.micro_batches * sum(shape.input_bytes))
+    return _least(lambda host: make_plan(shape, device_bytes, host, machine, config.adam_placement,
+                                         first_fit=True).fits, host_bytes, room)
 
 
 def default_tx_for_shapes():
@@ -273,5 +296,6 @@ def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: E
 
 
 __all__ = ["Progress", "announced", "depth_memory_bound", "Largest", "largest", "largest_mixed", "longest_within", "largest_depth", "largest_batch",
-           "smallest_device_bytes", "trainable_for", "default_tx_for_shapes", "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH",
+           "resident_bytes", "smallest_device_bytes", "smallest_host_bytes", "trainable_for", "default_tx_for_shapes",
+           "MAX_SEARCH_CHUNKS", "MAX_SEARCH_BATCH",
            "MAX_SEARCH_SEQ_LEN", "SEQ_LEN_TOLERANCE", "SEQ_LEN_GRANULE"]

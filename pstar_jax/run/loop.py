@@ -137,9 +137,12 @@ class Run:
             frozen = frozen_for_lora(self.model, cfg.lora)  # LoRA: all but the adapters and modules_to_save
             from pstar_jax.engine.optim import default_tx
             self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
+            # A model built from the config is rebuilt at another length for a misfit's error to name one.
+            seq_len_at = None if model is not None else (lambda n: load_model(dataclasses.replace(
+                cfg, model=dataclasses.replace(cfg.model, seq_len=n))))
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
-                                       make_tx=self._make_tx, frozen=frozen)
+                                       make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at)
             from pstar_jax.model.freeze import frozen_names, parse_patterns
             # What the engine freezes (its patterns and LoRA's): no weight gradient, fewer model FLOPs.
             self.frozen = frozen_names(list(self.model.param_shapes()), parse_patterns(cfg.engine.freeze), frozen)
