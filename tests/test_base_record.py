@@ -280,6 +280,7 @@ def test_generation_refuses_a_changed_base_in_one_line(lora_run, bases, tmp_path
     assert meta["step"] == STOP
 
 
+@pytest.mark.slow
 def test_held_out_loss_with_lora_equals_plain_and_the_base_at_step_zero():
     """The chunked engine's held-out loss of a LoRA model equals the plain engine's before and
     after training, and at step 0 the base model's (the untrained adapter adds nothing)."""

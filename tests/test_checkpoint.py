@@ -66,6 +66,7 @@ def test_restore_under_other_chunk_size_budget_and_data_parallel(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in records(split)], [r["loss"] for r in records(straight)], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_bf16_resume_is_bit_for_bit_under_the_same_degree_and_equal_to_rounding_under_another(tmp_path):
     """What README's "Checkpoints and faults" promises in bf16: a stop and resume at W=2 equals the
     straight W=2 run exactly; the same checkpoint resumed at W=1 reduces gradients across devices
@@ -89,6 +90,7 @@ def test_bf16_resume_is_bit_for_bit_under_the_same_degree_and_equal_to_rounding_
     np.testing.assert_allclose([r["grad_norm"] for r in rows[3:]], [x[1] for x in ref[3:]], rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     """Export, load with models.gpt.load_gpt (no pstar_jax), same loss as training would report."""
     out = tmp_path / "export"
@@ -110,6 +112,7 @@ def test_export_flax_gives_the_same_loss_from_models_alone(tmp_path):
     assert abs(records(metrics)[0]["loss"] - records(tmp_path / "m.jsonl")[-1]["loss"]) < 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's aborted reads
 def test_refuses_to_overwrite_and_reports_bad_checkpoints(tmp_path, capsys):
     d = tmp_path / "ck"
@@ -139,6 +142,7 @@ def test_refuses_to_overwrite_and_reports_bad_checkpoints(tmp_path, capsys):
     assert sorted(os.listdir(d)) == before
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, capsys):
     """A huge learning rate blows up: stop with the step named (exit 1), or skip with --skip-nonfinite."""
     argv = [*BASE, "--steps", "8", "--lr", "1e6", "--clip-norm", "0", "--warmup-steps", "0"]

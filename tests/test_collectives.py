@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pstar_jax.compat import CPU_COLLECTIVE_TIMEOUTS, patient_cpu_collectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +55,7 @@ def test_a_users_own_timeout_wins(monkeypatch):
     assert "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120" in flags
 
 
+@pytest.mark.slow
 def test_a_late_device_aborts_under_short_timeouts_and_finishes_under_the_projects():
     short = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
              "--xla_cpu_collective_call_terminate_timeout_seconds=1")

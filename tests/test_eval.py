@@ -81,6 +81,7 @@ def assert_slots_at_step_start(engine):
             assert spaces == ({Space.DEVICE} if start[key] else {Space.DEVICE, Space.HOST})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("W", [1, 2])
 def test_chunked_eval_equals_plain_moves_the_plans_bytes_within_budget(W):
     """fp32: the chunked held-out loss equals the plain one (rtol 1e-5) before and after training,
@@ -106,6 +107,7 @@ def test_chunked_eval_equals_plain_moves_the_plans_bytes_within_budget(W):
     assert not any(item[0] == "slot" for m in plan.moments for item in m.evict + m.fetch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["chunked", "plain"])
 def test_eval_changes_nothing(kind):
     """Evaluating between steps (with an update pending) leaves the next steps' losses and the
@@ -165,6 +167,7 @@ def test_held_out_split_is_never_trained_on():
         assert (b.tokens == 255).all() and (b.targets == 255).all()
 
 
+@pytest.mark.slow
 def test_run_holds_out_only_when_evaluating():
     """Without eval the stream is the one of today (every token); with it the last 1% is held out,
     and the engine planned the evaluation before training."""

@@ -73,6 +73,7 @@ def assert_params_close(engine, reference, rtol, atol, lr=3e-3, steps=5):
             assert np.abs(noise_a).max() <= lr * steps and np.abs(noise_b).max() <= lr * steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_fp32_equals_plain_under_eviction(tied):
     """fp32: same per-step losses (rtol 1e-5) and final params as plain, with chunks moving."""
@@ -94,6 +95,7 @@ def test_fp32_equals_plain_under_eviction(tied):
     assert_params_close(engine, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_close_to_plain():
     """bf16 compute with fp32 master: losses within 1e-3 relative, params within bf16 rounding."""
     m = model()
@@ -111,6 +113,7 @@ def test_everything_resident_moves_nothing():
     assert results[-1].h2d_bytes == 0 and results[-1].d2h_bytes == 0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     """Two micro-batches of 4 equal one batch of 8 (mean of equal-size means), and plain with 2."""
     m = model()
@@ -158,6 +161,7 @@ def test_weight_decay_mask_matches_plain():
     assert_params_close(engine, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_host_and_device_adam_agree():
     """The same training with optimizer state all on the host and all on the device: equal params."""
     m = model()
@@ -170,6 +174,7 @@ def test_host_and_device_adam_agree():
         np.testing.assert_array_equal(value, device.params()[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_host_updates_run_beside_the_next_step(monkeypatch):
     """A step ends with its host updates begun, not done: its grads went to the host during the
     backward, and the update of every host chunk runs on the optimizer's worker while the caller
@@ -305,6 +310,7 @@ def test_update_is_deferred_into_the_next_step_and_flush_applies_it():
         np.testing.assert_array_equal(value, flushed.params()[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_without_changing_anything():
     """A batch whose loss is NaN (a NaN loss mask; out-of-range targets are refused before the
     step): with skip_nonfinite the step reports it and applies no update, so training goes on as
@@ -337,6 +343,7 @@ def test_nonfinite_step_is_skipped_without_changing_anything():
 SFT_OPTIM = dataclasses.replace(OPTIM, clip_norm=0.05)  # clipping bites at every step
 
 
+@pytest.mark.slow
 def test_sft_loss_is_one_mean_over_the_step_whatever_the_micro_batches():
     """Uneven trained tokens: 4 micro-batches of 2 rows equal 1 of 8 (the loss sums divided once
     by the global count, not a mean of means), in both engines, clipping and AdamW included; the
@@ -394,6 +401,7 @@ def record_input_bytes(engine, monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_stage_inputs_offloaded_as_planned_train_exactly_as_kept_on_the_device(monkeypatch):
     """A budget below the working memory of a step that keeps every stage input on the device (the
     old engine's least): the plan sends stage inputs to pinned host memory after their forward and
@@ -425,6 +433,7 @@ def test_stage_inputs_offloaded_as_planned_train_exactly_as_kept_on_the_device(m
         np.testing.assert_array_equal(value, reference.params()[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_its_replanner():
     """Data flows config -> plan -> executor: importing the executor loads neither the planning
     module nor the trace (and predict.py does not load plan.py); an engine built from a plan made

@@ -186,6 +186,7 @@ def test_metadata_naming_another_step_blames_that_step(tmp_path, capsys):
     assert Checkpointer(str(d)).committed_steps() == [2, 4]
 
 
+@pytest.mark.slow
 def test_metadata_missing_a_key_is_one_line(tmp_path, capsys):
     d = two_checkpoints(tmp_path)
     meta = json.loads(meta_file(d, 4).read_text())
@@ -261,6 +262,7 @@ def check_failed_save(proc, d, cause, timeout_s=120, read_only=False):
     return good
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_save_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
     with tmpfs(tmp_path / "small", "1400k") as fs:
         d = fs / "ck"
@@ -270,6 +272,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_earlier_checkpoints(tmp_p
         assert good >= 1
 
 
+@pytest.mark.slow
 def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
     with tmpfs(tmp_path / "fs", "64m") as fs:
         d, metrics = fs / "ck", tmp_path / "m.jsonl"
@@ -280,6 +283,7 @@ def test_read_only_checkpoint_dir_mid_run_is_one_line_and_no_hang(tmp_path):
         check_failed_save(proc, d, "the file system is read-only", read_only=True)
 
 
+@pytest.mark.slow
 def test_step_timeout_does_not_count_compilation(tmp_path):
     """A limit below the compilation of the first two steps (0.6 and 2 s here without the compilation cache) and of the first
     evaluation (after the third step): they are not timed, and the run ends normally."""

@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 from pstar_models.llama import LlamaConfig, StagedLlama
@@ -51,6 +52,7 @@ def trace_forward_flops(tiling: TileBudget) -> float:
     return traced(tiling, trace_forward).head_flops
 
 
+@pytest.mark.slow
 def test_tiled_stages_count_the_untiled_flops():
     """Forwards: equal to a few percent (padding, the tiles' index arithmetic). The head and the
     backwards run more than the untiled call: a tile's forward is recomputed in the backward loop

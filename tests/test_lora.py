@@ -118,6 +118,7 @@ def test_decoding_applies_the_adapter(name):
     assert np.abs(np.asarray(base(tokens)) - full).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_inverted_per_projection_and_position_and_tiling_free():
     from pstar_models.lora import dropout, position_seeds
     from pstar_jax.data.batch import plain as plain_batch, with_dropout_seeds
@@ -302,6 +303,7 @@ TRAIN = ["--quiet", "--precision", "fp32", "--batch-size", "8", "--lr", "1e-2", 
          "--model", "tiny", "--lora-rank", "4"]
 
 
+@pytest.mark.slow
 def test_pstar_train_with_lora_runs_and_the_loss_falls(tmp_path, capsys):
     import json
 

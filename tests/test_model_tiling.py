@@ -82,6 +82,7 @@ def assert_fp32_close(actual, desired, err_msg=""):
     np.testing.assert_allclose(np.asarray(actual), desired, rtol=0, atol=atol, err_msg=err_msg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("config", FAMILIES.values(), ids=FAMILIES.keys())
 def test_tiled_stages_equal_the_untiled_logits_loss_and_grads(config, packed):

@@ -32,6 +32,7 @@ def test_bandwidth_without_an_accelerator_says_to_use_small_in_one_line():
     assert len(r.stderr.strip().splitlines()) == 1 and "--small" in r.stderr
 
 
+@pytest.mark.slow
 def test_bandwidth_and_flops_calibration_report_their_figures(tmp_path):
     import json
     r = script("bandwidth.py", "--small", "--out", str(tmp_path / "bw.json"))
@@ -74,6 +75,7 @@ def test_pstar_largest_plans_then_trains_the_deepest_model(tmp_path):
     assert f"(planned {h2d}, {d2h})" in step
 
 
+@pytest.mark.slow
 def test_plan_presets_answers_as_pstar_plan():
     import json
     r = script("plan_presets.py", "--presets", "qwen2.5-0.5b", "--seq-len", "128", "--batch-size", "2",

@@ -40,6 +40,7 @@ def train(e, steps=3):
     return out
 
 
+@pytest.mark.slow
 @needs_8
 @pytest.mark.parametrize("adam", ["host", "device"])
 def test_zero_over_8_devices_equals_one_device(adam):
