@@ -20,6 +20,7 @@ def readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+@pytest.mark.slow
 def test_readme_examples_run_as_written(tmp_path, monkeypatch, capsys):
     """Both README snippets, exactly: the Run example trains, reads params and exports; the
     build_engine one steps an engine inside a loop of the user's own."""
@@ -47,6 +48,7 @@ def test_public_surface_is_curated():
     assert exported == set(ps.__all__)
 
 
+@pytest.mark.slow
 def test_run_refuses_a_model_that_does_not_fit_before_allocating():
     config = ps.RunConfig(train=ps.TrainConfig(steps=2, batch_size=4), distributed=ps.DistributedConfig(data_parallel=1),
                           engine=ps.EngineConfig(device_memory=60 * 1024), output=ps.OutputConfig(quiet=True))

@@ -224,6 +224,7 @@ def merged_params(model, params):
     return {n: jnp.asarray(v, jnp.float32) for n, v in out.items()}
 
 
+@pytest.mark.slow
 def test_generation_applies_the_adapter_cached_and_streamed(lora_run, capsys):
     from pstar_jax.cli.generate import main as generate
     ckpt = Checkpointer(str(lora_run / "a"))

@@ -209,6 +209,7 @@ def test_kill_during_save_leaves_last_good_checkpoint(tmp_path):
     assert [r["step"] for r in records(tmp_path / "r.jsonl")] == [last_good, last_good + 1]
 
 
+@pytest.mark.slow
 def test_plain_engine_checkpoints_resume_bit_for_bit(tmp_path, capsys):
     """The Engine protocol: the plain engine saves and resumes too (10 straight steps equal 5, a
     stop and 5 resumed); a chunked run cannot resume a plain checkpoint."""

@@ -109,6 +109,7 @@ def test_watchdog_ends_a_stuck_process_without_calling_the_backend():
                                    "another process probably died or hangs")
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_is_one_line_within_the_timeout():
     import socket
     with socket.socket() as s:  # a port nobody listens on

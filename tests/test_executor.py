@@ -152,6 +152,7 @@ def test_clipping_matches_plain_and_bites():
     assert diff > 1e-4
 
 
+@pytest.mark.slow
 def test_weight_decay_mask_matches_plain():
     """Strong decay: chunks (decay prefix per chunk) equal plain (decay by tensor group)."""
     m = model()

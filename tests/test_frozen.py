@@ -141,6 +141,7 @@ def test_freezing_all_but_one_tensor_moves_far_fewer_bytes():
     assert 0 < one_bytes and one_bytes * 10 <= full_bytes
 
 
+@pytest.mark.slow
 def test_state_round_trip_keeps_every_tensor():
     """state() holds the trainable chunks alone (params, master, optimizer state; frozen chunks are
     the base, which checkpoints record instead); loading it into a new engine built from the same

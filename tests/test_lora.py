@@ -96,6 +96,7 @@ def test_adapter_forward_is_w_x_plus_scaled_x_a_b(rslora):
     np.testing.assert_allclose(got, want, rtol=0, atol=64 * EPS32 * np.abs(want).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_decoding_applies_the_adapter(name):
     """With trained (nonzero) adapters the cached decode gives the training forward's logits, and
@@ -216,6 +217,7 @@ def test_zero_over_8_devices_equals_plain_on_one_with_the_same_dropout_masks():
         np.testing.assert_allclose(pa[name], pb[name], rtol=1e-5, atol=atol, err_msg=name)
 
 
+@pytest.mark.slow
 def test_with_dropout_the_trace_runs_the_steps_batch_so_the_step_compiles_no_stage_and_the_plan_counts_masks():
     """The engine adds each row's dropout seed to the batch: the trace must compile the stage
     functions on that same pytree (else the first step compiles every one again) and so count

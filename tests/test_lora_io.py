@@ -90,6 +90,7 @@ def test_peft_loads_the_exported_adapter_with_the_merged_export_logits(trained):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=64 * float(np.finfo(np.float32).eps) * scale)
 
 
+@pytest.mark.slow
 def test_init_from_lora_continues_with_the_adapters_settings_and_tensors(trained):
     dirs, params = trained
     config = run_config(dirs["src"], lora=LoraConfig(), init_from_lora=dirs["adapter"])

@@ -179,6 +179,7 @@ def test_progress_is_silent_for_its_quiet_seconds_then_one_line_per_probe():
     assert len(lines) == len(set(lines)) and all(line.endswith(" ...") for line in lines)
 
 
+@pytest.mark.slow
 def test_depth_bound_counts_the_stage_inputs_and_holds():
     """The depth search's bound counts each layer's kept stage input beside its parameters: tighter
     than the parameters alone, and never below the depth that fits."""

@@ -187,6 +187,7 @@ def test_plain_engine_stops_on_a_nonfinite_loss(capsys):
     assert "not finite at step" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PSTAR_MACHINES_DIR", str(tmp_path / "machines"))  # nothing measured yet
     assert main(["--steps", "1", "--batch-size", "8"]) == 0
@@ -200,6 +201,7 @@ def test_start_up_says_what_it_does_one_line_per_phase_and_quiet_silences_it(tmp
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_third_step_far_from_the_prediction_is_noted_once(capsys):
     """The H200's rates predict this CPU's steps far too fast: after the first step that compiles
     nothing (the third) one note says so and what to do; --quiet keeps it out."""
