@@ -36,8 +36,8 @@ def test_inputs_and_outputs_are_refused_before_jax_loads(tmp_path):
               "pass a Hugging Face checkpoint directory"),
              (f"--init-from-hf {tmp_path}", f"--init-from-hf {tmp_path} holds no config.json"),
              (f"--export-hf {tmp_path}/file", f"--export-hf {tmp_path}/file is a file, not a directory"),
-             (f"--data {sft} --seq-len 64", f"--data {sft} was packed for seq_len 32, but --seq-len is 64; repack "
-              "it with `pstar-tokens --chat --seq-len 64` or train at --seq-len 32"),
+             (f"--data {sft} --seq-len 64", f"--data {sft} was packed for seq_len 32, but the model trains at "
+              "seq_len 64; repack it with `pstar-tokens --chat --seq-len 64` or train at --seq-len 32"),
              (f"--data {tmp_path}/none.u16.bin", "does not exist; make it with `pstar-tokens`"),
              (f"--profile {tmp_path}/trace --steps 2", "--profile traces from a run's third step (the first two "
               "compile), but this run has 2 steps; run at least 3 steps"),
@@ -94,5 +94,5 @@ def test_a_packed_file_for_the_presets_other_seq_len_is_refused_before_planning(
     assert main(["--data", str(sft), "--steps", "1"]) == 2  # the tiny preset trains at seq_len 64
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1] == ("pstar-train: error: --data was packed for seq_len 32, but the model trains at seq_len 64; "
-                         "repack it with --seq-len 64 or train at --seq-len 32"), lines
+                         "repack it with `pstar-tokens --chat --seq-len 64` or train at --seq-len 32"), lines
     assert not any(line.startswith(("tracing", "planning")) for line in lines), lines

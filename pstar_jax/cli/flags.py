@@ -40,7 +40,7 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         try:
             return parse(text)
         except ConfigError as err:
-            raise argparse.ArgumentTypeError(_with_flags(str(err))) from None
+            raise argparse.ArgumentTypeError(with_flags(str(err))) from None
         except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid value") from None
     convert.__name__ = getattr(parse, "__name__", "value")
@@ -102,7 +102,7 @@ def _flags() -> dict[str, str]:
             if f.metadata.get("cli", True)}
 
 
-def _with_flags(text: str) -> str:
+def with_flags(text: str) -> str:
     """Every ``Section.field`` in ``text`` replaced by its flag."""
     flags = _flags()
     return re.sub(r"\b[A-Z][A-Za-z]+Config\.[a-z_][a-z0-9_]*\b", lambda m: flags.get(m.group(0), m.group(0)), text)
@@ -110,7 +110,7 @@ def _with_flags(text: str) -> str:
 
 def error_line(prog: str, err: BaseException) -> str:
     """'prog: error: ...' with every ``Section.field`` replaced by its flag."""
-    return f"{prog}: error: {' '.join(_with_flags(str(err)).split())}"
+    return f"{prog}: error: {' '.join(with_flags(str(err)).split())}"
 
 
 class _NoteFormatter(logging.Formatter):
@@ -122,7 +122,7 @@ class _NoteFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        return f"{self.prog}: warning: {_with_flags(text)}" if record.levelno >= logging.WARNING else text
+        return f"{self.prog}: warning: {with_flags(text)}" if record.levelno >= logging.WARNING else text
 
 
 @contextlib.contextmanager

@@ -179,7 +179,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                        train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"))
     _check(args, config)
     W = args.data_parallel
-    host_bytes = engine.host_memory // (args.devices_per_host or min(W, 8))  # the plan is per device
+    per_host = args.devices_per_host or min(W, 8)  # the devices sharing --host-memory
+    host_bytes = engine.host_memory // per_host  # the plan is per device
     _backend(W)
     import jax
     import numpy as np
@@ -212,32 +213,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         plot_timeline(report.planned, args.plot)
         print(f"pstar-plan: memory timeline written to {os.path.abspath(args.plot)}", file=sys.stderr)  # stdout: the plan
     if not report.fits:
-        fix = _memory_that_fits(report.planned, host_bytes, args.devices_per_host or min(W, 8), machine, engine)
-        print(f"pstar-plan: does not fit: {report.plan.problem}; {fix}", file=sys.stderr)
+        from pstar_jax.planner.fit import misfit_fixes
+        fix = misfit_fixes(report.planned, host_bytes, machine, engine, devices_per_host=per_host)
+        print(cli.with_flags(f"pstar-plan: does not fit: {report.plan.problem}; {fix}"), file=sys.stderr)
         return 1
     return 0
-
-
-def _memory_that_fits(planned, host_bytes: int, devices_per_host: int, machine, engine: EngineConfig) -> str:
-    """The flags that make a plan that does not fit fit: the least device memory with this host
-    memory, else the least host memory with this device memory, else both (the least host memory
-    with everything on the device, then the least device memory there). ``host_bytes`` is per
-    device; --host-memory is the host's, shared by ``devices_per_host`` devices."""
-    from pstar_jax.planner.fit import flag_bytes
-    from pstar_jax.planner.search import resident_bytes, smallest_device_bytes, smallest_host_bytes
-    least = smallest_device_bytes(planned, host_bytes, machine, engine)
-    if least is not None:
-        return f"it fits with --device-memory {flag_bytes(least)}"
-    host = smallest_host_bytes(planned, host_bytes, planned.device_budget_bytes, machine, engine)
-    if host is not None:
-        return f"it fits with --host-memory {flag_bytes(host * devices_per_host)}"
-    host = smallest_host_bytes(planned, host_bytes, max(resident_bytes(planned.shape), planned.device_budget_bytes),
-                               machine, engine)
-    device = None if host is None else smallest_device_bytes(planned, host, machine, engine)
-    if device is None:
-        return ("it fits no device or host memory pstar-plan tries at this chunk size and batch; lower --chunk-size "
-                "or --batch-size")
-    return f"it fits with --host-memory {flag_bytes(host * devices_per_host)} and --device-memory {flag_bytes(device)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,7 +42,8 @@ def check_rows(rows: Any, seq_len: int | None = None, what: str = "the SFT data"
         raise DataError(f"{what} holds no rows; pack more examples")
     if seq_len is not None and first[1] != seq_len + 1:
         raise DataError(f"{what} was packed for seq_len {first[1] - 1}, but the model trains at seq_len {seq_len}; "
-                        f"repack it with --seq-len {seq_len} or train at --seq-len {first[1] - 1}")
+                        f"repack it with `pstar-tokens --chat --seq-len {seq_len}` or train at ModelConfig.seq_len "
+                        f"{first[1] - 1}")
     return first[0]
 
 

@@ -111,20 +111,24 @@ def describe(record: Mapping) -> str:
     return f"--model {record['name']}{overrides} initialised with --seed {record['seed']}"
 
 
+def _same_base(a: Mapping, b: Mapping) -> bool:
+    """Whether two base records name one base: the same source and fingerprint."""
+    return (a["source"], a["fingerprint"]) == (b["source"], b["fingerprint"])
+
+
 def check_same_base(saved: Mapping | None, ours: Mapping, directory: str) -> None:
     """CheckpointError (one line) unless the checkpoint's base record names the base ``ours`` does
     (a base moved to another directory, same fingerprint, is the same base)."""
-    if saved is None:
+    if saved is None or _same_base(saved, ours):
         return
     where = f"the checkpoint in {directory}"
-    if saved["source"] != ours["source"] or (saved["source"] == "init" and saved["fingerprint"] != ours["fingerprint"]):
+    if saved["source"] != ours["source"] or saved["source"] == "init":
         raise CheckpointError(f"{where} was trained on the base {describe(saved)}, this run's base is "
                               f"{describe(ours)}; "
                               "resume with the checkpoint's base")
-    if saved["fingerprint"] != ours["fingerprint"]:
-        raise CheckpointError(f"{where} was trained on the base {describe(saved)} (fingerprint "
-                              f"{saved['fingerprint'][:12]}), but the weights in {ours['path']} differ (fingerprint "
-                              f"{ours['fingerprint'][:12]}); resume with the checkpoint's base")
+    raise CheckpointError(f"{where} was trained on the base {describe(saved)} (fingerprint "
+                          f"{saved['fingerprint'][:12]}), but the weights in {ours['path']} differ (fingerprint "
+                          f"{ours['fingerprint'][:12]}); resume with the checkpoint's base")
 
 
 def check_same_adapters(saved: RunConfig, ours: RunConfig, directory: str) -> None:
@@ -162,7 +166,7 @@ def run_base(config: RunConfig, model: Any, record: Mapping | None = None) -> Ma
     (the engine holds a compute-dtype copy of a frozen base), for an export at the end of the run;
     ``record``, the run's record of its base from the start, must still describe it (CheckpointError)."""
     now = base_record(config, model)
-    if record is not None and (record["source"], record["fingerprint"]) != (now["source"], now["fingerprint"]):
+    if record is not None and not _same_base(record, now):
         raise CheckpointError(f"the run's base {describe(record)} changed while it trained (fingerprint "
                               f"{record['fingerprint'][:12]}, now {now['fingerprint'][:12]}); put back the base "
                               "it trained on, then export its checkpoint with pstar-export")
@@ -228,10 +232,15 @@ def _chain(layout: ChunkLayout, kept: set[int], saved: Iterator[tuple[str, np.nd
             else:
                 yield from ((s.name, np.asarray(base[s.name], np.float32)) for s in slots)
     finally:
-        close = getattr(base, "close", None)
-        if callable(close):
-            close()
+        close_tensors(base)
+
+
+def close_tensors(tensors: Any) -> None:
+    """Close a base's tensors where their source holds files open (an HFCheckpoint's)."""
+    close = getattr(tensors, "close", None)
+    if callable(close):
+        close()
 
 
 __all__ = ["base_record", "check_same_base", "check_same_adapters", "base_tensors", "run_base", "checkpoint_tensors",
-           "fingerprint_files", "describe"]
+           "close_tensors", "fingerprint_files", "describe"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 import numpy as np
 
 from pstar_jax.config import RunConfig
-from pstar_jax.io.base_record import run_base
+from pstar_jax.io.base_record import close_tensors, run_base
 from pstar_jax.io.hf import HFCheckpoint, TensorMap, export_hf
 from pstar_jax.io.lora_io import hf_stream
 from pstar_jax.io.models import hf_export_config, hf_export_source
@@ -54,7 +54,7 @@ def _with_base(iter_params: Tensors, frozen: set[str], config: RunConfig, model:
         for name, value in iter_params():
             yield name, np.asarray(tensors[name], np.float32) if name in frozen else value
     finally:
-        _close(tensors)
+        close_tensors(tensors)
 
 
 def _with_source_rows(tensors: Iterable[tuple[str, np.ndarray]], directory: str, tensor_map: TensorMap, model: Any
@@ -69,12 +69,6 @@ def _with_source_rows(tensors: Iterable[tuple[str, np.ndarray]], directory: str,
             yield name, value
     finally:
         source.close()
-
-
-def _close(tensors: Any) -> None:
-    close = getattr(tensors, "close", None)
-    if callable(close):
-        close()
 
 
 __all__ = ["export_run_hf"]

@@ -1,6 +1,7 @@
 """What a "does not fit" error names so that following it fits: a shorter sequence at which some
 placement fits (``fitting_seq_len``) and the least device memory (search.smallest_device_bytes),
-written as values that parse back to at least what was found (``flag_bytes``).
+or where none fits, the least host memory (``misfit_fixes``), written as values that parse back
+to at least what was found (``flag_bytes``).
 
 Each probe asks only whether any placement fits (make_plan's ``first_fit``). The memory search
 costs plans only; the sequence search traces the model at each length it tries
@@ -16,7 +17,7 @@ from pstar_jax.config import ConfigError, EngineConfig, parse_bytes
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan, shortfall
 from pstar_jax.plan.schedule import StepShape, scale_batch
-from pstar_jax.planner.search import SEQ_LEN_GRANULE, smallest_device_bytes
+from pstar_jax.planner.search import SEQ_LEN_GRANULE, resident_bytes, smallest_device_bytes, smallest_host_bytes
 
 if TYPE_CHECKING:
     from pstar_jax.planner.build import Planned
@@ -101,19 +102,45 @@ def fitting_seq_len(shape_at: Callable[[int], tuple[StepShape, int]], seq_len: i
 
 MEMORY_FLAGS = ("raise EngineConfig.device_memory or EngineConfig.host_memory, or lower EngineConfig.chunk_numel or "
                 "the batch")
+NO_MEMORY_FITS = ("it fits no device or host memory tried at this chunk size and batch; lower EngineConfig.chunk_numel "
+                  "or TrainConfig.batch_size")
 
 
 def misfit_fixes(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig,
-                 seq_len: int = 0) -> str:
+                 seq_len: int = 0, devices_per_host: int | None = None) -> str:
     """What a "does not fit" error suggests: ``seq_len`` (a shorter sequence fitting_seq_len found
-    to fit; 0: none), and the least device memory that fits with this host memory; else which
-    settings to change."""
+    to fit; 0: none), and the least device memory that fits with this host memory; where none does
+    and the caller says how many devices share EngineConfig.host_memory (``devices_per_host``;
+    ``host_bytes`` is one device's share), the least host memory that fits (``_host_memory_fix``);
+    else which settings to change."""
     fixes = [f"ModelConfig.seq_len {seq_len} (at this batch)"] if seq_len else []
     least = smallest_device_bytes(planned, host_bytes, machine, config)
     if least is not None:
         fixes.append(f"EngineConfig.device_memory {flag_bytes(least)}" + (" (at this length)" if seq_len else ""))
-    return "it fits with " + " or with ".join(fixes) if fixes else MEMORY_FLAGS
+    elif devices_per_host is not None and (host := _host_memory_fix(planned, host_bytes, machine, config,
+                                                                    devices_per_host)):
+        fixes.append(host)
+    if fixes:
+        return "it fits with " + " or with ".join(fixes)
+    return MEMORY_FLAGS if devices_per_host is None else NO_MEMORY_FITS
 
 
-__all__ = ["any_fits", "flag_bytes", "fitting_seq_len", "misfit_fixes", "MEMORY_FLAGS", "SEQ_LEN_FIT_TOLERANCE",
-           "SEQ_LEN_FIT_TRACES"]
+def _host_memory_fix(planned: Planned, host_bytes: int, machine: Machine, config: EngineConfig,
+                     devices_per_host: int) -> str | None:
+    """The least EngineConfig.host_memory (the host's, shared by ``devices_per_host`` devices) that
+    fits with this device memory; else the least with everything on the device, and the least
+    device memory that fits with it; None when neither fits."""
+    host = smallest_host_bytes(planned, host_bytes, planned.device_budget_bytes, machine, config)
+    if host is not None:
+        return f"EngineConfig.host_memory {flag_bytes(host * devices_per_host)}"
+    host = smallest_host_bytes(planned, host_bytes, max(resident_bytes(planned.shape), planned.device_budget_bytes),
+                               machine, config)
+    device = None if host is None else smallest_device_bytes(planned, host, machine, config)
+    if device is None:
+        return None
+    return (f"EngineConfig.host_memory {flag_bytes(host * devices_per_host)} and EngineConfig.device_memory "
+            f"{flag_bytes(device)}")
+
+
+__all__ = ["any_fits", "flag_bytes", "fitting_seq_len", "misfit_fixes", "MEMORY_FLAGS", "NO_MEMORY_FITS",
+           "SEQ_LEN_FIT_TOLERANCE", "SEQ_LEN_FIT_TRACES"]

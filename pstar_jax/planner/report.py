@@ -22,6 +22,7 @@ from pstar_jax.config.lora import LoraConfig
 from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, plan_model, resolve_engine_config
+from pstar_jax.planner.fit import any_fits
 from pstar_jax.planner.search import (MAX_SEARCH_CHUNKS, MAX_SEARCH_SEQ_LEN, SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE, Largest,
                                      Progress, announced, default_tx_for_shapes, largest_batch, largest_depth,
                                      longest_within, trainable_for)
@@ -240,9 +241,9 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     it steps down or doubles and bisects until the answer is within ``tolerance`` of the first
     length that fails (search.longest_within): a handful of traces whether the answer is 4k or
     8M tokens, since each trace costs about the same at any length."""
-    from pstar_jax.plan.placement import make_plan
     from pstar_jax.plan.schedule import scale_batch
     cache = {} if cache is None else cache
+    fits_in = functools.partial(any_fits, host_bytes=host_bytes, machine=machine, adam_placement=config.adam_placement)
     cfg = dataclasses.replace(config, micro_batches=1)
     W = mesh.devices.size
     make_tx = default_tx_for_shapes()
@@ -265,22 +266,18 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
             layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora))
             shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
             shapes[seq_len] = shape, resolved.device_budget_bytes
-            fitted[seq_len] = any_fits(shape, resolved.device_budget_bytes)
+            fitted[seq_len] = fits_in(shape, resolved.device_budget_bytes)
         return fitted[seq_len]
-
-    def any_fits(shape, device_bytes: int) -> bool:
-        return any(make_plan(shape, device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                             mixes=mixes, pure_fails=mixes).fits for mixes in (False, True))  # mixes: the pure did not
 
     def memory_allows(seq_len: int) -> int:
         # The longest length at which seq_len's trace, scaled, fits: the search's first guess.
         shape, device_bytes = shapes[seq_len]
-        if any_fits(scale_batch(shape, MAX_SEARCH_SEQ_LEN / seq_len), device_bytes):
+        if fits_in(scale_batch(shape, MAX_SEARCH_SEQ_LEN / seq_len), device_bytes):
             return MAX_SEARCH_SEQ_LEN
         low, high = seq_len, MAX_SEARCH_SEQ_LEN
         while high - low > max(SEQ_LEN_GRANULE, tolerance * low / 2):
             mid = (low + high) // 2 // SEQ_LEN_GRANULE * SEQ_LEN_GRANULE
-            low, high = (mid, high) if any_fits(scale_batch(shape, mid / seq_len), device_bytes) else (low, mid)
+            low, high = (mid, high) if fits_in(scale_batch(shape, mid / seq_len), device_bytes) else (low, mid)
         return low
 
     def report_at(seq_len: int) -> PlanReport:

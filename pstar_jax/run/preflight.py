@@ -56,18 +56,16 @@ def _directory(path: str, what: str, error: type[ConfigError], kind: str, marker
 
 def _data_file(path: str, what: str, seq_len: int | None) -> None:
     """A data file that is not there, or a packed SFT file packed for another ``seq_len`` (when the
-    run gives one; a preset's or a checkpoint's is known once the model is built)."""
+    run gives one; a preset's or a checkpoint's is known once the model is built) or holding no
+    rows: data.rows.check_rows on its header."""
     if not os.path.exists(path):
         raise DataError(f"{what} {path} does not exist; make it with `pstar-tokens`")
     from pstar_jax.data.training import SFT_SUFFIXES
     if seq_len is None or not os.path.basename(path).endswith(SFT_SUFFIXES):
         return
     from pstar_jax.data.packing import load_packed  # a memory map: the header, not the rows
-    packed = int(load_packed(path).tokens.shape[1]) - 1
-    if packed != seq_len:
-        raise DataError(f"{what} {path} was packed for seq_len {packed}, but ModelConfig.seq_len is {seq_len}; "
-                        f"repack it with `pstar-tokens --chat --seq-len {seq_len}` or train at ModelConfig.seq_len "
-                        f"{packed}")
+    from pstar_jax.data.rows import check_rows
+    check_rows(load_packed(path), seq_len, f"{what} {path}")
 
 
 def check_profile(config: RunConfig, first_step: int) -> None:
