@@ -164,6 +164,10 @@ def test_a_first_step_far_from_the_prediction_names_the_rates_and_the_remedy(mon
                     "2025-01-02 13:04 at load 5.2, load now 0.4) do not describe this machine now; pstar-machine "
                     "--remeasure measures them again")
     assert step_gap_note(2, 0.075, 0.05, machine) is None  # 1.5x: a fair prediction
+    # The tiny default model on 2 cores: 12 moments of the executor's own time, which no rate covers
+    assert step_gap_note(2, 0.031, 0.0019, machine, moments=12) is None
+    assert "(16x slower)" in step_gap_note(2, 0.031, 0.0019, machine, moments=2)
+    assert "(42x slower)" in step_gap_note(2, 2.10, 0.05, machine, moments=12)
     assert "took 10 ms, the plan predicted 50 ms (5x faster)" in step_gap_note(2, 0.01, 0.05, machine)
     assert "predicted 1.3 µs" in step_gap_note(2, 0.02, 1.3e-6, machine)
     assert "(preset" in step_gap_note(2, 2.1, 0.05, H200) and "without --machine" in step_gap_note(2, 2.1, 0.05, H200)

@@ -276,7 +276,8 @@ class Run:
                         writer.write_scalars(step, {k: v for k, v in record.items() if k != "step"})
                     progress.update(record)
                     if step == first_step + 2 and self.main_process and hasattr(engine, "machine"):  # compiles nothing
-                        if note := step_gap_note(step, result.step_s, engine.plan.predicted_step_s, engine.machine):
+                        if note := step_gap_note(step, result.step_s, engine.plan.predicted_step_s, engine.machine,
+                                                len(engine.plan.moments)):
                             with progress.aside():
                                 log.info(note)
                     stopping = distributed.agree_to_stop(stop.signum != 0)  # all processes stop after one step
