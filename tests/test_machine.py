@@ -11,7 +11,8 @@ from pstar_jax.config import ConfigError
 from pstar_jax.plan.machine import H200, MACHINES, load_machine, load_note, provenance, save_machine
 from pstar_jax.planner.measure import machine_key, saved_machine, step_gap_note
 
-ODD = dataclasses.replace(H200, name="odd", h2d_bytes_per_s=1.2345678901234567e10, call_s=3.3e-5, duplex=True)
+ODD = dataclasses.replace(H200, name="odd", h2d_bytes_per_s=1.2345678901234567e10, call_s=3.3e-5, duplex=True,
+                          disk_read_bytes_per_s=6.1e9, disk_tensor_bytes_per_s=2.5e9, disk_measured_on="/nvme/base")
 
 
 def test_save_and_load_round_trip_exactly(tmp_path):
@@ -21,6 +22,16 @@ def test_save_and_load_round_trip_exactly(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["m.json"]  # no temporary left behind
 
 
+def test_a_file_kept_before_the_disk_rates_loads_without_them(tmp_path):
+    path = tmp_path / "m.json"
+    fields = dataclasses.asdict(ODD)
+    for name in ("disk_read_bytes_per_s", "disk_tensor_bytes_per_s", "disk_measured_on"):
+        del fields[name]
+    path.write_text(json.dumps(fields))
+    old = load_machine(path)
+    assert old.disk_read_bytes_per_s == old.disk_tensor_bytes_per_s == 0.0 and old.disk_measured_on == ""
+
+
 def test_names_are_the_built_in_machines():
     assert load_machine("h200") is MACHINES["h200"] and load_machine("h200-duplex").duplex
 
@@ -28,6 +39,9 @@ def test_names_are_the_built_in_machines():
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"name": "x"}',
                                      json.dumps({**dataclasses.asdict(H200), "flops_per_s": -1}),
                                      json.dumps({**dataclasses.asdict(H200), "call_s": "slow"}),
+                                     json.dumps({**dataclasses.asdict(H200), "disk_read_bytes_per_s": -1}),
+                                     json.dumps({**dataclasses.asdict(H200), "disk_tensor_bytes_per_s": "fast"}),
+                                     json.dumps({**dataclasses.asdict(H200), "disk_measured_on": 3}),
                                      json.dumps({**dataclasses.asdict(H200), "bogus": 1})])
 def test_bad_files_are_config_errors(tmp_path, content):
     path = tmp_path / "m.json"

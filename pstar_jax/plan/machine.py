@@ -31,6 +31,12 @@ class Machine:
     measured_at: str = ""  # local time, "YYYY-MM-DD HH:MM"
     measured_load: float | None = None  # the 1-minute load average (os.getloadavg) just before
     measured_cores: int | None = None  # os.cpu_count() then
+    # Local disk, for frozen chunks kept there (0: not measured; pstar-machine --disk DIR): reads of
+    # whole chunks from a cache file, and of tensors straight from safetensors files, transposed
+    # and cast into a chunk's layout on the CPU.
+    disk_read_bytes_per_s: float = 0.0
+    disk_tensor_bytes_per_s: float = 0.0
+    disk_measured_on: str = ""  # the directory the disk rates were read in
 
 
 # One H200, jax 0.11.2 (shared/DESIGN.md): pinned-host copies, Adam on the device and with
@@ -123,4 +129,8 @@ def load_machine(source: str | os.PathLike) -> Machine:
             machine.measured_at, str) or not (machine.measured_cores is None or number(machine.measured_cores, 1)):
         raise ConfigError(f"machine file {str(source)!r} holds a measured_load, measured_cores or measured_at "
                           f"that is not a load, a core count or a time; measure it again with pstar-machine --remeasure")
+    if not (number(machine.disk_read_bytes_per_s, 0.0) and number(machine.disk_tensor_bytes_per_s, 0.0)
+            and isinstance(machine.disk_measured_on, str)):
+        raise ConfigError(f"machine file {str(source)!r} holds a disk rate that is not a number of bytes per second "
+                          f"(0: not measured); measure it again with pstar-machine --disk DIR")
     return machine

@@ -170,6 +170,9 @@ def machine_key(param_dtype) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
 
 
+DISK_FIELDS = ("disk_read_bytes_per_s", "disk_tensor_bytes_per_s", "disk_measured_on")  # pstar-machine --disk's
+
+
 def _warn(message: str) -> None:
     print(f"pstar_jax: warning: {message}", file=sys.stderr, flush=True)
 
@@ -177,7 +180,8 @@ def _warn(message: str) -> None:
 def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool = False,
                   warn: Callable[[str], None] = _warn) -> Machine:
     """This machine's saved rates, measured (with ``measure``) and saved first when there are none
-    or ``remeasure`` says so: the same machine then always plans with the same rates.
+    or ``remeasure`` says so: the same machine then always plans with the same rates. Measuring
+    again keeps the disk rates a kept file has (``pstar-machine --disk DIR`` reads those).
 
     The file is a cache: one that cannot be read (not JSON, a field missing, a directory) is
     measured again and replaced, and rates that cannot be kept (a read-only or impossible
@@ -185,17 +189,20 @@ def saved_machine(placement, optimizer, remeasure: bool = False, must_keep: bool
     whose job is to keep them) raises the OSError instead. Rates measured on a busy machine, or
     under a load far from today's, are said so in a start-up note (``load_note``)."""
     path = machines_dir() / f"{machine_key(optimizer.param_dtype)}.json"
-    if path.exists() and not remeasure:
+    kept = None
+    if path.exists():
         try:
-            machine = load_machine(path)
+            kept = load_machine(path)
         except ConfigError as err:
             warn(f"{err}; measuring this machine again")
         else:
-            if note := load_note(machine, load_now()):
-                log.info("kept %s", note)
-            return machine
+            if not remeasure:
+                if note := load_note(machine=kept, load_now=load_now()):
+                    log.info("kept %s", note)
+                return kept
     log.info("measuring this machine's rates (once, kept in %s)", path)
-    machine = dataclasses.replace(measure(placement, optimizer), name=path.stem)
+    machine = dataclasses.replace(measure(placement, optimizer), name=path.stem,
+                                  **({f: getattr(kept, f) for f in DISK_FIELDS} if kept else {}))  # not re-read here
     try:
         save_machine(machine, path)
     except OSError as err:
