@@ -144,3 +144,18 @@ def test_the_replays_heap_evicts_what_a_scan_of_every_item_would(trace, rule, pr
     moments, _ = simulate(accesses, [cap + 1] * len(accesses), size, state, policy_for(rule, accesses),
                           prefetch=False)
     assert [it for m in moments for it in m.evict] == expected
+
+
+@given(traces(), st.sampled_from(["belady", "lru", "fifo"]), st.booleans())
+def test_items_stored_off_the_device_replay_as_host_copies_do_but_cost_the_host_nothing(trace, rule, prefetch):
+    """A frozen chunk's params kept off the device outside the host's count (``stored``) are fetched
+    and evicted exactly as if the host held them, and the host's bytes never count them."""
+    accesses, n, cap = trace
+    items = {("param", c) for c in range(n)}
+    on_host, _ = simulate(accesses, [cap] * len(accesses), lambda item: 1, ReplayState({}, items),
+                          policy_for(rule, accesses), prefetch=prefetch)
+    stored, end = simulate(accesses, [cap] * len(accesses), lambda item: 1, ReplayState({}, set(), frozenset(items)),
+                           policy_for(rule, accesses), prefetch=prefetch)
+    assert [(m.evict, m.fetch, m.h2d_bytes, m.d2h_bytes) for m in stored] == [
+        (m.evict, m.fetch, m.h2d_bytes, m.d2h_bytes) for m in on_host]
+    assert end.host_bytes == end.peak_host_bytes == 0 and end.stored == items

@@ -60,11 +60,16 @@ Size = Callable[[Item], int]  # an item's bytes per device
 class ReplayState:
     """Where every item is during a replay, and the bytes that puts in each memory (kept as items
     come and go: a replay visits every moment of a step, many times per search); the items on the
-    device wait in a heap by the eviction policy's keys."""
+    device wait in a heap by the eviction policy's keys.
 
-    def __init__(self, device: dict[Item, bool], host: set[Item]):
+    ``stored`` items (frozen chunks' params) have a copy off the device that never changes, which
+    no replay charges to the host: where it lives (pinned host memory, a disk, or nowhere, for a
+    chunk that never leaves the device) is the plan's choice after the replay (placement.py)."""
+
+    def __init__(self, device: dict[Item, bool], host: set[Item], stored: frozenset[Item] = frozenset()):
         self.device = dict(device)  # item -> dirty (no valid host copy), in the order they arrived
         self.host = set(host)  # items with a valid host copy
+        self.stored = frozenset(stored)  # items with a copy off the device outside the host's count
         self.size: Size = lambda item: 0
         self.device_bytes = self.host_bytes = self.peak_host_bytes = 0
         self.policy: EvictionPolicy | None = None
@@ -203,7 +208,7 @@ def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, stat
     the first ended, has in practice always been the one that repeats, so it overflowing means
     the plan's step does)."""
     for round_ in range(rounds):
-        start = ReplayState(state.device, state.host)
+        start = ReplayState(state.device, state.host, state.stored)
         moments, state = simulate(accesses, capacity, size, state, policy, prefetch,
                                   host_limit=host_limit if round_ else None)
         if state.key() == start.key():
@@ -223,7 +228,7 @@ def _actions(a: Access, protect: set[Item], capacity: int, state: ReplayState,
     need_bytes = (state.device_bytes + sum(map(size, missing))
                   + sum(size(e) for e in extra if e not in state.device))
     if need_bytes <= capacity:  # the common case: nothing to evict, nothing to copy
-        return [], [it for it in missing if it in state.host]
+        return [], [it for it in missing if it in state.host or it in state.stored]
     keep, popped, evicted = protect | extra, [], []
     try:
         while need_bytes > capacity:
@@ -234,7 +239,7 @@ def _actions(a: Access, protect: set[Item], capacity: int, state: ReplayState,
             need_bytes -= size(out)
     finally:
         state.requeue(popped)  # the moment may yet run without prefetch: the victims are not gone yet
-    return evicted, [it for it in missing if it in state.host]
+    return evicted, [it for it in missing if it in state.host or it in state.stored]
 
 
 def moment_name(a: Access) -> str:
