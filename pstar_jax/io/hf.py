@@ -219,6 +219,12 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         back after the model's own, so a model trained on fewer positions keeps the source's table."""
         return self._read(pstar, slice(self._shapes[pstar][0], None))
 
+    def location(self, pstar: str) -> tuple[str, str, bool]:
+        """(file in ``directory``, HF name as stored, transposed) of a tensor: where a reader of the
+        files' raw bytes finds it (pstar_jax.io.frozen_disk)."""
+        hf = self._hf_names[pstar]
+        return self._where[hf], hf, self._map[pstar][1]
+
     def __getitem__(self, pstar: str) -> np.ndarray:
         hf = self._hf_names[pstar]
         value = self._read(pstar, slice(self._shapes[pstar][0] if self._map[pstar][2] else None))
