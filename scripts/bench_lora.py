@@ -76,16 +76,16 @@ class Searcher:
     def __post_init__(self) -> None:
         self.fns, self.cache = StageFunctions(self.mesh), {}
         self.placement = Placement(self.mesh)
-        self.opt_state_bytes = ChunkOptimizer(default_tx_for_shapes(), self.placement,
-                                              self.config.compute_dtype).state_bytes(self.config.chunk_numel)
+        self.optimizer = ChunkOptimizer(default_tx_for_shapes(), self.placement, self.config.compute_dtype)
 
     def fits(self, n_layer: int, rank: int, mixes: bool) -> bool:
         model = lora_model(self.preset, n_layer, rank)
         layout = build_layout(model.param_shapes(), functools.partial(decays, model), self.config.chunk_numel,
                               trainable=make_trainable(frozen_of(model, rank)))
         bound = [bind(s, layout) for s in model.stages(self.config.compute_dtype)]
-        shape = trace_step(bound, self.fns, self.placement, layout.chunk_numel, self.config.compute_dtype, self.batch,
-                           model.config.seq_len, self.opt_state_bytes, self.config.micro_batches, cache=self.cache)
+        shape = trace_step(bound, self.fns, self.placement, layout.numels, self.config.compute_dtype, self.batch,
+                           model.config.seq_len, self.optimizer.chunk_state_bytes(layout), self.config.micro_batches,
+                           cache=self.cache)
         return make_plan(shape, self.config.device_memory, self.host_bytes, self.machine, self.config.adam_placement,
                          first_fit=True, mixes=mixes).fits
 

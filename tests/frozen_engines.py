@@ -30,8 +30,8 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
     if budget != "tight":
         return engine
     shape = engine.plan_for((batch, 64)).shape
-    reads = max(len(cs) for cs in shape.stage_chunks)
-    budget = shape.busiest_non_model_bytes + (2 * reads + 1) * shape.item_bytes
+    reads = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks)
+    budget = shape.busiest_non_model_bytes + 2 * reads + max(shape.chunk_bytes)
     return chunked(m, frozen, budget, precision, micro_batches, W, batch)
 
 

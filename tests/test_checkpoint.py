@@ -304,3 +304,17 @@ def test_a_step_rotated_away_mid_read_names_the_live_run_and_says_retry(tmp_path
             reader.restore_chunk(3, "master", 0, 8, checksum)
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_the_layout_of_an_existing_checkpoint_reads_and_is_written_back_as_it_was(name):
+    """A checkpoint's layout (one chunk size, frozen chunks by id, as every checkpoint so far) reads
+    with a size and a kind per chunk and is written back byte for byte, so a run resumed from it
+    saves the layout it read."""
+    from pstar_jax.engine.chunks import ChunkLayout
+    path = os.path.join(ROOT, "tests", "fixtures", "pre_layout", name, "2", "meta", "metadata")
+    saved = json.load(open(path))["layout"]
+    layout = ChunkLayout.from_json(saved)
+    assert layout.numels == (saved["chunk_numel"],) * layout.n_chunks
+    assert [c for c in range(layout.n_chunks) if layout.is_frozen(c)] == saved.get("frozen_chunks", [])
+    assert json.dumps(layout.to_json()) == json.dumps(saved)

@@ -34,7 +34,7 @@ def check_layout(layout: ChunkLayout, shapes, decayed, align: int) -> None:
     assert layout.numel == sum(math.prod(s) for s in shapes.values())
     for s in layout.slots:
         assert s.shape == tuple(shapes[s.name]) and s.decays == (s.name in decayed)
-        assert 0 <= s.offset and s.offset + s.numel <= layout.chunk_numel, f"{s} straddles its chunk"
+        assert 0 <= s.offset and s.offset + s.numel <= layout.numel_of(s.chunk), f"{s} straddles its chunk"
         assert s.offset % align == 0
         if s.decays:
             assert s.offset + s.numel <= layout.n_decay[s.chunk]
@@ -199,3 +199,48 @@ def test_layout_work_is_linear_in_the_tensors():
         return len(shapes[name]) == 2
     layout = build_layout(shapes, decays, 1 << 20)
     assert layout.n_chunks == 1 and len(asked) <= 4 * n
+
+
+@settings(max_examples=100, deadline=None)
+@given(models(), st.integers(0, 100), st.integers(0, 2**12 - 1))
+def test_json_round_trips_and_keeps_the_format_of_one_size(model, extra_aligns, mask):
+    """A layout reads back equal from its JSON; a layout of one size writes what layouts wrote
+    before sizes and kinds were per chunk (a size, the tensors, the frozen chunks' ids)."""
+    shapes, decayed = model
+    frozen = {name for i, name in enumerate(shapes) if mask >> i & 1}
+    layout = build_layout(shapes, lambda n: n in decayed, -(-_largest(shapes) // ALIGN) * ALIGN + extra_aligns * ALIGN,
+                          trainable=lambda n: n not in frozen)
+    data = layout.to_json()
+    assert ChunkLayout.from_json(data) == layout
+    assert sorted(data) == sorted(["chunk_numel", "tensors"] + (["frozen_chunks"] if frozen else []))
+    assert layout.numels == (data["chunk_numel"],) * layout.n_chunks and layout.chunk_numel == data["chunk_numel"]
+    assert layout.kinds == tuple("frozen" if c in data.get("frozen_chunks", ()) else "trainable"
+                                 for c in range(layout.n_chunks))
+    assert layout.frozen == (tuple(k == "frozen" for k in layout.kinds) if frozen else ())
+
+
+OLD_JSON = {"chunk_numel": 256, "tensors": [["a", [10, 10], 0, 0, True], ["b", [3], 0, 128, False],
+                                          ["c", [200], 1, 0, True], ["d", [7, 7], 2, 0, True]],
+            "frozen_chunks": [1]}
+
+
+def test_a_layout_written_before_sizes_were_per_chunk_reads():
+    """The JSON of existing checkpoints: one "chunk_numel" and the frozen chunks' ids."""
+    layout = ChunkLayout.from_json(OLD_JSON)
+    assert layout.numels == (256, 256, 256) and layout.padded_numel == 768
+    assert layout.kinds == ("trainable", "frozen", "trainable") and layout.frozen == (False, True, False)
+    assert layout.trainable_chunks == (0, 2) and layout.frozen_names == {"c"} and layout.n_decay == (100, 200, 49)
+    assert layout.to_json() == OLD_JSON
+
+
+def test_sizes_per_chunk_are_written_only_where_they_differ():
+    data = {**OLD_JSON, "numels": [256, 200, 64]}
+    del data["chunk_numel"]
+    layout = ChunkLayout.from_json(data)
+    assert layout.numels == (256, 200, 64) and layout.padded_numel == 520 and layout.to_json() == data
+    assert [c.shape for c in pack(layout, {"a": np.ones((10, 10)), "b": np.ones(3), "c": np.ones(200),
+                                           "d": np.ones((7, 7))}, np.float32)] == [(256,), (200,), (64,)]
+    with pytest.raises(ValueError, match="sizes, not one"):
+        layout.chunk_numel
+    with pytest.raises(ValueError, match="past the end of chunk 2"):
+        ChunkLayout.from_json({**data, "numels": [256, 200, 48]})

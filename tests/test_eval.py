@@ -49,9 +49,9 @@ def tight_budget(m, W):
     trace), one item over: training fits, and the eval cannot keep every chunk on the device."""
     cfg = EngineConfig(chunk_numel=CHUNK, precision="fp32")
     shape = plan_model(m, cfg, mesh(W), (BATCH * W, SEQ), H200, 10**12, default_tx(OPTIM)).shape
-    need = max(a.non_model_bytes + len(a.needs) * shape.item_bytes
+    need = max(a.non_model_bytes + sum(map(shape.item_size, a.needs))
                for a in step_accesses(shape, [False] * shape.n_chunks))
-    return need + shape.item_bytes
+    return need + max(shape.chunk_bytes)
 
 
 def engines(W=1, budget="tight"):
@@ -97,7 +97,7 @@ def test_chunked_eval_equals_plain_moves_the_plans_bytes_within_budget(W):
         traffic = chunked.store.traffic
         assert traffic.h2d_bytes > 0, "a budget below the model must move chunks during the eval"
         assert (traffic.h2d_bytes, traffic.d2h_bytes) == (plan.h2d_bytes, plan.d2h_bytes)
-        opt_device = sum(plan.opt_on_device) * plan.opt_state_bytes
+        opt_device = plan.device_state_bytes
         assert chunked.store.peak_device_bytes <= max(m.capacity_bytes for m in plan.moments) + opt_device
         assert plan.peak_device_bytes <= chunked.device_budget_bytes
         assert_slots_at_step_start(chunked)
@@ -147,7 +147,7 @@ def test_forward_plan_of_a_planner_shape_returns_to_the_step_start():
     for m, a in zip(plan.moments, accesses):
         device = (device - set(m.evict)) | set(m.fetch)
         assert set(a.needs) <= device
-        assert len(device) * shape.item_bytes <= m.capacity_bytes == BUDGET - a.non_model_bytes
+        assert sum(map(shape.item_size, device)) <= m.capacity_bytes == BUDGET - a.non_model_bytes
     assert device == {("param", c) for (_, c), _ in training.initial_device}
 
 

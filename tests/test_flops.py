@@ -44,7 +44,8 @@ def traced(tiling: TileBudget, trace=trace_step, *extra):
     layout = build_layout(model.param_shapes(), model.decays, 4096)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     bound = [bind(s, layout, i) for i, s in enumerate(model.stages(jnp.float32))]
-    return trace(bound, StageFunctions(mesh), Placement(mesh), layout.chunk_numel, jnp.float32, B, L, *extra)
+    per_chunk = ((x,) * layout.n_chunks for x in extra)  # trace_step's optimizer state: the same for each chunk
+    return trace(bound, StageFunctions(mesh), Placement(mesh), layout.numels, jnp.float32, B, L, *per_chunk)
 
 
 def trace_forward_flops(tiling: TileBudget) -> float:

@@ -116,12 +116,12 @@ def test_a_frozen_chunk_is_two_bytes_per_parameter_in_bf16():
     for c in range(layout.n_chunks):
         if layout.is_frozen(c):
             assert [k for k in (("slot", c), ("master", c), ("opt", c)) if k in store] == []
-            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.chunk_numel
+            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.numel_of(c)
             assert Space.HOST in store.spaces(("param", c))  # its one host copy stays
         else:
             assert ("master", c) in store and ("opt", c) in store
-    trained = len(layout.trainable_chunks)
-    assert engine.model_data_bytes == layout.n_chunks * engine.item_bytes + trained * engine.plan.opt_state_bytes
+    state = sum(engine.plan.opt_state_bytes[c] for c in layout.trainable_chunks)
+    assert engine.model_data_bytes == sum(map(engine.chunk_bytes, range(layout.n_chunks))) + state
 
 
 def test_freezing_all_but_one_tensor_moves_far_fewer_bytes():

@@ -54,10 +54,11 @@ def test_largest_mixed_searches_cheaply_then_goes_past_with_mixes():
 
 
 def test_no_placement_fits_when_the_two_memories_cannot_hold_the_model_data():
-    from pstar_jax.plan.placement import could_fit, make_plan
+    from pstar_jax.plan.bounds import could_fit
+    from pstar_jax.plan.placement import make_plan
     from step_shapes import gpt_like_shape
     shape = gpt_like_shape(3, 2)
-    data = shape.n_chunks * (shape.item_bytes + shape.opt_state_bytes)
+    data = sum(shape.chunk_bytes) + sum(shape.opt_state_bytes)
     assert could_fit(shape, 300 + data, 0) and not could_fit(shape, 300 + data - 1, 0)
     assert could_fit(shape, 300, data) and not could_fit(shape, 300, data - 1)
     assert not make_plan(shape, 300, data - 1, H200, first_fit=True).fits
@@ -190,7 +191,7 @@ def test_depth_bound_counts_the_stage_inputs_and_holds():
     assert report.fits
     cfg = dataclasses.replace(ps.EngineConfig(device_memory=4 * MiB), chunk_numel=planned.layout.chunk_numel)
     bound = depth_memory_bound(model, one_more, shape, cfg, None, 1, 2, 12 * MiB)
-    per_param = (shape.item_bytes + shape.opt_state_bytes) / shape.shard_numel
+    per_param = sum(shape.bytes_per_element(0))
     params_only = 2 + int((12 * MiB - model.n_params() * per_param) // ((one_more.n_params() - model.n_params())
                                                                       * per_param))
     assert bound < params_only

@@ -42,9 +42,9 @@ def test_host_updates_run_beside_the_forward():
     shape = gpt_like_shape(6, 1)
     n = shape.n_chunks
     stage_s = 1e9 / H200.flops_per_s
-    machine = dc.replace(H200, host_adam_params_per_s=shape.shard_numel / stage_s)  # an update: one forward stage
+    machine = dc.replace(H200, host_adam_params_per_s=shape.shard_numels[0] / stage_s)  # an update: one forward stage
     plan = plan_step(shape, 10**6, 10**9, machine, [False] * n)  # every param resident, every update on the host
-    assert plan.fits and plan.h2d_bytes == plan.d2h_bytes == n * shape.item_bytes  # grads up, new params down
+    assert plan.fits and plan.h2d_bytes == plan.d2h_bytes == sum(shape.chunk_bytes)  # grads up, new params down
     accesses = step_accesses(shape, [False] * n)
     compute = sum(compute_s(a, shape, machine) for a in accesses)
     host = sum(host_update_s(a, shape, machine) for a in accesses)
@@ -64,9 +64,9 @@ def test_state_leads_cover_the_copy_with_compute():
     n = shape.n_chunks
     accesses = step_accesses(shape, [False] * n, [True] * n)
     leads = state_leads(accesses, shape, machine)
-    copy_s = shape.opt_state_bytes / machine.h2d_bytes_per_s
     for u, a in enumerate(accesses):
         if a.state_bytes_each_way:
+            copy_s = a.state_bytes_each_way / machine.h2d_bytes_per_s
             lead = leads[a.index]
             covered = sum(compute_s(accesses[t], shape, machine) for t in range(max(u - lead, 0), u))
             assert lead >= u or covered >= copy_s

@@ -3,7 +3,7 @@
 from hypothesis import given, settings, strategies as st
 
 from pstar_jax.plan.schedule import scale_batch, staged_after, step_accesses
-from step_shapes import gpt_like_shape
+from step_shapes import frozen_shape, gpt_like_shape
 
 
 def test_each_update_comes_right_before_the_first_forward_that_reads_its_chunk():
@@ -39,7 +39,7 @@ def test_moments_in_executor_order(n_blocks, per_block, micro, k, stream):
             if opt[c]:
                 assert a.needs == (("slot", c),) and a.creates_device == (("param", c),) and not a.state_bytes_each_way
             elif stream:
-                assert a.state_bytes_each_way == shape.opt_state_bytes and a.creates_device == (("param", c),)
+                assert a.state_bytes_each_way == shape.opt_state_bytes[c] and a.creates_device == (("param", c),)
             else:
                 assert a.needs == () and a.consumes == (("slot", c),) and a.creates_host == (("param", c),)
     host = [c for c in range(n) if not opt[c] and not stream]
@@ -61,7 +61,7 @@ def test_streamed_state_is_non_model_memory_of_the_moments_it_spans():
     for u, a in enumerate(accesses):
         if a.state_bytes_each_way:
             for t in range(max(0, u - 3), min(u + 2, len(accesses))):
-                assert extra[t] >= shape.opt_state_bytes
+                assert extra[t] >= a.state_bytes_each_way
     assert sum(extra) > sum(a.non_model_bytes for a in plain)
 
 
@@ -70,8 +70,8 @@ def test_scale_batch_scales_activations_and_flops_only():
     double = scale_batch(shape, 2.0)
     assert double.fwd_non_model == tuple(2 * v for v in shape.fwd_non_model)
     assert double.head_flops == 2 * shape.head_flops and double.stage_chunks == shape.stage_chunks
-    assert (double.item_bytes, double.opt_state_bytes, double.n_chunks) == (shape.item_bytes, shape.opt_state_bytes,
-                                                                            shape.n_chunks)
+    assert (double.chunk_bytes, double.opt_state_bytes, double.shard_numels) == (shape.chunk_bytes, shape.opt_state_bytes,
+                                                                                 shape.shard_numels)
 
 
 @settings(max_examples=40, deadline=None)
@@ -81,10 +81,9 @@ def test_stage_inputs_are_read_by_their_forward_and_their_backward_only(n_blocks
     head's one moment, for the last stage) and by its backward in micro-batch m, nothing else, and
     dropped after the backward; below the lowest trainable stage no backward runs, so it is dropped
     after its forward. The step ends with none."""
-    import dataclasses as dc
     base = gpt_like_shape(n_blocks, per_block, micro, input_bytes=50)
     frozen = tuple(bool(mask >> c & 1) for c in range(base.n_chunks))
-    shape = dc.replace(base, frozen=frozen if not all(frozen) else (False,) + frozen[1:])
+    shape = frozen_shape(base, frozen if not all(frozen) else (False,) + frozen[1:])
     accesses = step_accesses(shape, [True] * shape.n_chunks)
     head = len(shape.stage_chunks) - 1
     lowest = min(i for i, cs in enumerate(shape.stage_chunks) if any(not shape.is_frozen(c) for c in cs))
@@ -100,4 +99,4 @@ def test_stage_inputs_are_read_by_their_forward_and_their_backward_only(n_blocks
             else:
                 assert readers == droppers == [("fwd", i, m)]
     assert not any(it[0] == "act" for a in accesses for it in a.consumes + a.to_host + a.creates_device)
-    assert shape.item_size(("act", 1, 0)) == 50 and shape.item_size(("slot", 0)) == shape.item_bytes
+    assert shape.item_size(("act", 1, 0)) == 50 and shape.item_size(("slot", 0)) == shape.chunk_bytes[0]

@@ -19,8 +19,8 @@ def traced(n_layer, batch=4, cache=None):
     layout = build_layout(model.param_shapes(), model.decays, 8192)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     bound = [bind(s, layout, i) for i, s in enumerate(model.stages(jnp.bfloat16))]
-    return trace_step(bound, StageFunctions(mesh), Placement(mesh), layout.chunk_numel, jnp.bfloat16,
-                      batch, 64, 100, cache=cache), layout
+    return trace_step(bound, StageFunctions(mesh), Placement(mesh), layout.numels, jnp.bfloat16,
+                      batch, 64, (100,) * layout.n_chunks, cache=cache), layout
 
 
 def test_trace_shapes_and_memory():
@@ -38,7 +38,7 @@ def test_trace_shapes_and_memory():
     assert shape.fwd_non_model[3] == shape.fwd_non_model[1]
     assert shape.busiest_working_bytes >= shape.head_non_model + sum(shape.input_bytes)  # the head holds them all
     assert shape.bwd_flops[1] > shape.fwd_flops[1] > 0
-    assert shape.item_bytes == 8192 * 2
+    assert shape.chunk_bytes == (8192 * 2,) * layout.n_chunks and shape.shard_numels == layout.numels
 
 
 def test_activation_memory_grows_with_batch():

@@ -58,7 +58,7 @@ def test_zero_over_8_devices_equals_one_device(adam):
 @needs_8
 def test_per_device_chunk_bytes_are_one_eighth():
     single, sharded = engine(1, "host"), engine(8, "host")
-    assert sharded.item_bytes * 8 == single.item_bytes
+    assert sharded.chunk_bytes(0) * 8 == single.chunk_bytes(0)
     for key in single.store.keys("param") + single.store.keys("master") + single.store.keys("opt"):
         a = single.placement.per_device_bytes(single.store.peek(key))
         b = sharded.placement.per_device_bytes(sharded.store.peek(key))
@@ -66,7 +66,7 @@ def test_per_device_chunk_bytes_are_one_eighth():
         assert (b - scalars) * 8 == a - scalars, key
     chunk = sharded.store.peek(("master", 0))
     assert len(chunk.addressable_shards) == 8 and chunk.addressable_shards[0].data.size == 8192 // 8
-    assert sharded.plan.item_bytes * 8 == single.plan.item_bytes
+    assert [b * 8 for b in sharded.plan.chunk_bytes] == list(single.plan.chunk_bytes)
 
 
 def test_mesh_errors():
@@ -175,7 +175,7 @@ def test_stage_inputs_sharded_over_8_devices_go_to_the_host_and_back_as_planned(
     shape, accesses = planned.shape, planned.accesses
     assert shape.input_bytes[1] == 8 * 64 * 32 * 4 // 8  # fp32 rows of d_model 32, an eighth per device
     least = max(a.non_model_bytes + sum(map(shape.item_size, a.needs)) for a in accesses)
-    tight = engine(8, "auto", least + 2 * shape.item_bytes, n_layer=8)
+    tight = engine(8, "auto", least + 2 * max(shape.chunk_bytes), n_layer=8)
     assert tight.plan.input_offload_bytes > 0
     for a, b in zip(train(tight), train(roomy)):
         assert a.loss == b.loss and (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)

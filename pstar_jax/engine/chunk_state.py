@@ -45,9 +45,8 @@ class ChunkState:
         them (a frozen chunk, saved by earlier versions, on the host)."""
         layout = layout or self.layout
         chunks = layout.trainable_chunks if chunks is None else chunks
-        numel = layout.chunk_numel
-        opt = jax.eval_shape(self.optimizer.make_tx(jnp.ones((), jnp.float32)).init,
-                             jax.ShapeDtypeStruct((numel,), jnp.float32))
+        init = self.optimizer.make_tx(jnp.ones((), jnp.float32)).init
+        opt_of_size = {n: jax.eval_shape(init, jax.ShapeDtypeStruct((n,), jnp.float32)) for n in set(layout.numels)}
 
         def placed(x, space):
             spec = self.placement.sharding(space, P("data") if x.ndim else P())
@@ -55,10 +54,11 @@ class ChunkState:
 
         def space(c):
             return self.opt_space[c] if c < len(self.opt_space) and not layout.is_frozen(c) else Space.HOST
-        return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel,), self.param_dtype), Space.HOST)
+        numel = layout.numel_of
+        return {"param": {str(c): placed(jax.ShapeDtypeStruct((numel(c),), self.param_dtype), Space.HOST)
                           for c in chunks},
-                "master": {str(c): placed(jax.ShapeDtypeStruct((numel,), jnp.float32), space(c)) for c in chunks},
-                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt)
+                "master": {str(c): placed(jax.ShapeDtypeStruct((numel(c),), jnp.float32), space(c)) for c in chunks},
+                "opt": {str(c): jax.tree.map(lambda x, c=c: placed(x, space(c)), opt_of_size[numel(c)])
                         for c in chunks if not layout.is_frozen(c)}}
 
     def load_state(self, state: dict, step: int) -> None:

@@ -1,10 +1,10 @@
 """Chunks: every parameter tensor packed into fixed-size flat arrays.
 
-A chunk is a flat 1-D array of ``chunk_numel`` elements of one dtype. The layout maps each
-tensor to (chunk, offset, shape); it is the same for the four chunk lists (bf16 params and
-their grads, fp32 master params, Adam m, Adam v), so chunk ``i`` of every list covers the same
-tensors. Rules, as in PatrickStar:
-  * no tensor straddles two chunks, so ``chunk_numel`` >= the largest tensor;
+A chunk is a flat 1-D array of one dtype; chunk ``c`` has ``numels[c]`` elements (today every
+chunk of a layout has the same size). The layout maps each tensor to (chunk, offset, shape); it
+is the same for the four chunk lists (bf16 params and their grads, fp32 master params, Adam m,
+Adam v), so chunk ``i`` of every list covers the same tensors. Rules, as in PatrickStar:
+  * no tensor straddles two chunks, so a chunk's size >= the largest tensor it holds;
   * tensors are placed greedily in model order, so a stage's tensors sit in consecutive chunks;
   * inside a chunk, tensors that take weight decay come first: elements ``[0, n_decay)`` decay
     and the rest do not, so the optimizer's decay mask is one comparison, not a stored array;
@@ -39,16 +39,46 @@ class TensorSlot:
         return math.prod(self.shape)
 
 
+KINDS = ("trainable", "frozen")  # what a chunk holds: trained tensors, or frozen ones (params only)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkLayout:
-    chunk_numel: int
+    numels: tuple[int, ...]  # per chunk: its elements
     slots: tuple[TensorSlot, ...]  # model order
-    n_chunks: int
     n_decay: tuple[int, ...]  # per chunk: elements [0, n_decay) take weight decay
-    frozen: tuple[bool, ...] = ()  # per chunk: holds frozen tensors (params only); () none is
+    kinds: tuple[str, ...]  # per chunk: one of KINDS
+
+    def __post_init__(self):
+        if not len(self.numels) == len(self.n_decay) == len(self.kinds):
+            raise ValueError(f"a layout needs a size, a decay prefix and a kind per chunk, got {len(self.numels)}, "
+                             f"{len(self.n_decay)} and {len(self.kinds)}")
+        if set(self.kinds) - set(KINDS):
+            raise ValueError(f"unknown chunk kinds {sorted(set(self.kinds) - set(KINDS))}; known: {KINDS}")
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.numels)
+
+    def numel_of(self, chunk: int) -> int:
+        return self.numels[chunk]
+
+    @property
+    def chunk_numel(self) -> int:
+        """The one chunk size of a layout whose chunks all have it (ValueError otherwise): for
+        reports that name a single size."""
+        if len(set(self.numels)) != 1:
+            raise ValueError(f"the layout's chunks have {len(set(self.numels))} sizes, not one")
+        return self.numels[0]
+
+    @property
+    def frozen(self) -> tuple[bool, ...]:
+        """Per chunk: holds frozen tensors (params only); () when none does."""
+        frozen = tuple(kind == "frozen" for kind in self.kinds)
+        return frozen if any(frozen) else ()
 
     def is_frozen(self, chunk: int) -> bool:
-        return bool(self.frozen) and self.frozen[chunk]
+        return self.kinds[chunk] == "frozen"
 
     @property
     def trainable_chunks(self) -> tuple[int, ...]:
@@ -66,7 +96,7 @@ class ChunkLayout:
 
     @property
     def padded_numel(self) -> int:
-        return self.n_chunks * self.chunk_numel
+        return sum(self.numels)
 
     def slot(self, name: str) -> TensorSlot:
         return self._by_name[name]
@@ -84,16 +114,24 @@ class ChunkLayout:
         return tuple(sorted({self.slot(n).chunk for n in names}))
 
     def to_json(self) -> dict:
-        out = {"chunk_numel": self.chunk_numel,
-               "tensors": [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]}
+        """The layout as checkpoints keep it: "chunk_numel" when every chunk has that size (else
+        "numels", per chunk), and the frozen chunks' ids, as layouts were written before sizes were
+        per chunk (their checkpoints read the same)."""
+        out = {"chunk_numel": self.numels[0]} if len(set(self.numels)) == 1 else {"numels": list(self.numels)}
+        out["tensors"] = [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]
         if any(self.frozen):  # absent: every chunk trainable (layouts saved before frozen chunks)
-            out["frozen_chunks"] = [c for c in range(self.n_chunks) if self.frozen[c]]
+            out["frozen_chunks"] = [c for c in range(self.n_chunks) if self.is_frozen(c)]
         return out
 
     @staticmethod
     def from_json(data: Mapping) -> "ChunkLayout":
         slots = tuple(TensorSlot(n, tuple(sh), c, o, d) for n, sh, c, o, d in data["tensors"])
-        return _finish(int(data["chunk_numel"]), slots, set(data.get("frozen_chunks", ())))
+        if "numels" in data:
+            numels = tuple(int(n) for n in data["numels"])
+        else:
+            numels = (int(data["chunk_numel"]),) * (max(s.chunk for s in slots) + 1)
+        frozen = set(data.get("frozen_chunks", ()))
+        return _finish(numels, slots, tuple("frozen" if c in frozen else "trainable" for c in range(len(numels))))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -144,11 +182,11 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             offset = _round_up(offset + math.prod(shapes[name]), align)
     order = {name: i for i, name in enumerate(shapes)}
     slots.sort(key=lambda s: order[s.name])
-    return _finish(chunk_numel, tuple(slots), {c for c, kind in enumerate(kinds) if not kind})
+    return _finish((chunk_numel,) * len(groups), tuple(slots), tuple("trainable" if t else "frozen" for t in kinds))
 
 
-def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...], frozen_chunks: set[int] = frozenset()) -> ChunkLayout:
-    n_chunks = max(s.chunk for s in slots) + 1
+def _finish(numels: tuple[int, ...], slots: tuple[TensorSlot, ...], kinds: tuple[str, ...]) -> ChunkLayout:
+    n_chunks = len(numels)
     n_decay = [0] * n_chunks
     for s in slots:
         if s.decays:
@@ -156,13 +194,14 @@ def _finish(chunk_numel: int, slots: tuple[TensorSlot, ...], frozen_chunks: set[
     for s in slots:
         if not s.decays and s.offset < n_decay[s.chunk]:
             raise ValueError(f"layout puts non-decayed {s.name} inside the decayed prefix")
-    frozen = tuple(c in frozen_chunks for c in range(n_chunks)) if frozen_chunks else ()
-    return ChunkLayout(chunk_numel, slots, n_chunks, tuple(n_decay), frozen)
+        if s.offset + s.numel > numels[s.chunk]:
+            raise ValueError(f"layout puts {s.name} past the end of chunk {s.chunk} ({numels[s.chunk]} elements)")
+    return ChunkLayout(tuple(numels), slots, tuple(n_decay), tuple(kinds))
 
 
 def pack(layout: ChunkLayout, params: Mapping[str, np.ndarray], dtype) -> list[np.ndarray]:
     """Tensors -> flat chunks (host numpy); padding is zero."""
-    chunks = [np.zeros(layout.chunk_numel, dtype) for _ in range(layout.n_chunks)]
+    chunks = [np.zeros(layout.numel_of(c), dtype) for c in range(layout.n_chunks)]
     for s in layout.slots:
         value = np.asarray(params[s.name])
         if value.shape != s.shape:
@@ -183,7 +222,7 @@ def pack_chunk(layout: ChunkLayout, chunk: int, tensor: Callable[[str], Any]) ->
             raise ConfigError(f"parameter {s.name} has shape {value.shape}, the layout expects {s.shape}")
         pieces.append(value.reshape(-1))
         end = s.offset + s.numel
-    pieces.append(jnp.zeros((layout.chunk_numel - end,), jnp.float32))
+    pieces.append(jnp.zeros((layout.numel_of(chunk) - end,), jnp.float32))
     return jnp.concatenate(pieces)
 
 

@@ -119,7 +119,7 @@ class ChunkedEngine(ChunkState, Evaluation):
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
         # Device-resident optimizer state sits beside each moment's chunk capacity (same in every plan).
-        self.store.reserve(sum(self.plan.opt_on_device) * self.plan.opt_state_bytes)
+        self.store.reserve(self.plan.device_state_bytes)
         self.trained_chunks = self.layout.trainable_chunks
         self.skip_nonfinite = skip_nonfinite
         # The clip scale of the update pending in the slots; None: the slots hold params (no update).
@@ -141,16 +141,15 @@ class ChunkedEngine(ChunkState, Evaluation):
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
 
     # -- planning -----------------------------------------------------------------------------
-    @property
-    def item_bytes(self) -> int:
-        """One param (or grad) chunk, per device."""
-        return self.layout.chunk_numel * jnp.dtype(self.param_dtype).itemsize // self.n_devices
+    def chunk_bytes(self, c: int) -> int:
+        """Chunk c's params (or grad), per device."""
+        return self.layout.numel_of(c) * jnp.dtype(self.param_dtype).itemsize // self.n_devices
 
     @property
     def model_data_bytes(self) -> int:
         """Per device: params (their grads take their place) + master and optimizer state of the
         trainable chunks; the params alone of the frozen ones."""
-        return self.layout.n_chunks * self.item_bytes + len(self.trained_chunks) * self.plan.opt_state_bytes
+        return sum(map(self.chunk_bytes, range(self.layout.n_chunks))) + sum(self.plan.opt_state_bytes)
 
     def _params_key(self, c: int) -> tuple[str, int]:
         """The store key of chunk c's current params between steps: a trainable chunk's slot, a
@@ -169,7 +168,8 @@ class ChunkedEngine(ChunkState, Evaluation):
         frozen = self.layout.n_chunks - n
         return "\n".join([
             f"chunked engine: {self.layout.numel:,} params in {self.layout.n_chunks} chunks of "
-            f"{self.layout.chunk_numel:,} elements ({100 * self.layout.numel / self.layout.padded_numel:.1f}% used"
+            f"{' or '.join(f'{size:,}' for size in sorted(set(self.layout.numels)))} elements "
+            f"({100 * self.layout.numel / self.layout.padded_numel:.1f}% used"
             f"{f', {frozen} frozen' if frozen else ''}), {self.n_devices} device(s)",
             f"plan: device memory {format_bytes(self.device_budget_bytes)} (peak {format_bytes(p.peak_device_bytes)}), "
             f"host {format_bytes(p.peak_host_bytes)} of {format_bytes(self.host_bytes)}; model data "
@@ -279,7 +279,7 @@ class ChunkedEngine(ChunkState, Evaluation):
         for c in self.trained_chunks:
             space = self._update_space(c)
             if space is Space.DEVICE:  # the grad (and streamed state) come down
-                self._make_room(c, self.item_bytes + (self.plan.opt_state_bytes if self.plan.opt_streamed[c] else 0))
+                self._make_room(c, self.chunk_bytes(c) + self.plan.opt_state_bytes[c] * self.plan.opt_streamed[c])
             self._adam(c, clip)
             self.store.put(("slot", c), self.store.take(("param", c), space))
         self._place_slots(self.plan)
@@ -319,7 +319,7 @@ class ChunkedEngine(ChunkState, Evaluation):
         it as device memory of the moments in between."""
         for c in chunks:
             self._staged.add(c)
-            self.store.reserve(self.plan.opt_state_bytes)
+            self.store.reserve(self.plan.opt_state_bytes[c])
             for kind in ("master", "opt"):
                 self.store.get((kind, c), Space.DEVICE)
 
@@ -380,7 +380,7 @@ class ChunkedEngine(ChunkState, Evaluation):
             if key in self.store:
                 out.append(self.store.take(key, Space.DEVICE))
             else:
-                out.append(zeros_chunk(self.layout.chunk_numel, self.param_dtype,
+                out.append(zeros_chunk(self.layout.numel_of(c), self.param_dtype,
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
 
@@ -430,7 +430,7 @@ class ChunkedEngine(ChunkState, Evaluation):
                 self.store.evict(key)
         if c in self._staged:
             self._staged.discard(c)
-            self.store.reserve(-self.plan.opt_state_bytes)
+            self.store.reserve(-self.plan.opt_state_bytes[c])
         self.store.put(("param", c), params)
 
     def device_memory_in_use(self) -> int | None:

@@ -36,6 +36,7 @@ from pstar_jax import compat
 
 from pstar_jax.engine import host_adam
 from pstar_jax.config import OptimConfig
+from pstar_jax.engine.chunks import ChunkLayout
 from pstar_jax.engine.memory import Placement, Space
 
 TxFactory = Callable[[Any], optax.GradientTransformation]
@@ -132,12 +133,19 @@ class ChunkOptimizer:
                                  jax.eval_shape(tx_init, on_device))
         return jax.jit(tx_init, out_shardings=shardings)(on_device)
 
-    def state_bytes(self, chunk_numel: int) -> int:
-        """Per-device bytes of one chunk's fp32 master plus its optimizer state (nothing allocated)."""
-        master = jax.ShapeDtypeStruct((chunk_numel,), jnp.float32)
+    def state_bytes(self, numel: int) -> int:
+        """Per-device bytes of the fp32 master plus the optimizer state of a chunk of ``numel``
+        elements (nothing allocated)."""
+        master = jax.ShapeDtypeStruct((numel,), jnp.float32)
         state = jax.eval_shape(self.make_tx(jnp.ones((), jnp.float32)).init, master)
         W = self.placement.n_devices
         return sum(x.size * x.dtype.itemsize // (W if x.ndim else 1) for x in jax.tree.leaves((master, state)))
+
+    def chunk_state_bytes(self, layout: ChunkLayout) -> tuple[int, ...]:
+        """Per chunk of ``layout``: ``state_bytes`` of its size, 0 for a frozen chunk (no master,
+        no optimizer state); what the planner's StepShape.opt_state_bytes holds."""
+        of_size = {n: self.state_bytes(n) for n in set(layout.numels)}
+        return tuple(0 if layout.is_frozen(c) else of_size[layout.numel_of(c)] for c in range(layout.n_chunks))
 
     def update(self, space: Space, grad: jax.Array, master: jax.Array, state: Any,
                scale: jax.Array, n_decay: int) -> tuple[jax.Array, Any, jax.Array]:

@@ -247,7 +247,7 @@ def iter_master_tensors(ckpt: Checkpointer, step: int | None = None) -> Iterator
     # checksums follow jax.tree.leaves(state()): the "master" dict sorts first, its keys as strings.
     position = {key: i for i, key in enumerate(sorted(str(c) for c in chunks))}
     for c in chunks:
-        chunk = ckpt.restore_chunk(meta["step"], "master", c, layout.chunk_numel, meta["checksums"][position[str(c)]])
+        chunk = ckpt.restore_chunk(meta["step"], "master", c, layout.numel_of(c), meta["checksums"][position[str(c)]])
         for s in sorted((s for s in layout.slots if s.chunk == c), key=lambda s: s.offset):
             yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
 
@@ -295,7 +295,7 @@ def restore_engine(ckpt: Checkpointer, engine, step: int | None = None,
                               "metadata; remove that step to fall back to an earlier one")
     saved = check_compatible(meta, engine.layout, engine.cfg.precision, ckpt.directory)
     ours, chunks = engine.layout, saved_chunks(meta, saved)
-    if saved.chunk_numel == ours.chunk_numel and saved.slots == ours.slots:
+    if saved.numels == ours.numels and saved.slots == ours.slots:
         state = ckpt.restore(meta["step"], engine.abstract_state(saved, chunks), meta["checksums"])
     else:  # another chunk size: unpack with the saved layout, pack with ours, on the host
         replicated = NamedSharding(engine.placement.mesh, P())
@@ -327,7 +327,7 @@ def relayout(state: dict, saved: ChunkLayout, ours: ChunkLayout) -> dict:
     def move(chunks: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         tensors = {s.name: chunks[s.chunk][s.offset:s.offset + s.numel] for s in saved.slots if s.chunk in chunks}
         dtype = next(iter(chunks.values())).dtype
-        out = {c: np.zeros(ours.chunk_numel, dtype) for c in mine}
+        out = {c: np.zeros(ours.numel_of(c), dtype) for c in mine}
         for s in ours.slots:
             if s.chunk in out:
                 out[s.chunk][s.offset:s.offset + s.numel] = tensors[s.name]
@@ -338,7 +338,7 @@ def relayout(state: dict, saved: ChunkLayout, ours: ChunkLayout) -> dict:
     treedef = jax.tree.structure(state["opt"][str(theirs[0])])
     columns = []
     for i, leaf in enumerate(per_chunk[theirs[0]]):
-        if np.ndim(leaf) == 1 and leaf.shape[0] == saved.chunk_numel:
+        if np.ndim(leaf) == 1 and leaf.shape[0] == saved.numel_of(theirs[0]):
             columns.append(move({c: leaves[i] for c, leaves in per_chunk.items()}))
         else:
             columns.append({c: leaf for c in mine})

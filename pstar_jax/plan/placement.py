@@ -11,7 +11,8 @@ an engine gets is Belady's unless LRU or FIFO eviction moves fewer bytes under t
 
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
 update and the stage inputs are explained), the replay of a step from replay.py, the eviction
-rule from eviction.py, the step time from predict.py.
+rule from eviction.py, the step time from predict.py, the memory any placement needs at least
+from bounds.py. Chunks may differ in size: a chunk's bytes and state are per chunk.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -35,16 +36,18 @@ and nothing else; the planner never touches arrays.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from typing import Callable, Sequence
 
 from pstar_jax.config import format_bytes
+from pstar_jax.plan.bounds import could_fit, host_needed_bytes
 from pstar_jax.plan.eviction import policy_for
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.predict import predict_step_s, state_leads
 from pstar_jax.plan.replay import HostShort, Infeasible, PlanMoment, ReplayState, moment_name, settle, simulate
-from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses, working_moments
+from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses
 
 
 def shortfall(n_bytes: int) -> str:
@@ -65,8 +68,8 @@ class Plan:
     opt_on_device: tuple[bool, ...]
     opt_streamed: tuple[bool, ...]  # host-resident state updated on the device (streamed down and up)
     state_leads: tuple[int, ...]  # per chunk: moments ahead its streamed state is sent down
-    item_bytes: int
-    opt_state_bytes: int  # per chunk
+    chunk_bytes: tuple[int, ...]  # per chunk: its bf16 params (or grad), per device
+    opt_state_bytes: tuple[int, ...]  # per chunk: its fp32 master + optimizer state, per device (0: frozen)
     device_capacity_bytes: int
     h2d_bytes: int
     d2h_bytes: int
@@ -80,7 +83,24 @@ class Plan:
     victim_rule: str = "belady"  # the eviction rule that made the moments (eviction.py)
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """The plan as plain data. Sizes all chunks share are one number, as they were before sizes
+        were per chunk: "item_bytes" for the chunks' bytes (else "chunk_bytes", per chunk) and
+        "opt_state_bytes" for the trainable chunks' state (else per chunk, 0 for a frozen one)."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))
+        states = {b for b in self.opt_state_bytes if b}  # a frozen chunk has none
+        out = {}
+        for key, value in data.items():
+            if key == "chunk_bytes" and len(set(value)) == 1:
+                key, value = "item_bytes", value[0]
+            elif key == "opt_state_bytes" and len(states) == 1:
+                value = states.pop()
+            out[key] = value
+        return out
+
+    @property
+    def device_state_bytes(self) -> int:
+        """The optimizer state the plan keeps on the device all step, per device."""
+        return sum(b for b, d in zip(self.opt_state_bytes, self.opt_on_device) if d)
 
     def stage_inputs_line(self) -> str:
         """Where the stage inputs kept for the backward live, in a sentence (pstar-plan, summaries)."""
@@ -117,19 +137,19 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
     streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
                      for c, (s, d) in enumerate(zip(streamed or [False] * shape.n_chunks, opt_on_device)))
-    opt_device = sum(opt_on_device) * shape.opt_state_bytes
+    opt_device = sum(b for b, d in zip(shape.opt_state_bytes, opt_on_device) if d)
     busiest = shape.busiest_non_model_bytes
-    short = opt_device + busiest + shape.item_bytes - device_bytes
+    short = opt_device + shape.busiest_moment_bytes - device_bytes
     if opt_device and short > 0 and not streaming:  # the state kept on the device leaves no room for a chunk:
         # say so, not a host shortfall computed as if the device could hold that state
-        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.chunk_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, opt_device + busiest, 0, float("inf"), False,
                     f"device memory runs out by {shortfall(short)}: the optimizer state of "
                     f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
                     f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
     host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
     if host_needed > host_bytes and not streaming:  # known without building the step, let alone replaying it
-        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.item_bytes,
+        return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.chunk_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
                     f"host memory runs out by at least {shortfall(host_needed - host_bytes)}")
     if leads is None:
@@ -143,7 +163,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     else:
         capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
-    host_opt = (shape.n_trainable - sum(opt_on_device)) * shape.opt_state_bytes
+    host_opt = sum(b for b, d in zip(shape.opt_state_bytes, opt_on_device) if not d)  # (a frozen chunk's: 0)
     problem, moments = None, []
     try:
         for a, room in zip(accesses, capacity):  # a moment whose own items do not fit: the replay would stop there
@@ -155,13 +175,13 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                                        host_limit=host_bytes - host_opt if stop_short else None,
                                        prefetch=not streaming)
     except HostShort as err:
-        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.chunk_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, err.host_bytes + host_opt, float("inf"), False,
                     f"host memory runs out by at least {shortfall(err.host_bytes + host_opt - host_bytes)}")
     except Infeasible as err:
         problem = (f"device memory runs out at {err} by {shortfall(err.shortfall)}" if err.shortfall
                    else str(err))
-        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.item_bytes, shape.opt_state_bytes,
+        return Plan((), (), tuple(opt_on_device), streamed, leads, shape.chunk_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
                       for m, a in zip(moments, accesses))
@@ -170,7 +190,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
     offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
-                shape.item_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
+                shape.chunk_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem,
                 shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule)
@@ -207,16 +227,15 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     ``schedule.forward_accesses(shape, resident)``; their items are ("param", c), the params that
     sit in slot ("slot", c) between steps (``initial_device`` keeps the slots' names)."""
     start = {("param", c): dirty for (_, c), dirty in training.initial_device}
-    n_opt_device = sum(training.opt_on_device)
-    opt_device = n_opt_device * training.opt_state_bytes
-    host_opt = (shape.n_trainable - n_opt_device) * training.opt_state_bytes
+    opt_device = training.device_state_bytes
+    host_opt = sum(training.opt_state_bytes) - opt_device
     accesses = forward_accesses(shape, tuple(start))
     capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
     state = ReplayState(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
 
     def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
         return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
-                    training.state_leads, shape.item_bytes, training.opt_state_bytes,
+                    training.state_leads, shape.chunk_bytes, training.opt_state_bytes,
                     training.device_capacity_bytes, sum(m.h2d_bytes for m in moments),
                     sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
     try:
@@ -231,46 +250,14 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
         return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
     evict = tuple(sorted(it for it in state.device if it not in start))
     fetch = tuple(sorted(it for it in start if it not in state.device))
-    written_back = sum(state.device[it] for it in evict)  # never nonzero: only start items are dirty
-    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], len(start) * shape.item_bytes, 0,
-                              len(fetch) * shape.item_bytes, written_back * shape.item_bytes))
+    written_back = [it for it in evict if state.device[it]]  # never any: only start items are dirty
+    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], sum(map(shape.item_size, start)),
+                              0, sum(map(shape.item_size, fetch)), sum(map(shape.item_size, written_back))))
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
     peak_host = state.peak_host_bytes + host_opt
     problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
                if peak_host > host_bytes else None)
     return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))
-
-
-def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
-                      streamed: Sequence[bool]) -> int:
-    """A lower bound on the peak host memory of any plan with this optimizer placement. Every
-    chunk has a bf16 item (params or grad) at every moment, on the device or the host, and so has
-    every stage input from its forward to its backward (``working_moments``): what the device
-    cannot hold beside a moment's non-model data is on the host then (at the moment with the most
-    non-model data, counted in whole chunks); and params made by host Adam all sit on the host
-    once the last update has run (a copy fetched to the device leaves the host copy valid). A
-    frozen chunk's params are on the host at every moment."""
-    k = sum(d for c, d in enumerate(opt_on_device) if not shape.is_frozen(c))
-    busiest = shape.busiest_non_model_bytes
-    room = device_bytes - k * shape.opt_state_bytes - busiest
-    trainable = shape.n_trainable
-    on_device = max(0, min(trainable, room // shape.item_bytes))
-    host_adam = sum(not d and not s for c, (d, s) in enumerate(zip(opt_on_device, streamed)) if not shape.is_frozen(c))
-    beside_inputs = trainable * shape.item_bytes + max(n + alive for n, alive in working_moments(shape)) - (
-        device_bytes - k * shape.opt_state_bytes)
-    items = max((trainable - on_device) * shape.item_bytes, host_adam * shape.item_bytes, beside_inputs)
-    return items + (shape.n_chunks - trainable) * shape.item_bytes + (trainable - k) * shape.opt_state_bytes
-
-
-def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
-    """Whether the two memories together could hold the model data: every chunk has its bf16
-    item (params or grad) and its optimizer state somewhere at every moment, and so has every
-    stage input alive then, beside the moment's non-model data on the device; a frozen chunk has
-    its params alone, always on the host. False: no placement fits."""
-    frozen_bytes = (shape.n_chunks - shape.n_trainable) * shape.item_bytes
-    trainable_bytes = shape.n_trainable * (shape.item_bytes + shape.opt_state_bytes)
-    return frozen_bytes <= host_bytes and all(trainable_bytes + frozen_bytes + alive <= max(0, device_bytes - n) + host_bytes
-                                              for n, alive in working_moments(shape))
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -364,11 +351,12 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     if first_fit and not could_fit(shape, device_bytes, host_bytes):
         return planned(ranked(0, 0), ranked(0, 0), stop_short=False)  # one candidate, to say what runs out
     scores: dict[tuple[int, int], Plan | None] = {}  # (k, b) -> plan (None: known not to fit, not planned)
-    busiest = shape.busiest_non_model_bytes
+    state_below = [0, *itertools.accumulate(shape.opt_state_bytes[c] for c in order)]  # of ranks below k
+    moment_bytes = shape.busiest_moment_bytes
 
     def unfit_rank(key: tuple[int, int]) -> tuple[int, int]:
         k, b = key
-        device_short = max(0, k * shape.opt_state_bytes + busiest + shape.item_bytes - device_bytes)
+        device_short = max(0, state_below[k] + moment_bytes - device_bytes)
         return device_short, host_needed_bytes(shape, device_bytes, ranked(0, k), ranked(k, b))
 
     class _Fits(Exception):

@@ -24,22 +24,24 @@ def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
     """A moment's predicted time on the device's compute stream: a host update computes elsewhere
     (``host_update_s``), so its moment takes none."""
     if a.phase == "adam":
-        return shape.shard_numel / machine.device_adam_params_per_s if a.needs else 0.0
+        return shape.shard_numels[a.index] / machine.device_adam_params_per_s if a.needs else 0.0
     return a.flops / machine.flops_per_s
 
 
 def host_update_s(a: Access, shape: StepShape, machine: Machine) -> float:
     """A moment's predicted time on the host's cores: a host update's (its grad is not on the device)."""
-    return shape.shard_numel / machine.host_adam_params_per_s if a.phase == "adam" and not a.needs else 0.0
+    if a.phase == "adam" and not a.needs:
+        return shape.shard_numels[a.index] / machine.host_adam_params_per_s
+    return 0.0
 
 
 def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) -> list[int]:
     """Per chunk: how many moments ahead its streamed state must be sent down for the copy to hide
     under their compute (at least 1; the step's start at most)."""
     leads = [1] * shape.n_chunks
-    copy_s = shape.opt_state_bytes / machine.h2d_bytes_per_s
     for u, a in enumerate(accesses):
         if a.state_bytes_each_way:
+            copy_s = a.state_bytes_each_way / machine.h2d_bytes_per_s
             covered, lead = 0.0, 0
             while lead < u and (lead == 0 or covered < copy_s):
                 lead += 1
@@ -87,7 +89,7 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
         for u in staging.get(t, ()):
             state_ready[u] = copy("down", at, accesses[u].state_bytes_each_way / machine.h2d_bytes_per_s)
 
-    sent_up = [len(a.to_host) * shape.item_bytes for a in accesses]  # always dirty: written by the moment
+    sent_up = [sum(map(shape.item_size, a.to_host)) for a in accesses]  # always dirty: written by the moment
     host_done, host_free = {}, 0.0
     for t, a in enumerate(accesses):
         update_s = host_update_s(a, shape, machine)

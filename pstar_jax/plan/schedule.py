@@ -65,16 +65,26 @@ class StepShape:
     fwd_flops: tuple[float, ...]
     head_flops: float
     bwd_flops: tuple[float, ...]
-    n_chunks: int
-    shard_numel: int  # elements of one chunk on one device (the layout's chunk_numel / W)
-    item_bytes: int  # one bf16 param (or grad) chunk, per device
-    opt_state_bytes: int  # one chunk's fp32 master + optimizer state, per device
+    shard_numels: tuple[int, ...]  # per chunk: its elements on one device (the layout's numel_of(c) / W)
+    chunk_bytes: tuple[int, ...]  # per chunk: its bf16 params (or grad), per device
+    opt_state_bytes: tuple[int, ...]  # per chunk: its fp32 master + optimizer state, per device (0: frozen)
     micro_batches: int = 1
     frozen: tuple[bool, ...] = ()  # per chunk: frozen (params only: no grad, no update); () none is
     # Per stage: the bytes of its input kept for its backward, per device (0 for the first stage,
     # whose input is the batch); () when the shape has no stage-input items. The non-model bytes
     # above do not count them: the plan places them.
     input_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not len(self.shard_numels) == len(self.chunk_bytes) == len(self.opt_state_bytes):
+            raise ValueError(f"a step shape needs elements, bytes and optimizer state bytes per chunk, got "
+                             f"{len(self.shard_numels)}, {len(self.chunk_bytes)} and {len(self.opt_state_bytes)}")
+        if any(self.opt_state_bytes[c] for c in range(self.n_chunks) if self.is_frozen(c)):
+            raise ValueError("a frozen chunk has no optimizer state (its opt_state_bytes must be 0)")
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_bytes)
 
     def is_frozen(self, chunk: int) -> bool:
         return bool(self.frozen) and self.frozen[chunk]
@@ -86,7 +96,12 @@ class StepShape:
 
     def item_size(self, item: Item) -> int:
         """Per-device bytes of an item: a chunk's bf16 params or grad, or a stage input."""
-        return self.input_bytes[item[1]] if item[0] == "act" else self.item_bytes
+        return self.input_bytes[item[1]] if item[0] == "act" else self.chunk_bytes[item[1]]
+
+    def bytes_per_element(self, chunk: int) -> tuple[float, float]:
+        """(its bf16 params or grad, its master and optimizer state) bytes per element of ``chunk``."""
+        numel = self.shard_numels[chunk]
+        return self.chunk_bytes[chunk] / numel, self.opt_state_bytes[chunk] / numel
 
     def has_input(self, stage: int) -> bool:
         return bool(self.input_bytes) and self.input_bytes[stage] > 0
@@ -95,6 +110,15 @@ class StepShape:
     def busiest_non_model_bytes(self) -> int:
         """The non-model bytes of the step's busiest moment: where the device holds the fewest chunks."""
         return max((*self.fwd_non_model, self.head_non_model, *self.bwd_non_model))
+
+    @property
+    def busiest_moment_bytes(self) -> int:
+        """The most device memory some moment needs at the least, beside the optimizer state: its
+        non-model bytes and the largest chunk its stage reads (every stage reads one)."""
+        largest = [max(self.chunk_bytes[c] for c in cs) for cs in self.stage_chunks]
+        head = len(self.stage_chunks) - 1
+        return max(self.head_non_model + largest[head],
+                   *(max(f, b) + largest[i] for i, (f, b) in enumerate(zip(self.fwd_non_model, self.bwd_non_model))))
 
     @property
     def busiest_working_bytes(self) -> int:
@@ -184,8 +208,8 @@ def step_accesses(shape: StepShape, opt_on_device: Sequence[bool],
             if opt_on_device[c]:
                 yield Access("adam", c, 0, (g,), 0, consumes=(g,), creates_device=(p,))
             elif streamed[c]:
-                yield Access("adam", c, 0, (g,), shape.opt_state_bytes, consumes=(g,), creates_device=(p,),
-                             state_bytes_each_way=shape.opt_state_bytes, state_lead=leads[c])
+                yield Access("adam", c, 0, (g,), shape.opt_state_bytes[c], consumes=(g,), creates_device=(p,),
+                             state_bytes_each_way=shape.opt_state_bytes[c], state_lead=leads[c])
             else:
                 yield Access("adam", c, 0, (), 0, consumes=(g,), creates_host=(p,))
 

@@ -98,16 +98,16 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
                                     trainable=trainable)
     bound = [bind(s, layout, i) for i, s in enumerate(stages)]
     fns = fns or StageFunctions(mesh)
-    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).state_bytes(layout.chunk_numel)
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).chunk_state_bytes(layout)
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
-    shape = trace_step(bound, fns, placement, layout.chunk_numel, param_dtype, *batch_shape, opt_state_bytes,
+    shape = trace_step(bound, fns, placement, layout.numels, param_dtype, *batch_shape, opt_state_bytes,
                        cfg.micro_batches, cache=trace_cache,
                        dropout_seeded=bool(getattr(model, "dropout_seeded", False)))  # the batch the step runs
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
-        stage_bytes = max(len(c) for c in shape.stage_chunks) * 2 * shape.item_bytes
+        stage_bytes = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks) * 2
         working = shape.busiest_working_bytes  # stage inputs kept on the device
-        model_data = shape.n_chunks * shape.item_bytes + shape.n_trainable * opt_state_bytes
+        model_data = sum(shape.chunk_bytes) + sum(shape.opt_state_bytes)
         budget = working + max(model_data // 2, 2 * stage_bytes)
     return layout, bound, fns, shape, budget
 
@@ -143,7 +143,7 @@ class EnginePlanner:
 
     def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
         first = self.first
-        shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.chunk_numel,
+        shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.numels,
                               self.cfg.compute_dtype, *batch_shape, micro_batches)
         plan = plan_forward(shape, training, self.host_bytes, self.machine)
         if not plan.fits:

@@ -52,7 +52,7 @@ def plot_timeline(planned, path: str) -> None:
     non_model = [a.non_model_bytes for a in accesses]
     if fits:  # the stage inputs the plan keeps on the device are activations too
         non_model = [n + m.input_bytes for n, m in zip(non_model, plan.moments)]
-    opt = sum(plan.opt_on_device) * plan.opt_state_bytes
+    opt = plan.device_state_bytes
     model = [m.chunk_bytes + opt for m in plan.moments] if fits else [0] * len(accesses)
     capacity = plan.device_capacity_bytes
     peak = max([1, *(m + n for m, n in zip(model, non_model))])

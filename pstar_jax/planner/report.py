@@ -60,8 +60,10 @@ class PlanReport:
         bf16, 4 B in fp32) and, if trained, its fp32 master and optimizer state (12 B for AdamW):
         14 and 2 B in bf16, 16 and 4 B in fp32."""
         shape = self.planned.shape
-        item = shape.item_bytes / shape.shard_numel
-        return round(item + shape.opt_state_bytes / shape.shard_numel), round(item)
+        trained = next(c for c in range(shape.n_chunks) if not shape.is_frozen(c))
+        frozen = next((c for c in range(shape.n_chunks) if shape.is_frozen(c)), trained)
+        item, state = shape.bytes_per_element(trained)
+        return round(item + state), round(shape.bytes_per_element(frozen)[0])
 
     @property
     def model_data_bytes(self) -> int:
@@ -301,8 +303,8 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     placement = Placement(mesh)
     bound = [bind(stage, layout, i) for i, stage in enumerate(model.stages(cfg.compute_dtype))]
     fns = StageFunctions(mesh)
-    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(layout.chunk_numel)
-    return trace_step(bound, fns, placement, layout.chunk_numel, cfg.compute_dtype, *batch_shape, opt_state_bytes,
+    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).chunk_state_bytes(layout)
+    return trace_step(bound, fns, placement, layout.numels, cfg.compute_dtype, *batch_shape, opt_state_bytes,
                       cfg.micro_batches, cache=cache)
 
 

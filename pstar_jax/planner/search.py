@@ -179,10 +179,17 @@ def trainable_for(model: StagedModel, config: EngineConfig, lora: LoraConfig | N
     return make_trainable({n for p in patterns for n in fnmatch.filter(names, p)} | lora_frozen)
 
 
+def _model_bytes_bound(shape: StepShape) -> int:
+    """Every chunk's params and grad, and the largest optimizer state of a chunk for each (frozen
+    ones too: a generous bound, which the searches below start from)."""
+    state = max(shape.opt_state_bytes)
+    return sum(2 * b + state for b in shape.chunk_bytes)
+
+
 def resident_bytes(shape: StepShape) -> int:
     """Everything resident, twice the working memory of the busiest moment: a device budget that
     fits if any does."""
-    return 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes) + shape.busiest_working_bytes)
+    return 2 * (_model_bytes_bound(shape) + shape.busiest_working_bytes)
 
 
 def _least(fits: Callable[[int], bool], low: int, high: int) -> int | None:
@@ -213,8 +220,7 @@ def smallest_host_bytes(planned: Planned, host_bytes: int, device_bytes: int, ma
     grads and optimizer state and every stage input, twice over, fits (more host memory never
     fits less): what a "does not fit" answer suggests where no device memory fits."""
     shape = planned.shape
-    room = 2 * (shape.n_chunks * (2 * shape.item_bytes + shape.opt_state_bytes)
-                + shape.micro_batches * sum(shape.input_bytes))
+    room = 2 * (_model_bytes_bound(shape) + shape.micro_batches * sum(shape.input_bytes))
     return _least(lambda host: make_plan(shape, device_bytes, host, machine, config.adam_placement,
                                          first_fit=True).fits, host_bytes, room)
 
@@ -229,7 +235,7 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
                   progress: Progress | None = None) -> Largest:
     shape, device_bytes = planned.shape, planned.device_budget_bytes
     placement = Placement(mesh)
-    opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).state_bytes(planned.layout.chunk_numel)
+    optimizer = ChunkOptimizer(make_tx, placement, cfg.compute_dtype)
     traced_at: dict[int, object] = {}  # depth -> its step's shape (asked without mixes, then with)
 
     def depth_fits(n_layer: int, mixes: bool) -> bool:
@@ -239,8 +245,9 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
             layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
                                   trainable=trainable_for(deeper, cfg, lora, strict=False))
             bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
-            traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.chunk_numel, cfg.compute_dtype,
-                                            *planned.batch_shape, opt_state_bytes, cfg.micro_batches, cache=cache,
+            traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.numels, cfg.compute_dtype,
+                                            *planned.batch_shape, optimizer.chunk_state_bytes(layout),
+                                            cfg.micro_batches, cache=cache,
                                             dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes, pure_fails=mixes).fits  # largest_mixed asks with mixes only past the pure
@@ -264,7 +271,8 @@ def depth_memory_bound(model, one_more, shape, cfg: EngineConfig, lora: LoraConf
     and at the head's moment every stage input kept for the backward is alive beside the head's
     working memory (working_moments), one more per added stage. A layer adds the bytes the next
     deeper model adds; its stage input at least the smallest kept one of this model's."""
-    item, state = (b / shape.shard_numel / W for b in (shape.item_bytes, shape.opt_state_bytes))
+    trained = next(c for c in range(shape.n_chunks) if not shape.is_frozen(c))
+    item, state = (b / W for b in shape.bytes_per_element(trained))  # (every chunk has the same of each)
 
     def data_bytes(m) -> float:
         trainable = trainable_for(m, cfg, lora, strict=False)

@@ -53,15 +53,18 @@ class _Tracer:
     """Abstract arguments of a chain's stage calls and their compiled figures, shared by the
     training and the forward-only trace (equal calls are analysed once per ``cache``)."""
 
-    def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement, chunk_numel: int,
-                 param_dtype: Any, batch: int, seq_len: int, cache: dict | None, dropout_seeded: bool = False):
-        self.bound, self.fns, self.chunk_numel, self.param_dtype = bound, fns, chunk_numel, param_dtype
+    def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
+                 numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, cache: dict | None,
+                 dropout_seeded: bool = False):
+        self.bound, self.fns, self.numels, self.param_dtype = bound, fns, tuple(numels), param_dtype
         self.cache = {} if cache is None else cache
         self.dev = placement.sharding(Space.DEVICE)
         self.rep = placement.sharding(Space.DEVICE, P())
         self.W = placement.n_devices
-        self.chunk = _abstract((chunk_numel,), param_dtype, self.dev)
-        self.chunk_bytes = chunk_numel * jnp.dtype(param_dtype).itemsize // self.W
+        self.abstract_chunks = [_abstract((n,), param_dtype, self.dev) for n in self.numels]
+        # Per chunk, per device: its elements and its bytes in the compute dtype.
+        self.shard_numels = tuple(n // self.W for n in self.numels)
+        self.chunk_bytes = tuple(n * jnp.dtype(param_dtype).itemsize // self.W for n in self.numels)
         # The batch the engine runs (executor._put_batch): every field sharded over the data axis,
         # the seeds ([B] uint32, batch.with_dropout_seeds) only where the model draws dropout masks.
         seeds = _abstract((batch,), jnp.uint32, self.dev) if dropout_seeded else None
@@ -84,10 +87,10 @@ class _Tracer:
         return _abstract((len(b.offset_data),), jnp.int32, self.rep)
 
     def chunks(self, b: BoundStage):
-        return tuple(self.chunk for _ in b.chunks)
+        return tuple(self.abstract_chunks[c] for c in b.chunks)
 
     def grads(self, b: BoundStage):
-        return tuple(self.chunk for _ in b.grad_chunks)
+        return tuple(self.abstract_chunks[c] for c in b.grad_chunks)
 
     def kind(self, b: BoundStage) -> tuple:
         return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
@@ -95,8 +98,8 @@ class _Tracer:
 
     def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
         # Memory barely depends on where tensors sit in chunks, so one compile per
-        # (role, stage kind, number of chunks, activation shapes) stands for all such stages.
-        key = (role, self.kind(b), len(b.chunks), self.chunk_numel,
+        # (role, stage kind, sizes of its chunks, activation shapes) stands for all such stages.
+        key = (role, self.kind(b), tuple(self.numels[c] for c in b.chunks),
                tuple(getattr(a, "shape", ()) for a in args[2:]))
         if key not in self.cache:
             self.cache[key] = _analyse(fn, *args)
@@ -104,15 +107,17 @@ class _Tracer:
 
 
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
-               chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: int,
+               numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: Sequence[int],
                micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False) -> StepShape:
-    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``;
+    """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``, over chunks
+    of ``numels`` elements (the layout's, per chunk) whose master and optimizer state take
+    ``opt_state_bytes`` per device (per chunk, 0 for a frozen one: ChunkOptimizer.chunk_state_bytes);
     ``dropout_seeded`` (the model's attribute: it draws LoRA dropout masks) adds the rows' seeds.
 
     ``cache`` may be shared between traces of models that differ only in depth or chunk layout
     (pstar-plan's searches): a stage is known by its apply function's name and position, its
-    number of chunks and its activation shapes, so equal stages are analysed once."""
-    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache, dropout_seeded)
+    chunks' sizes and its activation shapes, so equal stages are analysed once."""
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded)
     xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
@@ -134,13 +139,13 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
         bwd_nm[i] = act[0] + act[i + 1] + temp + out
         bwd_fl[i] = flops
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
-                     head_fl, tuple(bwd_fl), n_chunks=max(c for b in bound for c in b.chunks) + 1,
-                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=opt_state_bytes,
-                     micro_batches=micro_batches, frozen=_frozen(bound), input_bytes=(0, *act[1:]))
+                     head_fl, tuple(bwd_fl), shard_numels=tr.shard_numels, chunk_bytes=tr.chunk_bytes,
+                     opt_state_bytes=tuple(opt_state_bytes), micro_batches=micro_batches, frozen=_frozen(bound, numels),
+                     input_bytes=(0, *act[1:]))
 
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
-                  chunk_numel: int, param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
+                  numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
                   cache: dict | None = None) -> StepShape:
     """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
 
@@ -148,7 +153,7 @@ def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: P
     its loss), its input, its temporaries and output (nothing is stashed: there is no backward);
     the head computes only the loss. The backward fields are zeros and there is no optimizer
     state."""
-    tr = _Tracer(bound, fns, placement, chunk_numel, param_dtype, batch, seq_len, cache)
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache)
     head = len(bound) - 1
 
     def live(i: int) -> int:  # the batch, and the stage's input when it is not the batch's tokens
@@ -162,14 +167,13 @@ def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: P
     temp, out, loss_fl = tr.analysed("loss", b, fns.loss(b), tr.chunks(b), tr.offsets(b), tr.xs[head], tr.batch)
     loss_nm = live(head) + temp + out
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), loss_nm, (0,) * head, tuple(fwd_fl),
-                     loss_fl, (0.0,) * head, n_chunks=max(c for b in bound for c in b.chunks) + 1,
-                     shard_numel=chunk_numel // tr.W, item_bytes=tr.chunk_bytes, opt_state_bytes=0,
-                     micro_batches=micro_batches, frozen=_frozen(bound))
+                     loss_fl, (0.0,) * head, shard_numels=tr.shard_numels, chunk_bytes=tr.chunk_bytes,
+                     opt_state_bytes=(0,) * len(tr.numels), micro_batches=micro_batches, frozen=_frozen(bound, numels))
 
 
-def _frozen(bound: Sequence[BoundStage]) -> tuple[bool, ...]:
+def _frozen(bound: Sequence[BoundStage], numels: Sequence[int]) -> tuple[bool, ...]:
     """Per chunk id: frozen, from the stages bound to the layout (() when none is)."""
     frozen = {c: f for b in bound for c, f in zip(b.chunks, b.frozen)}
     if not any(frozen.values()):
         return ()
-    return tuple(frozen.get(c, False) for c in range(max(c for b in bound for c in b.chunks) + 1))
+    return tuple(frozen.get(c, False) for c in range(len(numels)))
