@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: config.json <-> our model configs, and the tensor name map.
 
 ``check_hf_shapes(config, shapes)`` checks its sizes against the weights' headers first;
-``build_from_hf(config)`` reads a config.json dict (model_type gpt2, llama, qwen2, mistral) into
+``build_from_hf(config)`` reads a config.json dict (model_type gpt2, llama, qwen2, mistral, qwen3) into
 a staged model, refusing what our models do not implement; ``hf_config(model)`` writes one that
 transformers' from_pretrained loads; ``hf_tensors(model)`` names, for each of our parameters,
 the HF tensor holding it and how to convert it. No file I/O here: the checkpoint reader and
@@ -21,12 +21,15 @@ from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, Lla
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
-# transformers' defaults for keys a config.json may leave out (LlamaConfig, Qwen2Config, MistralConfig).
+                  "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig,
+# Qwen2Config, MistralConfig, Qwen3Config). Left out or null, head_dim means hidden_size /
+# num_attention_heads and num_key_value_heads num_attention_heads, unless a left-out key has a value here.
 _HF_DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
-    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
 }
 
 
@@ -132,7 +135,7 @@ def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int
     """The window of the layers that slide, or None: what transformers would apply."""
     if family == "mistral":
         return config.get("sliding_window", 4096)
-    if family == "qwen2" and config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and config.get("use_sliding_window", False):
         types = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
             for i in range(n_layer)]
@@ -140,18 +143,26 @@ def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int
     return None
 
 
+def _head_sizes(config: Mapping[str, Any], family: str) -> tuple[Any, Any]:
+    """(head_dim as given, None where it is left to hidden_size / num_attention_heads; the key/value
+    heads) as transformers reads them from ``config``."""
+    defaults = _HF_DEFAULTS[family]
+    n_kv_head = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
+    return config.get("head_dim", defaults.get("head_dim")), n_kv_head or config.get("num_attention_heads")
+
+
 def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
     family = config["model_type"]
     defaults = _HF_DEFAULTS[family]
     act = config.get("hidden_act", "silu")
     _refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         _refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
         _refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
     _refuse_unless(config.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor below 1")
     n_head, n_layer = _require(config, "num_attention_heads"), _require(config, "num_hidden_layers")
     d_model = _require(config, "hidden_size")
-    head_dim = config.get("head_dim")
+    head_dim, n_kv_head = _head_sizes(config, family)
     if head_dim is not None and isinstance(d_model, int) and isinstance(n_head, int) and head_dim * n_head == d_model:
         head_dim = None  # transformers writes the derived value; ours means the same by None
     rope_theta, rope_scaling = _rope(config)
@@ -163,11 +174,11 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
                          f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
     derived = dict(
         vocab_size=_require(config, "vocab_size"), d_model=d_model, n_layer=n_layer,
-        n_head=n_head, n_kv_head=config.get("num_key_value_heads") or n_head,
+        n_head=n_head, n_kv_head=n_kv_head,
         d_ff=_require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family == "qwen3", tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=None if max_positions == seq_len else max_positions, family=family)
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
@@ -175,7 +186,7 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         "head_dim": "head_dim", "rope_theta": "rope_theta (or rope_parameters)",
         "rope_scaling": "rope_scaling (or rope_parameters)",
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
-        "qkv_bias": "model_type"})
+        "qkv_bias": "model_type", "qk_norm": "model_type"})
 
 
 def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **overrides: Any) -> StagedGPT | StagedLlama:
@@ -220,7 +231,7 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
                                       **(ours["rope_scaling"] or {"rope_type": "default"})}
         else:
             out.update(rope_theta=ours["rope_theta"], rope_scaling=ours["rope_scaling"])
-    if ours["model_type"] == "qwen2" and "layer_types" in source:  # what we trained: no layer slides
+    if ours["model_type"] in ("qwen2", "qwen3") and "layer_types" in source:  # what we trained: no layer slides
         out["layer_types"] = ["full_attention"] * ours["num_hidden_layers"]
     return out
 
@@ -251,6 +262,9 @@ def _hf_config(model: Any, torch_dtype: str) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     elif c.family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    elif c.family == "qwen3":  # head_dim always: a config.json without one means 128, not d_model / n_head
+        out.update(head_dim=c.d_head, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=c.n_layer)
     else:
         out.update(sliding_window=None)
     return out
@@ -274,6 +288,7 @@ _LLAMA_TOP = {"embed.embedding": HFTensor("model.embed_tokens.weight", False, Fa
 _LLAMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "mlp_norm.scale": "post_attention_layernorm.weight",
                 **{f"attn.{x}.kernel": f"self_attn.{x}_proj.weight" for x in "qkvo"},
                 **{f"attn.{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
+                **{f"attn.{x}_norm.scale": f"self_attn.{x}_norm.weight" for x in "qk"},  # Qwen3
                 **{f"mlp.{x}.kernel": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}}
 
 
@@ -331,10 +346,11 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
     agree("vocab_size", _require(config, "vocab_size"), "model.embed_tokens.weight", 0, "rows")
     agree("hidden_size", d, "model.embed_tokens.weight", 1, "columns")
     agree("intermediate_size", _require(config, "intermediate_size"), "model.layers.0.mlp.gate_proj.weight", 0, "rows")
-    explicit = config.get("head_dim") is not None  # else it follows hidden_size / num_attention_heads
-    head_dim = config.get("head_dim") or d // n_head
-    for key, heads, proj in (("num_attention_heads", n_head, "q"),
-                             ("num_key_value_heads", config.get("num_key_value_heads") or n_head, "k")):
+    given, n_kv_head = _head_sizes(config, model_type)
+    explicit = given is not None  # else it follows hidden_size / num_attention_heads
+    head_dim = given or d // n_head
+    agree("head_dim", head_dim, "model.layers.0.self_attn.q_norm.weight", 0, "entries")  # Qwen3's q norm
+    for key, heads, proj in (("num_attention_heads", n_head, "q"), ("num_key_value_heads", n_kv_head, "k")):
         tensor = f"model.layers.0.self_attn.{proj}_proj.weight"
         rows = (shape(tensor) or (heads * head_dim,))[0]
         if rows != heads * head_dim:

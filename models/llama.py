@@ -1,14 +1,16 @@
-"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral), and its split into stages.
+"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense), and its split into stages.
 
 The numerics follow Hugging Face transformers, so that HF weights give HF's logits: RMSNorm
 normalises in float32, casts back to the input dtype and then multiplies by its weight; RoPE
 rotates the two halves of each head (``rotate_half``), so HF q/k weights load with a plain
 transpose; query head h reads key/value head h // (n_head / n_kv_head) (HF's ``repeat_kv``);
-attention scores are scaled after the q.k product and softmaxed in float32.
+attention scores are scaled after the q.k product and softmaxed in float32. Qwen3 (``qk_norm``)
+RMS-normalises each head of q and k over its width, with weights of its own, before RoPE.
 
 Module layout (parameter names are a contract with the checkpoint I/O, see models/hf.py):
 ``embed.embedding`` [V,D]; per block ``attn_norm.scale``, ``attn.{q,k,v}.kernel`` (+ ``.bias``
-with ``qkv_bias``), ``attn.o.kernel``, ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
+with ``qkv_bias``), ``attn.o.kernel``, ``attn.{q,k}_norm.scale`` [K] with ``qk_norm``,
+``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
 ``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied.
 
 Decoding with a KV cache (``Llama.init_cache``, ``Llama.decode``) runs the same modules on T new
@@ -137,16 +139,21 @@ class Attention(nnx.Module):
         self.k = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.k")
         self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.v")
         self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=lora, path="attn.o")
+        if config.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(K, config.norm_eps), RMSNorm(K, config.norm_eps)
+
+    def head_modules(self) -> tuple[nnx.Module, ...]:
+        """What ``heads`` reads: q, k, v, and with ``qk_norm`` q_norm and k_norm."""
+        norms = (self.q_norm, self.k_norm) if self.config.qk_norm else ()
+        return (self.q, self.k, self.v, *norms)
 
     def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
             dropout_seeds_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k (both rotated) and v of x: position-wise, so the block runs it a tile at a time."""
-        c, seeds = self.config, dropout_seeds_BxL
-        B, L, _ = x_BxLxD.shape
+        c = self.config
+        L = x_BxLxD.shape[1]
         cos, sin = rope_tables(c, L) if positions_BxL is None else rope_tables_of(c, positions_BxL)
-        q = apply_rope(project(self.q, x_BxLxD, seeds).reshape(B, L, c.n_head, c.d_head), cos, sin)
-        k = apply_rope(project(self.k, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head), cos, sin)
-        return q, k, project(self.v, x_BxLxD, seeds).reshape(B, L, c.n_kv_head, c.d_head)
+        return heads(self.head_modules(), c, x_BxLxD, cos, sin, dropout_seeds_BxL)
 
     def attend(self, q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
                segment_ids_BxL: jax.Array | None) -> jax.Array:
@@ -164,10 +171,8 @@ class Attention(nnx.Module):
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
         B, T, _ = x_BxTxD.shape
-        cos_TxK, sin_TxK = rope_tables_at(c, pos, T)
-        q = apply_rope(self.q(x_BxTxD).reshape(B, T, c.n_head, c.d_head), cos_TxK, sin_TxK)
-        k = apply_rope(self.k(x_BxTxD).reshape(B, T, c.n_kv_head, c.d_head), cos_TxK, sin_TxK)
-        cache = write_cache(cache, k, self.v(x_BxTxD).reshape(B, T, c.n_kv_head, c.d_head), pos)
+        q, k, v = heads(self.head_modules(), c, x_BxTxD, *rope_tables_at(c, pos, T))
+        cache = write_cache(cache, k, v, pos)
         out = cached_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), pos)
         return self.o(out.reshape(B, T, c.n_head * c.d_head)), cache
 
@@ -196,16 +201,26 @@ def _residual_std(config: LlamaConfig) -> float:
     return 0.02 / math.sqrt(2 * config.n_layer)
 
 
+def heads(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, cos: jax.Array, sin: jax.Array,
+          seeds_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k and v of x in heads, q and k rotated (after Qwen3's per-head norms): the one place
+    training tiles and decoding form them. ``modules`` is ``Attention.head_modules()`` (or its
+    copy inside a tiled loop); the RoPE tables are [T, K] or [B, T, K]."""
+    q_proj, k_proj, v_proj, *qk_norms = modules
+    B, T, _ = x_BxTxD.shape
+    q = project(q_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_head, config.d_head)
+    k = project(k_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head)
+    v = project(v_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head)
+    if qk_norms:
+        q, k = qk_norms[0](q), qk_norms[1](k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions_BxT: jax.Array,
               seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """attn_norm, then q, k, v with RoPE (Attention.qkv's numerics) on one tile of positions."""
-    norm, q_proj, k_proj, v_proj = modules
-    B, T, _ = x_BxTxD.shape
-    x_BxTxD = norm(x_BxTxD)
-    cos, sin = rope_tables_of(config, positions_BxT)
-    q = apply_rope(project(q_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_head, config.d_head), cos, sin)
-    k = apply_rope(project(k_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head), cos, sin)
-    return q, k, project(v_proj, x_BxTxD, seeds_BxT).reshape(B, T, config.n_kv_head, config.d_head)
+    norm, *head_modules = modules
+    return heads(tuple(head_modules), config, norm(x_BxTxD), *rope_tables_of(config, positions_BxT), seeds_BxT)
 
 
 def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
@@ -242,7 +257,7 @@ class Block(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         tile = mlp_tile(B, L, self.mlp.d_ff, self.mlp.tiling.mlp_bytes)
         config = self.attn.config
-        q, k, v = tiled_modules((self.attn_norm, self.attn.q, self.attn.k, self.attn.v),
+        q, k, v = tiled_modules((self.attn_norm, *self.attn.head_modules()),
                                 lambda m, *x: _qkv_tile(m, config, *x), (x_BxLxD, positions, seeds), tile)
         out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
         return tiled_modules((self.attn.o, self.mlp_norm, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)

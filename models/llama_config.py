@@ -1,4 +1,4 @@
-"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral) and its presets, as plain
+"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense) and its presets, as plain
 frozen dataclasses: what a model of the family is, before any array exists."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Mapping
 
 from pstar_models.lora import LoraSpec, check_spec
 
-FAMILIES = ("llama", "qwen2", "mistral")  # the HF model_type a config exports as
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")  # the HF model_type a config exports as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,10 @@ class LlamaConfig:
     rope_scaling: Llama3RopeScaling | None = None
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2's q/k/v biases
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head's q and k (width head_dim), before RoPE
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None  # the context written to config.json; None: seq_len
-    family: str = "llama"  # llama, qwen2 or mistral: the HF model_type it exports as
+    family: str = "llama"  # llama, qwen2, mistral or qwen3: the HF model_type it exports as
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
@@ -76,6 +77,9 @@ class LlamaConfig:
         if self.qkv_bias != (self.family == "qwen2"):
             raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
                              "q/k/v biases exist exactly in qwen2")
+        if self.qk_norm != (self.family == "qwen3"):
+            raise ValueError(f"LlamaConfig.qk_norm={self.qk_norm} does not fit family {self.family!r}: "
+                             "q/k norms exist exactly in qwen3")
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
         check_spec(self.lora, projections(self), self.family)
@@ -104,6 +108,10 @@ _LLAMA3 = LlamaConfig(vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_
 _QWEN25 = LlamaConfig(vocab_size=152064, d_model=3584, n_layer=28, n_head=28, n_kv_head=4, d_ff=18944,
                       seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True,
                       max_position_embeddings=131072, family="qwen2")
+# Every Qwen3 size has head_dim 128; None where d_model / n_head gives it (as models/hf.py reads it).
+_QWEN3 = LlamaConfig(vocab_size=151936, d_model=4096, n_layer=36, n_head=32, n_kv_head=8, d_ff=12288,
+                     seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                     max_position_embeddings=40960, family="qwen3")
 _r = dataclasses.replace
 # Shapes of the published config.json files, checked against stored copies of them:
 # Llama 3.1 8B, 3.2 3B and Qwen2.5 7B/14B/32B in citsjtu2020/LLM-Prof sglang/Model_Config.md;
@@ -112,6 +120,10 @@ _r = dataclasses.replace
 # quoting huggingface.co/Qwen/Qwen2.5-*/blob/main/config.json (72B base: rms_norm_eps 1e-5, the
 # Instruct model has 1e-6); Mistral 7B v0.3 (vocab 32768, theta 1e6, sliding_window null) in
 # litgpt's config.py quoting huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json.
+# Qwen3 4B/8B/14B/32B: their config.json files in citsjtu2020/LLM-Prof sglang/Model_Config.md; 0.6B
+# and 1.7B (and the others again) in pytorch/torchtune torchtune/models/qwen3/_model_builders.py,
+# "the default parameter values from huggingface.co/Qwen/Qwen3-*" (the instruct checkpoints, 40960
+# positions; the -Base ones have 32768). Sizes checked by keras-team/keras-hub's qwen3_presets.py.
 PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "llama-tiny": LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=96,
                               seq_len=64, rope_scaling=_llama3(8.0)),
@@ -127,6 +139,12 @@ PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "qwen2.5-14b": _r(_QWEN25, d_model=5120, n_layer=48, n_head=40, n_kv_head=8, d_ff=13824, norm_eps=1e-5),
     "qwen2.5-32b": _r(_QWEN25, d_model=5120, n_layer=64, n_head=40, n_kv_head=8, d_ff=27648, norm_eps=1e-5),
     "qwen2.5-72b": _r(_QWEN25, d_model=8192, n_layer=80, n_head=64, n_kv_head=8, d_ff=29568, norm_eps=1e-5),
+    "qwen3-0.6b": _r(_QWEN3, d_model=1024, n_layer=28, n_head=16, d_ff=3072, head_dim=128, tie_embeddings=True),
+    "qwen3-1.7b": _r(_QWEN3, d_model=2048, n_layer=28, n_head=16, d_ff=6144, tie_embeddings=True),
+    "qwen3-4b": _r(_QWEN3, d_model=2560, n_head=32, d_ff=9728, head_dim=128, tie_embeddings=True),
+    "qwen3-8b": _QWEN3,
+    "qwen3-14b": _r(_QWEN3, d_model=5120, n_layer=40, n_head=40, d_ff=17408),
+    "qwen3-32b": _r(_QWEN3, d_model=5120, n_layer=64, n_head=64, d_ff=25600, head_dim=128),
     "mistral-7b": LlamaConfig(vocab_size=32768, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
                               seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
                               max_position_embeddings=32768, family="mistral"),

@@ -23,6 +23,8 @@ FAMILIES = {
     "qwen": lambda: StagedLlama(dataclasses.replace(LLAMA, qkv_bias=True, family="qwen2", tie_embeddings=True,
                                                     rope_scaling=None)),
     "mistral": lambda: StagedLlama(dataclasses.replace(LLAMA, head_dim=10, family="mistral", rope_scaling=None)),
+    "qwen3": lambda: StagedLlama(dataclasses.replace(LLAMA, head_dim=10, family="qwen3", qk_norm=True,
+                                                     rope_scaling=None)),
 }
 
 

@@ -19,6 +19,9 @@ MODELS = {
     "qwen2_tied": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=3, n_head=4, n_kv_head=1,
                                                   d_ff=48, seq_len=24, qkv_bias=True, family="qwen2",
                                                   tie_embeddings=True, rope_theta=1e6)),
+    "qwen3": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=2, n_head=4, n_kv_head=2,
+                                             d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="qwen3",
+                                             tie_embeddings=True, rope_theta=1e6)),
 }
 PROMPT = np.array([[5, 17, 3, 60, 2]], np.int32)
 N_NEW = 12

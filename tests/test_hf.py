@@ -425,7 +425,7 @@ def test_export_cli_writes_a_checkpoints_master_tensors(tmp_path, monkeypatch, c
 
 @pytest.mark.slow
 @pytest.mark.hf_reference
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family):
     """A checkpoint that transformers' save_pretrained writes (bf16, sharded, GPT-2's head tied and
     its position table longer than our seq_len) loads through the models' map into a chunked engine
@@ -435,9 +435,13 @@ def test_transformers_checkpoint_round_trips_through_an_engine(tmp_path, family)
     models_hf = pytest.importorskip("pstar_models.hf")
     if family == "gpt2":
         config = transformers.GPT2Config(vocab_size=96, n_positions=80, n_embd=48, n_layer=2, n_head=3)
-    else:  # GQA groups of 3, untied head
+    elif family == "llama":  # GQA groups of 3, untied head
         config = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                           num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    else:  # q/k norms, head_dim 12 (not 48 / 6), tied head
+        config = transformers.Qwen3Config(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                          num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                                          tie_word_embeddings=True)
     torch.manual_seed(0)
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(
@@ -480,7 +484,7 @@ def write_family_checkpoint(directory, model, dtype=np.float32):
     return tensors
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
     """HF -> pstar (Run with init_from_hf, chunks moving) -> HF with no training step: every tensor's
     bytes are equal, config.json describes the same model, the tokenizer files come along."""
@@ -492,7 +496,8 @@ def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
     else:
         model = StagedLlama(LlamaConfig(vocab_size=300, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80,
                                         seq_len=32, family=family, qkv_bias=family == "qwen2",
-                                        tie_embeddings=family == "qwen2", max_position_embeddings=32))
+                                        qk_norm=family == "qwen3", head_dim=12 if family == "qwen3" else None,
+                                        tie_embeddings=family != "llama", max_position_embeddings=32))
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     written = write_family_checkpoint(src, model)
     config = ps.RunConfig(model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(batch_size=8),

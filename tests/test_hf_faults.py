@@ -21,6 +21,7 @@ from test_hf import TINY, hfmap, one_line, open_hf, read_all, tiny_params, write
 
 LLAMA = LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=80, seq_len=32,
                     max_position_embeddings=32)
+QWEN3 = dataclasses.replace(LLAMA, family="qwen3", qk_norm=True, head_dim=12, tie_embeddings=True)
 
 
 def edit_config(directory, **changes):
@@ -45,6 +46,8 @@ def load(directory):
     ("llama", "intermediate_size", 81, 80),
     ("llama", "num_hidden_layers", 3, 2),
     ("llama", "num_key_value_heads", 3, 2),
+    ("qwen3", "head_dim", 16, 12),  # its q/k norms hold head_dim entries
+    ("qwen3", "num_key_value_heads", 3, 2),
     ("gpt2", "vocab_size", 10**12, 256),
     ("gpt2", "n_embd", 64, 32),
     ("gpt2", "n_layer", 4, 2),
@@ -54,7 +57,7 @@ def test_config_sizes_that_contradict_the_weights_are_one_line_naming_the_field(
                                                                                  right):
     """Before the model is built (vocab_size 1e12 used to end in a JAX OverflowError); the value the
     message suggests loads."""
-    model = StagedLlama(LLAMA) if family == "llama" else StagedGPT(TINY)
+    model = {"llama": StagedLlama(LLAMA), "qwen3": StagedLlama(QWEN3), "gpt2": StagedGPT(TINY)}[family]
     write_family_checkpoint(tmp_path / "src", model)
     edit_config(tmp_path / "src", **{field: wrong})
     with pytest.raises(ConfigError) as err:
@@ -74,6 +77,17 @@ def test_heads_that_contradict_q_proj_are_named(tmp_path):
             "not 4 heads of 8; set num_attention_heads to 6") in one_line(err)
     edit_config(tmp_path / "src", num_attention_heads=6)
     assert load(tmp_path / "src").param_shapes() == StagedLlama(LLAMA).param_shapes()
+
+
+def test_a_qwen3_config_without_head_dim_means_128_as_in_transformers(tmp_path):
+    write_family_checkpoint(tmp_path / "src", StagedLlama(QWEN3))
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    del config["head_dim"]
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path / "src")
+    assert ("head_dim=128 disagrees with the weights: model.layers.0.self_attn.q_norm.weight has 12 entries; "
+            "set head_dim to 12") in one_line(err)
 
 
 def test_pstar_generate_with_a_huge_vocab_size_is_one_line(tmp_path, capsys):

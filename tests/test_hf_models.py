@@ -29,6 +29,10 @@ QWEN2 = dict(model_type="qwen2", vocab_size=103, hidden_size=30, intermediate_si
 MISTRAL = dict(model_type="mistral", vocab_size=107, hidden_size=36, intermediate_size=52, num_hidden_layers=2,
                num_attention_heads=6, num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
                max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)
+# head_dim 12 with 4 heads of a width-32 model (n_head * head_dim != hidden_size), tied as the small sizes are.
+QWEN3 = dict(model_type="qwen3", vocab_size=109, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=1000000.0, rms_norm_eps=1e-6,
+             max_position_embeddings=64, use_sliding_window=False, tie_word_embeddings=True)
 CHECKPOINTS = {
     "gpt2": GPT2,
     "gpt2_untied": {**GPT2, "tie_word_embeddings": False},
@@ -38,6 +42,8 @@ CHECKPOINTS = {
     "qwen2_untied": {**QWEN2, "tie_word_embeddings": False},
     "mistral": MISTRAL,
     "mistral_window": {**MISTRAL, "sliding_window": 32},  # a window longer than seq_len changes nothing
+    "qwen3_tied": QWEN3,
+    "qwen3_untied": {**QWEN3, "tie_word_embeddings": False, "num_key_value_heads": 4},
 }
 SEQ_LEN = 24
 
@@ -119,6 +125,8 @@ EXPORTS = {
                                   head_dim=12),
     "qwen2_tied": build_from_hf(QWEN2).config,
     "mistral": build_from_hf(MISTRAL).config,
+    "qwen3_tied": build_from_hf(QWEN3).config,
+    "qwen3_untied": build_from_hf(CHECKPOINTS["qwen3_untied"]).config,
 }
 
 
@@ -160,7 +168,8 @@ def test_hf_config_round_trips_every_preset(name):
     assert build_from_hf(exported).config == model.config
 
 
-@pytest.mark.parametrize("config", list(CHECKPOINTS.values())[:-1], ids=list(CHECKPOINTS)[:-1])
+@pytest.mark.parametrize("config", [c for n, c in CHECKPOINTS.items() if n != "mistral_window"],
+                         ids=[n for n in CHECKPOINTS if n != "mistral_window"])
 def test_checkpoint_configs_round_trip(config):
     model = build_from_hf(config, seq_len=SEQ_LEN)
     assert build_from_hf(hf_config(model), seq_len=SEQ_LEN).config == model.config
@@ -202,6 +211,11 @@ def test_defaults_follow_transformers_and_seq_len_is_chosen():
     ({k: v for k, v in MISTRAL.items() if k != "sliding_window"}, {"seq_len": 8192}, "sliding_window=4096"),
     ({**QWEN2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {"seq_len": 24},
      "sliding-window"),
+    ({**QWEN3, "attention_bias": True}, {}, "attention_bias"),
+    ({**QWEN3, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {"seq_len": 24},
+     "sliding-window"),
+    ({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, {},
+     "yarn"),  # what Qwen3's model cards suggest beyond 32k positions
     ({**GPT2, "activation_function": "relu"}, {}, "activation_function"),
     ({**GPT2, "scale_attn_by_inverse_layer_idx": True}, {}, "scale_attn_by_inverse_layer_idx"),
     ({**GPT2, "layer_norm_epsilon": 1e-6}, {}, "layer_norm_epsilon"),
@@ -229,10 +243,27 @@ def test_qwen2_window_inside_full_attention_layers_is_accepted():
 
 from hf_configs import V4, V5  # noqa: E402
 
-ROPE = {"llama": (500000.0, (8.0, 1.0, 4.0, 64)), "qwen2": (1000000.0, None), "mistral": (1000000.0, None)}
+ROPE = {"llama": (500000.0, (8.0, 1.0, 4.0, 64)), "qwen2": (1000000.0, None), "mistral": (1000000.0, None),
+        "qwen3": (1000000.0, None)}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+def test_keys_left_out_mean_what_transformers_makes_of_them(family):
+    """head_dim, num_key_value_heads, rms_norm_eps and max_position_embeddings absent: transformers'
+    own config class fills them (Qwen3: head_dim 128, not hidden_size / num_attention_heads; Qwen2
+    and Qwen3 32 key/value heads, Mistral 8), and so do we."""
+    transformers = pytest.importorskip("transformers")
+    left_out = ("head_dim", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings")
+    sparse = {k: v for k, v in {**V4[family], "num_attention_heads": 64, "hidden_size": 64 * 16}.items()
+              if k not in left_out}
+    theirs = transformers.AutoConfig.for_model(**sparse)
+    ours = build_from_hf(sparse).config
+    assert (ours.d_head, ours.n_kv_head, ours.norm_eps) == (getattr(theirs, "head_dim", None) or 16,
+                                                            theirs.num_key_value_heads, theirs.rms_norm_eps)
+    assert (ours.max_position_embeddings or ours.seq_len) == theirs.max_position_embeddings
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_saved_configs_of_both_layouts_read_the_same(family):
     """5.x writes RoPE only as rope_parameters; 4.57 as rope_theta/rope_scaling: the same model."""
     four, five = build_from_hf(V4[family]).config, build_from_hf(V5[family]).config
@@ -244,7 +275,7 @@ def test_saved_configs_of_both_layouts_read_the_same(family):
 
 
 @pytest.mark.parametrize("version", ["V4", "V5"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_export_config_keeps_the_source_fields_and_layout(family, version):
     source = {"V4": V4, "V5": V5}[version][family]
     exported = hf_config(build_from_hf(source), torch_dtype=source["dtype"], source=source)
@@ -286,7 +317,7 @@ def _needs_layout(version):
 
 @pytest.mark.hf_reference
 @pytest.mark.parametrize("version", ["V4", "V5"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_saved_configs_give_transformers_logits(family, version):
     _needs_layout(version)
     test_hf_weights_give_hf_logits({"V4": V4, "V5": V5}[version][family])
@@ -294,7 +325,7 @@ def test_saved_configs_give_transformers_logits(family, version):
 
 @pytest.mark.hf_reference
 @pytest.mark.parametrize("version", ["V4", "V5"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_export_in_the_source_layout_loads_in_transformers(family, version, tmp_path):
     _needs_layout(version)
     source = {"V4": V4, "V5": V5}[version][family]

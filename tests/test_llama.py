@@ -25,7 +25,8 @@ ODD = LlamaConfig(vocab_size=101, d_model=36, n_layer=2, n_head=6, n_kv_head=2, 
                   rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 16))
 QWEN = dataclasses.replace(ODD, qkv_bias=True, family="qwen2", tie_embeddings=True, rope_scaling=None)
 WIDE_HEADS = dataclasses.replace(ODD, head_dim=10, family="mistral", rope_scaling=None)  # H*K != D
-CONFIGS = {"llama": ODD, "qwen_tied": QWEN, "head_dim": WIDE_HEADS}
+QWEN3 = dataclasses.replace(WIDE_HEADS, family="qwen3", qk_norm=True, tie_embeddings=True)  # q/k norms
+CONFIGS = {"llama": ODD, "qwen_tied": QWEN, "head_dim": WIDE_HEADS, "qwen3": QWEN3}
 
 
 def assert_fp32_close(actual, desired, err_msg=""):
@@ -72,6 +73,8 @@ def test_parameter_names_and_shapes_are_the_contract(config):
              "mlp.gate.kernel": (D, F), "mlp.up.kernel": (D, F), "mlp.down.kernel": (F, D)}
     if config.qkv_bias:
         block.update({"attn.q.bias": (HK,), "attn.k.bias": (NK,), "attn.v.bias": (NK,)})
+    if config.qk_norm:  # over each head's width
+        block.update({"attn.q_norm.scale": (K,), "attn.k_norm.scale": (K,)})
     expected = {"embed.embedding": (V, D), "norm.scale": (D,),
                 **{f"blocks.{i}.{n}": s for i in range(config.n_layer) for n, s in block.items()}}
     if not config.tie_embeddings:
@@ -99,6 +102,8 @@ def test_init_tensor_alone_deterministic_and_scaled():
     assert not np.array_equal(params["embed.embedding"], staged.init_tensor("embed.embedding", 4))
     qwen = StagedLlama(QWEN).init_params(0)
     assert not np.any(np.asarray(qwen["blocks.0.attn.q.bias"]))
+    qwen3 = StagedLlama(QWEN3).init_params(0)
+    assert np.all(np.asarray(qwen3["blocks.1.attn.k_norm.scale"]) == 1)  # as HF's Qwen3RMSNorm starts
 
 
 def test_n_blocks_builds_a_shell_with_the_full_depth_init_scale():
@@ -189,7 +194,11 @@ def test_rope_scaling_validated():
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
              "llama-3.1-70b": 70_553_706_496, "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
              "qwen2.5-14b": 14_770_033_664, "qwen2.5-32b": 32_763_876_352, "qwen2.5-72b": 72_706_203_648,
-             "mistral-7b": 7_248_023_552}
+             "mistral-7b": 7_248_023_552,
+             # Qwen3: the counts keras-team/keras-hub's qwen3_presets.py gives its conversions of the HF
+             # checkpoints (each tensor once; a tied model's file may hold lm_head.weight as well).
+             "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096,
+             "qwen3-8b": 8_190_735_360, "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -197,7 +206,8 @@ def test_preset_sizes_match_the_published_models(name):
     model = pstar_models.build_model(name)
     assert model.n_params() == PUBLISHED[name]
     assert model.config.seq_len == 4096
-    assert 0 < model.flops_per_token() < 6.2 * model.n_params() + 6 * model.config.n_layer * 4096 * model.config.d_model
+    c = model.config  # attention's width is n_head * head_dim (Qwen3: up to twice d_model)
+    assert 0 < model.flops_per_token() < 6.2 * model.n_params() + 6 * c.n_layer * 4096 * c.n_head * c.d_head
 
 
 def test_build_model_serves_every_preset_and_overrides():

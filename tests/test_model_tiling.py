@@ -29,6 +29,7 @@ FAMILIES = {
     "llama": LLAMA,
     "qwen_tied": dataclasses.replace(LLAMA, qkv_bias=True, family="qwen2", tie_embeddings=True, rope_scaling=None),
     "mistral": dataclasses.replace(LLAMA, head_dim=10, family="mistral", rope_scaling=None),
+    "qwen3": dataclasses.replace(LLAMA, head_dim=10, family="qwen3", qk_norm=True, rope_scaling=None),
 }
 
 

@@ -31,6 +31,12 @@ CASES = {
                          dict(rank=3, alpha=5.0, rslora=True, targets=("attn.q", "attn.v", "mlp.down")), ("embed",)),
     "mistral_head": ("mistral", CHECKPOINTS["mistral"], dict(rank=8, alpha=16.0, rslora=False, targets=("attn.*",)),
                      ("head", "norm")),
+    # Qwen3: every projection, and its q/k norms trained in full in both blocks.
+    "qwen3_norms": ("qwen3", CHECKPOINTS["qwen3_tied"], dict(rank=4, alpha=8.0, rslora=False,
+                                                             targets=PROJECTIONS["qwen3"]),
+                    tuple(f"blocks.{i}.attn.{x}_norm" for i in range(2) for x in "qk")),
+    "qwen3_untied_head": ("qwen3", CHECKPOINTS["qwen3_untied"], dict(rank=2, alpha=3.0, rslora=True,
+                                                                     targets=("mlp.*", "attn.o")), ("head",)),
     "gpt2": ("gpt2", CHECKPOINTS["gpt2"], dict(rank=4, alpha=4.0, rslora=False,
                                                targets=("attn.qkv", "attn.proj", "mlp.fc")), ()),
     "gpt2_all": ("gpt2", CHECKPOINTS["gpt2_untied"], dict(rank=2, alpha=6.0, rslora=False,
@@ -148,20 +154,21 @@ def test_peft_loads_our_adapter_with_our_merged_logits(tmp_path, case):
 
 
 @pytest.mark.hf_reference
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_an_adapter_peft_saved_reads_into_our_names(tmp_path, family):
     """get_peft_model + save_pretrained: read_adapter gives peft's tensors under our names, and our
     merged model gives the peft model's logits."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    config = CHECKPOINTS["llama3" if family == "llama" else "gpt2"]
+    config = CHECKPOINTS[{"llama": "llama3", "qwen3": "qwen3_untied", "gpt2": "gpt2"}[family]]
     base_dir, model, params = base_checkpoint(tmp_path, config)
     import transformers
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager",
                                                              dtype=torch.float32)
-    targets = ["q_proj", "v_proj", "down_proj"] if family == "llama" else ["c_attn", "mlp.c_proj"]
+    targets = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "mlp.c_proj"],
+               "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}[family]
     lora_config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, task_type="CAUSAL_LM",
-                                  fan_in_fan_out=family == "gpt2", use_rslora=family == "llama")
+                                  fan_in_fan_out=family == "gpt2", use_rslora=family != "gpt2")
     peft_model = peft.get_peft_model(base, lora_config)
     torch.manual_seed(2)
     with torch.no_grad():
@@ -172,8 +179,9 @@ def test_an_adapter_peft_saved_reads_into_our_names(tmp_path, family):
     peft_model.save_pretrained(out)
 
     spec, tensors = read_adapter(out, family, model.param_shapes())
-    expected_targets = ("attn.q", "attn.v", "mlp.down") if family == "llama" else ("attn.qkv", "mlp.proj")
-    assert spec == dict(rank=4, alpha=12.0, dropout=0.0, rslora=family == "llama", targets=expected_targets)
+    expected_targets = {"llama": ("attn.q", "attn.v", "mlp.down"), "gpt2": ("attn.qkv", "mlp.proj"),
+                        "qwen3": PROJECTIONS["qwen3"]}[family]
+    assert spec == dict(rank=4, alpha=12.0, dropout=0.0, rslora=family != "gpt2", targets=expected_targets)
     saved = load_file(os.path.join(out, ADAPTER_WEIGHTS))
     assert len(tensors) == len(saved) == 2 * model.config.n_layer * len(expected_targets)
     assert to_peft(tensors, family).keys() == saved.keys()
@@ -200,7 +208,7 @@ def write_tiny(tmp_path, family="llama", name="adapter", **overrides):
     return out, shapes, tensors
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gpt2"])
 def test_write_then_read_is_exact(tmp_path, family):
     out, shapes, tensors = write_tiny(tmp_path, family, targets=PROJECTIONS[family], rslora=True)
     spec, back = read_adapter(out, family, shapes)
@@ -259,7 +267,7 @@ def test_merge_adapter_and_merged_tensors():
 
 
 def test_model_family():
-    for family in ("llama", "qwen2", "mistral", "gpt2"):
+    for family in ("llama", "qwen2", "mistral", "qwen3", "gpt2"):
         assert model_family(build_from_hf(V4[family], seq_len=SEQ_LEN)) == family
     with pytest.raises(ConfigError) as err:
         model_family(object())

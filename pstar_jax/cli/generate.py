@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rebuilt from the run's saved configuration)")
     source.add_argument("--flax", metavar="DIR", help="a Flax export (--export-flax)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (gpt2, llama, qwen2, "
-                        "mistral)")
+                        "mistral, qwen3)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--model-module", default=None, help="module with build_model, build_from_hf and "
                    "hf_tensors, imported (its code run) because you name it: needed for a checkpoint trained with a "

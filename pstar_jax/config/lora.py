@@ -42,7 +42,7 @@ class LoraConfig:
     dropout: float = option(0.0, "dropout on the adapters' input, in [0, 1)", flag="--lora-dropout",
                             math_changing=True)
     targets: str | None = option(None, "projections that get adapters: comma-separated block-relative module "
-                                 "paths or glob patterns (llama/qwen2/mistral: attn.q attn.k attn.v attn.o "
+                                 "paths or glob patterns (llama/qwen2/mistral/qwen3: attn.q attn.k attn.v attn.o "
                                  "mlp.gate mlp.up mlp.down; GPT-2: attn.qkv attn.proj mlp.fc mlp.proj); "
                                  "default: all of them", metavar="PATHS", flag="--lora-targets",
                                  math_changing=True)

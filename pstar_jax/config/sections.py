@@ -18,7 +18,7 @@ MODEL_SHAPE = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
 class ModelConfig:
     """Which model: a preset of a model module, with some fields replaced, and its initial weights."""
     name: str = option("tiny", "preset name (tiny, small, GPT2_1B ... GPT3_175B, llama-3.2-1b ... llama-3.1-70b, "
-                       "qwen2.5-0.5b ... qwen2.5-72b, mistral-7b)", flag="--model",
+                       "qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b, mistral-7b)", flag="--model",
                        math_changing=True)
     module: str = option("pstar_models", "module with build_model(name, **overrides) returning a staged model (and, "
                          "for Hugging Face checkpoints, build_from_hf, hf_tensors, hf_config)", flag="--model-module")
@@ -31,7 +31,7 @@ class ModelConfig:
                                          math_changing=True)
     init_from_flax: str | None = option(None, "start from a plain Flax export (--export-flax)", metavar="DIR")
     init_from_hf: str | None = option(None, "start from a Hugging Face checkpoint directory (config.json and "
-                                      "safetensors; gpt2, llama, qwen2, mistral): the model is built from its "
+                                      "safetensors; gpt2, llama, qwen2, mistral, qwen3): the model is built from its "
                                       "config.json, --model is ignored", metavar="DIR", math_changing=True)
     init_from_lora: str | None = option(None, "continue training a Hugging Face peft LoRA adapter (adapter_config.json "
                                         "and adapter_model.safetensors) on --init-from-hf's base: its rank, alpha "

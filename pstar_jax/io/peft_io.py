@@ -39,12 +39,12 @@ PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora.lora_a", ".lora.lora_b"
 _PEFT_A, _PEFT_B = ".lora_A.weight", ".lora_B.weight"
 _EMBEDDING = {"gpt2": "wte.embedding", "llama": "embed.embedding", "qwen2": "embed.embedding",
-              "mistral": "embed.embedding"}
+              "mistral": "embed.embedding", "qwen3": "embed.embedding"}
 _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding the head is tied to
 # The projections LoRA may wrap, by family (block-relative module paths, in the models' order).
 _LLAMA = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
-               "mistral": _LLAMA}
+               "mistral": _LLAMA, "qwen3": _LLAMA}
 
 
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
@@ -94,7 +94,7 @@ def merged_stream(iter_tensors: Callable[[], Iterable[tuple[str, np.ndarray]]], 
 
 
 def model_family(model: object) -> str:
-    """The peft family of one of our models: its HF model_type (gpt2, llama, qwen2, mistral)."""
+    """The peft family of one of our models: its HF model_type (gpt2, llama, qwen2, mistral, qwen3)."""
     config = getattr(model, "config", None)
     family = "gpt2" if type(config).__name__ == "GPTConfig" else getattr(config, "family", None)
     if family not in SUPPORTED:
