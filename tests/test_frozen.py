@@ -117,9 +117,16 @@ def test_a_frozen_chunk_is_two_bytes_per_parameter_in_bf16():
         if layout.is_frozen(c):
             assert [k for k in (("slot", c), ("master", c), ("opt", c)) if k in store] == []
             assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.numel_of(c)
-            assert Space.HOST in store.spaces(("param", c))  # its one host copy stays
+            # one home: homed on the device it has no host copy; on the host, its pinned copy stays
+            assert store.spaces(("param", c)) == ((Space.DEVICE,) if engine.plan.home(c) == "device" else
+                                                  (Space.HOST,) if ("param", c) not in dict(engine.plan.initial_device)
+                                                  else (Space.HOST, Space.DEVICE))
         else:
             assert ("master", c) in store and ("opt", c) in store
+    assert {engine.plan.home(c) for c in range(layout.n_chunks) if layout.is_frozen(c)} == {"device", "host"}
+    host_homes = sum(engine.chunk_bytes(c) for c in range(layout.n_chunks) if engine.plan.home(c) == "host")
+    host_state = sum(engine.plan.opt_state_bytes[c] for c in layout.trainable_chunks if not engine.plan.opt_on_device[c])
+    assert store.bytes[Space.HOST] >= host_homes + host_state
     state = sum(engine.plan.opt_state_bytes[c] for c in layout.trainable_chunks)
     assert engine.model_data_bytes == sum(map(engine.chunk_bytes, range(layout.n_chunks))) + state
 
@@ -211,3 +218,40 @@ def test_a_freeze_pattern_matching_nothing_is_one_line(capsys):
     assert main([*TRAIN[:-1], "wte.*,blocks.*.nope", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'blocks.*.nope' matches no tensor" in err[0], err
+
+
+def _lora_engine(m, frozen, chunk_numel, clip_norm):
+    """A tiny Llama LoRA engine whose chunks move every step (the budget of frozen_engines.chunked)."""
+    from pstar_jax.engine.optim import default_tx
+    from pstar_jax.planner.build import chunked_engine
+
+    def build(budget):
+        cfg = EngineConfig(chunk_numel=chunk_numel, device_memory=budget, precision="fp32")
+        return chunked_engine(m, cfg, default_tx(OPTIM), mesh(), (4, 64), H200, clip_norm=clip_norm,
+                              trainable=trainable(frozen))
+    shape = build(None).plan_for((4, 64)).shape
+    reads = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks)
+    return build(shape.busiest_non_model_bytes + 2 * reads + max(shape.chunk_bytes))
+
+
+def test_sizes_per_kind_train_bit_identically_to_one_size():
+    """Part 5(c): a tiny Llama LoRA run with each kind's own chunk size (auto) and one with one size
+    forced on both (EngineConfig.chunk_numel) give bit-identical losses and weights over 5 steps,
+    chunks moving in both. The clip does not bind (its scale is exactly 1), since the global norm
+    sums per chunk and so regroups with the chunking in its last bits."""
+    from pstar_models import build_model
+    from pstar_models.lora import LoraSpec
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.lora import frozen_for_lora
+    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0))
+    frozen = frozen_for_lora(m, LoraConfig(rank=4))
+    largest = max(int(np.prod(s)) for s in m.param_shapes().values())
+    per_kind, one_size = (_lora_engine(m, frozen, n, clip_norm=1e6) for n in (None, largest))
+    assert len(per_kind.layout.chunk_numels) == 2 and len(set(per_kind.layout.numels)) > 1
+    assert set(one_size.layout.numels) == {largest} and per_kind.layout.n_chunks > one_size.layout.n_chunks
+    for step in batches(5, seed=3):
+        a, b = per_kind.step(step), one_size.step(step)
+        assert a.loss == b.loss and a.clip_scale == b.clip_scale == 1.0
+        assert a.h2d_bytes > 0 and b.h2d_bytes > 0, "the budgets must make chunks move every step"
+    for name, value in per_kind.params().items():
+        np.testing.assert_array_equal(one_size.params()[name], value, err_msg=name)

@@ -28,11 +28,18 @@ from sft_batches import batches
 
 EPS32 = float(np.finfo(np.float32).eps)
 needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
-FAMILIES = ("tiny", "llama-tiny")
+FAMILIES = ("tiny", "llama-tiny", "qwen3-0.6b")
+# Presets shrunk to test size (the family's code paths: Qwen3's q/k norms, head_dim 16 != 32 / 4).
+SHRUNK = {"qwen3-0.6b": dict(vocab_size=256, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=48, head_dim=16,
+                             seq_len=64)}
+
+
+def base_model(name="tiny"):
+    return build_model(name, **SHRUNK.get(name, {}))
 
 
 def lora_model(name="tiny", **spec):
-    return build_model(name, lora=LoraSpec(**{"rank": 4, "alpha": 16.0, **spec}))
+    return build_model(name, lora=LoraSpec(**{"rank": 4, "alpha": 16.0, **spec}), **SHRUNK.get(name, {}))
 
 
 # -- the model side ----------------------------------------------------------------------------
@@ -41,7 +48,7 @@ def lora_model(name="tiny", **spec):
 def test_adapters_are_named_shaped_and_initialised_as_peft(name):
     m = lora_model(name)
     shapes = m.param_shapes()
-    base = build_model(name).param_shapes()
+    base = base_model(name).param_shapes()
     adapters = adapter_names(m)
     assert {n for n in shapes if not is_adapter(n)} == set(base)
     projections = ({"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"} if name == "tiny"
@@ -66,7 +73,7 @@ def test_adapters_are_named_shaped_and_initialised_as_peft(name):
 def test_step_zero_equals_the_base_model_bit_for_bit(name):
     """lora_b is zero: the LoRA model's logits (training forward and cached decoding) are the base
     model's exactly, and the base tensors are drawn the same with or without adapters."""
-    m, b = lora_model(name), build_model(name)
+    m, b = lora_model(name), base_model(name)
     pl, pb = m.init_params(0), b.init_params(0)
     for n in pb:
         np.testing.assert_array_equal(pl[n], pb[n], err_msg=n)
@@ -115,7 +122,7 @@ def test_decoding_applies_the_adapter(name):
     rest, _ = module.decode(tokens[:, 8:], cache, 8)
     decoded = np.concatenate([np.asarray(first), np.asarray(rest)], axis=1)
     np.testing.assert_allclose(decoded, full, rtol=0, atol=256 * EPS32 * np.abs(full).max())
-    base = build_model(name).module({n: v for n, v in params.items() if not is_adapter(n)})
+    base = base_model(name).module({n: v for n, v in params.items() if not is_adapter(n)})
     assert np.abs(np.asarray(base(tokens)) - full).max() > 1e-3
 
 
@@ -263,10 +270,10 @@ def test_modules_to_save_train_in_full_and_the_plan_counts_two_bytes_per_frozen_
     for c in range(layout.n_chunks):
         if layout.is_frozen(c):
             assert [k for k in (("slot", c), ("master", c), ("opt", c)) if k in store] == []
-            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.chunk_numel
-            assert Space.HOST in store.spaces(("param", c))
-    trained = len(layout.trainable_chunks)
-    assert engine.model_data_bytes == layout.n_chunks * engine.item_bytes + trained * engine.plan.opt_state_bytes
+            assert store.placement.per_device_bytes(store.peek(("param", c))) == 2 * layout.numel_of(c)
+            assert (Space.HOST in store.spaces(("param", c))) == (engine.plan.home(c) == "host")  # one home
+    state = sum(engine.plan.opt_state_bytes[c] for c in layout.trainable_chunks)
+    assert engine.model_data_bytes == sum(map(engine.chunk_bytes, range(layout.n_chunks))) + state
     with pytest.raises(ConfigError, match="'nope' matches no base tensor"):
         frozen_for_lora(m, LoraConfig(rank=4, modules_to_save="nope"))
     with pytest.raises(ConfigError, match="no LoRA adapters"):

@@ -12,6 +12,8 @@ from pstar_jax.plan.placement import choose, make_plan, plan_step
 from pstar_jax.plan.replay import ReplayState, simulate
 from pstar_jax.plan.schedule import step_accesses
 from step_shapes import frozen_shape, gpt_like_shape
+
+from pstar_jax.config import format_bytes
 from tests import plan_goldens
 
 
@@ -221,6 +223,34 @@ def test_frozen_chunks_are_read_only_and_free_to_evict(n_blocks, per_block, micr
     assert set(dirty) == {item for item, _ in plan.initial_device}
     bound = host_needed_bytes(shape, device, plan.opt_on_device, plan.opt_streamed)
     assert bound <= plan.peak_host_bytes
+    # One home each: a device home is on the device at the start and no moment moves it; a host
+    # home is what the host holds for it all step, on top of the replay's own peak.
+    moved = {item for m in plan.moments for item in m.evict + m.fetch}
+    at_start = {item for item, _ in plan.initial_device}
+    for c, home in enumerate(plan.frozen_home):
+        assert home == ("" if not frozen[c] else "device" if ("param", c) in at_start - moved else "host")
+    host_homes = sum(100 for home in plan.frozen_home if home == "host")
+    resident_plan = plan_step(shape, device, 10**9, H200, plan.opt_on_device, streamed=plan.opt_streamed,
+                              leads=plan.state_leads)
+    assert resident_plan.peak_host_bytes == plan.peak_host_bytes >= host_homes
+
+
+def test_frozen_chunks_the_device_holds_all_step_need_no_host_copy():
+    """A frozen base that the device can hold whole fits beside a host too small for it: only the
+    chunks that move keep a pinned copy (it did not fit while every frozen chunk kept one)."""
+    base = gpt_like_shape(4, 2, 1)
+    shape = frozen_shape(base, [c > 0 for c in range(base.n_chunks)])  # the first chunk trains
+    frozen = sum(shape.is_frozen(c) for c in range(shape.n_chunks))
+    roomy = plan_step(shape, 10**6, 10**9, H200, [True] * shape.n_chunks)
+    assert set(roomy.frozen_home) == {"", "device"} and roomy.frozen_home.count("device") == frozen
+    host = 100 * frozen // 2  # half the base's bytes: enough once device homes hold no copy
+    plan = make_plan(shape, 10**6, host, H200)
+    assert plan.fits and plan.peak_host_bytes <= host and "host" not in plan.frozen_home, plan.problem
+    assert plan.frozen_line().startswith(f"frozen base: {format_bytes(100 * frozen)} in {frozen} chunks on the device")
+    tight = make_plan(shape, 900, 10**9, H200)  # now the base moves: its moving chunks need pinned copies
+    assert tight.fits and "host" in tight.frozen_home
+    assert tight.peak_host_bytes >= 100 * tight.frozen_home.count("host")
+    assert not make_plan(shape, 900, host, H200).fits  # and those copies do not fit the small host
 
 
 @settings(max_examples=60, deadline=None)

@@ -28,9 +28,10 @@ performs exactly the plan's evictions and fetches, and the store refuses anythin
 break the moment's device budget. The executor never decides placement itself.
 
 A frozen chunk (``trainable`` false for its tensors, see pstar_jax.engine.chunks) is its compute-dtype params
-alone, store key ("param", c): one host copy, and a device copy while the plan keeps one there.
-No grad, master or optimizer state exists for it; evicting it drops the device copy (nothing
-goes back up); stages differentiate only their trainable tensors.
+alone, store key ("param", c), with one home (Plan.frozen_home): homed on the device it has no
+other copy and is never evicted; homed on the host it has a pinned copy, and a device copy while
+the plan keeps one there. No grad, master or optimizer state exists for it; evicting it drops
+the device copy (nothing goes back up); stages differentiate only their trainable tensors.
 
 Two parts of the engine have modules of their own: ``evaluate``, the forward-only held-out loss
 by a plan of its own (pstar_jax.engine.evaluation), and the state checkpoints save and restore
@@ -182,10 +183,8 @@ class ChunkedEngine(ChunkState, Evaluation):
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
         """Master and optimizer state where the plan keeps them; params in the slots, placed as at
-        the plan's step start.
-
-        One chunk at a time: the model's tensors are made (or read) for that chunk only, so a model
-        far larger than one device or than host memory never exists whole."""
+        the plan's step start (a frozen chunk homed on the device: there only). One chunk at a time:
+        a model far larger than one device or than host memory never exists whole."""
         initial = dict(self.plan.initial_device)
         for c in range(self.layout.n_chunks):
             chunk = pack_chunk(self.layout, c, tensor)
@@ -197,9 +196,10 @@ class ChunkedEngine(ChunkState, Evaluation):
                 master = self.placement.put(chunk, self.opt_space[c])
                 self.store.put(("opt", c), self.optimizer.init(master))
                 self.store.put(("master", c), master)
+            home = self.plan.home(c)
             self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
-                                                   Space.DEVICE if dirty else Space.HOST))
-            if dirty is False:  # on the device with a valid host copy
+                                                   Space.DEVICE if dirty or home == "device" else Space.HOST))
+            if dirty is False and home != "device":  # on the device with a valid host copy
                 self.store.get(key, Space.DEVICE)
         self.store.traffic.reset()
 
@@ -285,11 +285,11 @@ class ChunkedEngine(ChunkState, Evaluation):
         self._place_slots(self.plan)
 
     def _make_room(self, c: int, nbytes: int) -> None:
-        """Evict other slots (and frozen params) until ``nbytes`` more fit on the device (flush only)."""
+        """Evict other slots (and host-homed frozen params) until ``nbytes`` more fit (flush only)."""
         for key in self.store.device_resident(("slot", "param")):
             if self.store.bytes[Space.DEVICE] + nbytes <= self.store.budget_bytes:
                 return
-            if key != ("slot", c):
+            if key != ("slot", c) and self.plan.home(key[1]) != "device":
                 self.store.evict(key)
 
     def _place_slots(self, plan: Plan) -> None:
@@ -301,7 +301,7 @@ class ChunkedEngine(ChunkState, Evaluation):
                 self.store.evict(key)
         for key, dirty in initial.items():
             self.store.get(key, Space.DEVICE)
-            if dirty:
+            if dirty or plan.home(key[1]) == "device":  # a frozen chunk homed there has no other copy
                 self.store.drop_copy(key, Space.HOST)
             else:
                 self.store.get(key, Space.HOST)

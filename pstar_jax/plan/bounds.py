@@ -49,26 +49,24 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     cannot hold beside a moment's non-model data is on the host then (at the moment with the most
     non-model data, counted in whole chunks: ``most_bytes_within``); and params made by host Adam
     all sit on the host once the last update has run (a copy fetched to the device leaves the
-    host copy valid). A frozen chunk's params are on the host at every moment."""
+    host copy valid). A frozen chunk's params count as any chunk's item: one the device holds all
+    step needs no host copy (placement.frozen_homes)."""
     trained = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
     state_on_device = sum(shape.opt_state_bytes[c] for c in trained if opt_on_device[c])
     room = device_bytes - state_on_device - shape.busiest_non_model_bytes
-    items = [shape.chunk_bytes[c] for c in trained]
+    items = list(shape.chunk_bytes)
     host_adam = sum(shape.chunk_bytes[c] for c in trained if not opt_on_device[c] and not streamed[c])
     busiest_working = max(n + alive for n, alive in working_moments(shape))
     beside_inputs = sum(items) + busiest_working - (device_bytes - state_on_device)
     off_device = max(sum(items) - most_bytes_within(items, room), host_adam, beside_inputs)
-    frozen = sum(shape.chunk_bytes) - sum(items)
-    return off_device + frozen + sum(shape.opt_state_bytes[c] for c in trained if not opt_on_device[c])
+    return off_device + sum(shape.opt_state_bytes[c] for c in trained if not opt_on_device[c])
 
 
 def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
     """Whether the two memories together could hold the model data: every chunk has its bf16
     item (params or grad) and its optimizer state somewhere at every moment, and so has every
     stage input alive then, beside the moment's non-model data on the device; a frozen chunk has
-    its params alone, always on the host. False: no placement fits."""
-    frozen_bytes = sum(b for c, b in enumerate(shape.chunk_bytes) if shape.is_frozen(c))
-    trainable_bytes = sum(shape.chunk_bytes) - frozen_bytes + sum(shape.opt_state_bytes)
-    return frozen_bytes <= host_bytes and all(trainable_bytes + frozen_bytes + alive <= max(0, device_bytes - n) + host_bytes
-                                              for n, alive in working_moments(shape))
+    its params alone, in one memory or both. False: no placement fits."""
+    data_bytes = sum(shape.chunk_bytes) + sum(shape.opt_state_bytes)
+    return all(data_bytes + alive <= max(0, device_bytes - n) + host_bytes for n, alive in working_moments(shape))
 

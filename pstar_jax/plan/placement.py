@@ -16,10 +16,12 @@ from bounds.py. Chunks may differ in size: a chunk's bytes and state are per chu
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
-A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which always keep
-their host copy: fetching it costs its bytes up, evicting it costs nothing, it has no optimizer
-state, and it may stay on the device across the step boundary (its first use in the next step
-then fetches nothing).
+A frozen chunk (StepShape.frozen) has only its params, item ("param", c), which never change:
+fetching it costs its bytes up, evicting it costs nothing, it has no optimizer state, and it may
+stay on the device across the step boundary (its first use in the next step then fetches
+nothing). It has one home (``frozen_homes``, chosen after the replay, which charges no memory for
+its other copy): a chunk the settled step never moves lives on the device alone, any other in
+pinned host memory, its device copy coming and going.
 
 A stage input is an item like a chunk's, of its own size: made dirty on the device by its
 forward, read again by its backward, then dropped. When the device is short, the replay may evict
@@ -44,6 +46,7 @@ from typing import Callable, Sequence
 from pstar_jax.config import format_bytes
 from pstar_jax.plan.bounds import could_fit, host_needed_bytes
 from pstar_jax.plan.eviction import policy_for
+from pstar_jax.plan.homes import frozen_homes, start_items
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.predict import predict_step_s, state_leads
 from pstar_jax.plan.replay import HostShort, Infeasible, PlanMoment, ReplayState, moment_name, settle, simulate
@@ -81,6 +84,9 @@ class Plan:
     input_bytes: int = 0  # all stage inputs a step keeps for its backward, per device
     input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
     victim_rule: str = "belady"  # the eviction rule that made the moments (eviction.py)
+    # Per chunk where a frozen chunk's params live ("" for a trainable chunk; () when none is
+    # frozen): "device" (never leaves it, no other copy), "host" (a pinned copy always held).
+    frozen_home: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """The plan as plain data. Sizes all chunks share are one number, as they were before sizes
@@ -90,12 +96,28 @@ class Plan:
         states = {b for b in self.opt_state_bytes if b}  # a frozen chunk has none
         out = {}
         for key, value in data.items():
+            if key == "frozen_home" and not value:
+                continue  # nothing frozen: the plan as before frozen chunks had homes
             if key == "chunk_bytes" and len(set(value)) == 1:
                 key, value = "item_bytes", value[0]
             elif key == "opt_state_bytes" and len(states) == 1:
                 value = states.pop()
             out[key] = value
         return out
+
+    def home(self, c: int) -> str:
+        """Where frozen chunk c's params live ("device", "host"; "" for a trainable chunk)."""
+        return self.frozen_home[c] if self.frozen_home else ""
+
+    def frozen_line(self) -> str | None:
+        """Where the frozen base lives, in a sentence (None when nothing is frozen)."""
+        if not self.frozen_home:
+            return None
+        parts = []
+        for home, where in (("device", "on the device (no host copy)"), ("host", "in pinned host memory")):
+            chunks = [c for c, h in enumerate(self.frozen_home) if h == home]
+            parts.append(f"{format_bytes(sum(self.chunk_bytes[c] for c in chunks))} in {len(chunks)} chunks {where}")
+        return "frozen base: " + ", ".join(parts)
 
     @property
     def device_state_bytes(self) -> int:
@@ -162,7 +184,8 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         device_bytes = max(room + a.non_model_bytes + opt_device for room, a in zip(capacity, accesses))
     else:
         capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = ReplayState({}, set(_host_items(shape)))  # every slot, and every frozen chunk's params, on the host
+    host, stored = start_items(shape)
+    state = ReplayState({}, host, stored)  # every slot on the host; frozen params stored (homes come after)
     host_opt = sum(b for b, d in zip(shape.opt_state_bytes, opt_on_device) if not d)  # (a frozen chunk's: 0)
     problem, moments = None, []
     try:
@@ -185,7 +208,8 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
                       for m, a in zip(moments, accesses))
-    peak_host = state.peak_host_bytes + host_opt
+    homes = frozen_homes(shape, moments, start)
+    peak_host = state.peak_host_bytes + host_opt + sum(b for b, h in zip(shape.chunk_bytes, homes) if h == "host")
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
     offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
@@ -193,7 +217,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 shape.chunk_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine), problem is None, problem,
-                shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule)
+                shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule, homes)
 
 
 def fewest_bytes(plan: Plan, shape: StepShape, host_bytes: int, machine: Machine) -> Plan:
@@ -206,12 +230,6 @@ def fewest_bytes(plan: Plan, shape: StepShape, host_bytes: int, machine: Machine
     others = [plan_step(shape, plan.device_capacity_bytes, host_bytes, machine, plan.opt_on_device, victim_rule=rule,
                         streamed=plan.opt_streamed, leads=plan.state_leads) for rule in ("lru", "fifo")]
     return min([plan, *(p for p in others if p.fits)], key=lambda p: p.h2d_bytes + p.d2h_bytes)
-
-
-def _host_items(shape: StepShape) -> list[Item]:
-    """What is on the host before anything is placed: each trainable chunk's slot, each frozen
-    chunk's params."""
-    return [("param" if shape.is_frozen(c) else "slot", c) for c in range(shape.n_chunks)]
 
 
 def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Machine,
@@ -231,13 +249,17 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     host_opt = sum(training.opt_state_bytes) - opt_device
     accesses = forward_accesses(shape, tuple(start))
     capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
-    state = ReplayState(start, {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)})
+    homes = training.frozen_home or ("",) * shape.n_chunks
+    clean = {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)}
+    state = ReplayState(start, {it for it in clean if not homes[it[1]]}, frozenset(it for it in clean if homes[it[1]]),
+                        pinned=frozenset(("param", c) for c, h in enumerate(homes) if h == "device"))
 
     def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
         return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
                     training.state_leads, shape.chunk_bytes, training.opt_state_bytes,
                     training.device_capacity_bytes, sum(m.h2d_bytes for m in moments),
-                    sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem)
+                    sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem,
+                    frozen_home=training.frozen_home)
     try:
         for a, room in zip(accesses, capacity):
             own = sum(map(shape.item_size, a.needs))
@@ -254,7 +276,7 @@ def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Mac
     moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], sum(map(shape.item_size, start)),
                               0, sum(map(shape.item_size, fetch)), sum(map(shape.item_size, written_back))))
     peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
-    peak_host = state.peak_host_bytes + host_opt
+    peak_host = state.peak_host_bytes + host_opt + sum(b for b, h in zip(shape.chunk_bytes, homes) if h == "host")
     problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
                if peak_host > host_bytes else None)
     return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))

@@ -64,12 +64,16 @@ class ReplayState:
 
     ``stored`` items (frozen chunks' params) have a copy off the device that never changes, which
     no replay charges to the host: where it lives (pinned host memory, a disk, or nowhere, for a
-    chunk that never leaves the device) is the plan's choice after the replay (placement.py)."""
+    chunk that never leaves the device) is the plan's choice after the replay (placement.py).
+    ``pinned`` items stay on the device whatever the policy says (a frozen chunk whose only copy
+    is there, in a replay of an evaluation between steps)."""
 
-    def __init__(self, device: dict[Item, bool], host: set[Item], stored: frozenset[Item] = frozenset()):
+    def __init__(self, device: dict[Item, bool], host: set[Item], stored: frozenset[Item] = frozenset(),
+                 pinned: frozenset[Item] = frozenset()):
         self.device = dict(device)  # item -> dirty (no valid host copy), in the order they arrived
         self.host = set(host)  # items with a valid host copy
         self.stored = frozenset(stored)  # items with a copy off the device outside the host's count
+        self.pinned = frozenset(pinned)  # items on the device that are never evicted (no copy elsewhere)
         self.size: Size = lambda item: 0
         self.device_bytes = self.host_bytes = self.peak_host_bytes = 0
         self.policy: EvictionPolicy | None = None
@@ -94,8 +98,9 @@ class ReplayState:
         self.arrivals += 1
 
     def touch(self, item: Item, t: int) -> None:
-        """Re-key ``item`` (on the device) at moment ``t``, which uses it or brought it."""
-        if self.policy is not None:
+        """Re-key ``item`` (on the device) at moment ``t``, which uses it or brought it (a pinned
+        item is never queued: no policy evicts it)."""
+        if self.policy is not None and item not in self.pinned:
             e = (self.policy.key(item, t, self.device[item]), self.arrival[item], item)
             self.entry[item] = e
             heapq.heappush(self.queue, e)
@@ -208,7 +213,7 @@ def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, stat
     the first ended, has in practice always been the one that repeats, so it overflowing means
     the plan's step does)."""
     for round_ in range(rounds):
-        start = ReplayState(state.device, state.host, state.stored)
+        start = ReplayState(state.device, state.host, state.stored, state.pinned)
         moments, state = simulate(accesses, capacity, size, state, policy, prefetch,
                                   host_limit=host_limit if round_ else None)
         if state.key() == start.key():
