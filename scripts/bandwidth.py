@@ -30,7 +30,7 @@ import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_jax.plan.machine import copies_overlap  # noqa: E402
 from pstar_jax.engine.memory import Placement, Space  # noqa: E402
-from pstar_jax.planner.build import default_mesh  # noqa: E402
+from pstar_jax.planner.build import default_mesh, layout_for  # noqa: E402
 
 
 def copy_rate(placement: Placement, nbytes: int) -> tuple[float, float, float]:
@@ -73,7 +73,7 @@ def main() -> None:
     # Adam on the host, and a device budget of a few stages' chunks beside the working memory:
     # every param chunk is fetched at each use (rates of the H200, the machine this is for).
     config = ps.EngineConfig(precision="bf16", adam_placement="host", machine="h200")
-    chunk = ps.resolve_engine_config(config, model, mesh).chunk_numel
+    chunk = max(layout_for(model, config, mesh).numels)
     stage_bytes = 2 * 2 * chunk * 3  # a block's params and grads in up to 3 chunks, bf16
     budget = (8 * 2**20 if args.small else gib // 2) + stage_bytes  # well below the 2.6 GB of bf16 params
     engine = ps.build_engine(model, dataclasses.replace(config, device_memory=budget), ps.OptimConfig(),

@@ -46,7 +46,7 @@ from pstar_jax.model.staged import decays  # noqa: E402
 from pstar_jax.engine.optim import ChunkOptimizer  # noqa: E402
 from pstar_jax.plan.placement import make_plan  # noqa: E402
 from pstar_jax.planner.search import default_tx_for_shapes, largest_mixed  # noqa: E402
-from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
+from pstar_jax.planner.build import default_mesh, layout_for, resolve_machine  # noqa: E402
 from pstar_jax.engine.stages import StageFunctions, bind  # noqa: E402
 from pstar_jax.planner.trace import trace_step  # noqa: E402
 
@@ -242,6 +242,7 @@ def main(argv=None) -> int:
     # One chunk size for every run and depth: the preset's with full training (adapters are small
     # tensors packed like any other, so the LoRA layout differs only in which chunks are frozen).
     config = ps.resolve_engine_config(config, build_model(preset), mesh)
+    config = dataclasses.replace(config, chunk_numel=layout_for(build_model(preset), config, mesh).numels[0])
     machine = resolve_machine(config, mesh)
     host_bytes = host_budget_bytes(config.host_memory)
     load = os.getloadavg()

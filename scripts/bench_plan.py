@@ -84,7 +84,8 @@ def main() -> None:
         if planned is plan:
             rows.append((f"{name}, measured step 2", *measured[-1], None))
     opt, streamed = plan.opt_on_device, plan.opt_streamed
-    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of {engine.layout.chunk_numel:,}, "
+    print(f"model {args.model}: {model.n_params():,} params, {shape.n_chunks} chunks of "
+          f"{' or '.join(f'{n:,}' for n in engine.layout.chunk_numels.values())}, "
           f"batch {args.batch_size}x{cfg.seq_len}, device budget {ps.format_bytes(engine.device_budget_bytes)} "
           f"for model data {ps.format_bytes(engine.model_data_bytes)}; every row: Adam state on the device for "
           f"{sum(opt)} chunks, streamed through it for {sum(streamed)}, on the host for "

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pstar_jax as ps  # noqa: E402
 
 LLAMA_FAMILY = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-7b",
-                "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "mistral-7b")
+                "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+                "qwen3-14b", "qwen3-32b", "mistral-7b")
 COLUMNS = ("preset", "params", "model data", "fits (or what runs out)", "resident", "Adam chunks device/host/streamed",
            "moved/step (h2d+d2h)", "s/step", "model TFLOPS")
 
@@ -62,10 +63,10 @@ def row(report: ps.PlanReport) -> dict:
     """One table row as data (bytes in bytes, times in seconds; None where it does not fit)."""
     plan, shape, n = report.plan, report.planned.shape, report.planned.layout.n_chunks
     # per device: a param or grad, master and Adam; a frozen chunk its param alone
-    model_data = n * shape.item_bytes + shape.n_trainable * shape.opt_state_bytes
+    model_data = sum(shape.chunk_bytes) + sum(shape.opt_state_bytes)
     busiest = shape.busiest_non_model_bytes
     out = {"preset": report.label, "n_params": report.n_params, "n_chunks": n,
-           "chunk_numel": report.planned.layout.chunk_numel, "model_data_bytes": model_data, "fits": plan.fits,
+           "chunk_numels": report.planned.layout.chunk_numels, "model_data_bytes": model_data, "fits": plan.fits,
            "problem": plan.problem,
            # Every chunk's item and state live somewhere at every moment, and at the busiest one the
            # device has room for at most its budget less that moment's working memory: a lower bound

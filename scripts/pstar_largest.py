@@ -9,6 +9,7 @@ that model and trains it for a few steps, reporting step time, tokens/s and mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ import numpy as np  # noqa: E402
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_jax.engine.memory import host_budget_bytes  # noqa: E402
-from pstar_jax.planner.build import default_mesh, resolve_machine  # noqa: E402
+from pstar_jax.planner.build import default_mesh, layout_for, resolve_machine  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +40,9 @@ def main() -> None:
                              if args.device_memory else 0.95,
                              host_memory=ps.parse_bytes(args.host_memory, "--host-memory"),
                              machine="h200" if on_h200 else None)  # else this machine's saved rates
-    config = ps.resolve_engine_config(config, build_model(args.model), mesh)  # the preset's chunk size at every depth
+    config = ps.resolve_engine_config(config, build_model(args.model), mesh)
+    # The preset's chunk size at every depth (full training: one kind, one size).
+    config = dataclasses.replace(config, chunk_numel=layout_for(build_model(args.model), config, mesh).numels[0])
     machine = resolve_machine(config, mesh)
     host_bytes = host_budget_bytes(config.host_memory)  # what the engine will get (a pool limit may lower it)
     start = time.perf_counter()

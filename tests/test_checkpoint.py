@@ -66,6 +66,20 @@ def test_restore_under_other_chunk_size_budget_and_data_parallel(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in records(split)], [r["loss"] for r in records(straight)], rtol=2e-5)
 
 
+def test_a_lora_run_resumes_under_another_size_per_kind(tmp_path):
+    """Saved with the adapters and the base in chunks of their own sizes (auto); resumed with one
+    size forced on both (--chunk-size): the trainable chunks are laid out again on the host."""
+    lora = [*BASE, "--model", "llama-tiny", "--lora-rank", "4", "--steps", "4"]
+    straight, split, d = tmp_path / "s.jsonl", tmp_path / "p.jsonl", tmp_path / "ck"
+    assert main([*lora, "--metrics-out", str(straight)]) == 0
+    assert main([*lora, "--stop-after", "2", "--checkpoint-dir", str(d), "--metrics-out", str(split)]) == 0
+    meta = Checkpointer(str(d)).meta(2)
+    assert "numels" in meta["layout"] and meta["layout"]["frozen_chunks"]  # two sizes, and frozen chunks
+    assert main([*lora, "--resume", "--chunk-size", "12288", "--checkpoint-dir", str(d),
+                 "--metrics-out", str(split)]) == 0
+    np.testing.assert_allclose([r["loss"] for r in records(split)], [r["loss"] for r in records(straight)], rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_bf16_resume_is_bit_for_bit_under_the_same_degree_and_equal_to_rounding_under_another(tmp_path):
     """What README's "Checkpoints and faults" promises in bf16: a stop and resume at W=2 equals the

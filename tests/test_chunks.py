@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numel, build_layout, pack, unpack
+from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numels, build_layout, pack, unpack
 from pstar_jax.config import ConfigError
 
 ALIGN = 64
@@ -135,7 +135,7 @@ def test_json_round_trip(model, extra_aligns):
 
 
 def _search_range(shapes, multiple: int, align: int) -> tuple[int, int, int]:
-    """(low, high, step) of auto_chunk_numel's search, as its docstring states it."""
+    """(low, high, step) of auto_chunk_numels' search for one kind, as its docstring states it."""
     step = multiple * align
     rounded = lambda n: -(-n // step) * step
     largest = _largest(shapes)
@@ -158,7 +158,7 @@ def test_auto_chunk_numel_is_least_padding(model, multiple):
     """auto picks a size >= the largest tensor that pads no more than any aligned size of its range."""
     shapes, decayed = model
     decays = lambda n: n in decayed
-    best = auto_chunk_numel(shapes, decays, multiple=multiple)
+    best = auto_chunk_numels(shapes, decays, multiple=multiple)["trainable"]
     low, high, step = _search_range(shapes, multiple, ALIGN)
     assert best >= _largest(shapes) and best % multiple == 0 and best <= high
     best_padded = build_layout(shapes, decays, best).padded_numel
@@ -171,7 +171,7 @@ def test_auto_chunk_numel_is_least_padding(model, multiple):
 def test_auto_chunk_numel_gives_several_chunks(model):
     """For a model of several tensors auto never puts everything into one chunk."""
     shapes, decayed = model
-    best = auto_chunk_numel(shapes, lambda n: n in decayed)
+    best = auto_chunk_numels(shapes, lambda n: n in decayed)["trainable"]
     assert build_layout(shapes, lambda n: n in decayed, best).n_chunks >= 2
 
 
@@ -180,7 +180,7 @@ def test_auto_chunk_numel_is_least_padding_on_wide_range():
     rng = np.random.default_rng(0)
     shapes = {f"t{i}": (int(rng.integers(1, 3000)),) for i in range(int(rng.integers(20, 60)))}
     decays = lambda n: int(n[1:]) % 3 == 0
-    best_padded = build_layout(shapes, decays, auto_chunk_numel(shapes, decays)).padded_numel
+    best_padded = build_layout(shapes, decays, auto_chunk_numels(shapes, decays)["trainable"]).padded_numel
     low, high, step = _search_range(shapes, 1, ALIGN)
     assert (high - low) // step > 40  # a wide range: many sizes to beat
     assert best_padded <= min(build_layout(shapes, decays, n).padded_numel
@@ -213,7 +213,8 @@ def test_json_round_trips_and_keeps_the_format_of_one_size(model, extra_aligns, 
     data = layout.to_json()
     assert ChunkLayout.from_json(data) == layout
     assert sorted(data) == sorted(["chunk_numel", "tensors"] + (["frozen_chunks"] if frozen else []))
-    assert layout.numels == (data["chunk_numel"],) * layout.n_chunks and layout.chunk_numel == data["chunk_numel"]
+    assert layout.numels == (data["chunk_numel"],) * layout.n_chunks
+    assert set(layout.chunk_numels.values()) == {data["chunk_numel"]} and layout.own_chunks == ()
     assert layout.kinds == tuple("frozen" if c in data.get("frozen_chunks", ()) else "trainable"
                                  for c in range(layout.n_chunks))
     assert layout.frozen == (tuple(k == "frozen" for k in layout.kinds) if frozen else ())
@@ -240,7 +241,112 @@ def test_sizes_per_chunk_are_written_only_where_they_differ():
     assert layout.numels == (256, 200, 64) and layout.padded_numel == 520 and layout.to_json() == data
     assert [c.shape for c in pack(layout, {"a": np.ones((10, 10)), "b": np.ones(3), "c": np.ones(200),
                                            "d": np.ones((7, 7))}, np.float32)] == [(256,), (200,), (64,)]
-    with pytest.raises(ValueError, match="sizes, not one"):
-        layout.chunk_numel
+    assert layout.chunk_numels == {"trainable": 64, "frozen": 200}  # a kind's size: the smallest of its chunks
     with pytest.raises(ValueError, match="past the end of chunk 2"):
         ChunkLayout.from_json({**data, "numels": [256, 200, 48]})
+
+
+def _round(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+@st.composite
+def two_kind_models(draw):
+    """(shapes, names that decay, names frozen)."""
+    shapes, decayed = draw(models(min_tensors=2, max_tensors=16))
+    return shapes, decayed, {name for name in shapes if draw(st.booleans())}
+
+
+def check_kinds(layout: ChunkLayout, shapes, frozen, sizes, align: int, multiple: int) -> None:
+    """Each chunk holds one kind; a kind's chunks have its size and follow model order, but for a
+    tensor over that size, alone in a chunk of exactly its size (aligned, shardable)."""
+    kind_of = {n: "frozen" if n in frozen else "trainable" for n in shapes}
+    by_chunk: dict[int, list] = {}
+    for s in layout.slots:
+        by_chunk.setdefault(s.chunk, []).append(s)
+        assert layout.kinds[s.chunk] == kind_of[s.name], s.name
+    for c, slots in by_chunk.items():
+        size = sizes[layout.kinds[c]]
+        if max(s.numel for s in slots) > size:
+            assert len(slots) == 1 and layout.numel_of(c) == _round(slots[0].numel, align * multiple)
+            assert c in layout.own_chunks
+        else:
+            assert layout.numel_of(c) == size and c not in layout.own_chunks
+    for kind in set(kind_of.values()):
+        chunks = [s.chunk for s in layout.slots if kind_of[s.name] == kind]
+        assert chunks == sorted(chunks), f"the {kind} chunks must follow model order"
+    padded = {k: sum(n for n, kind in zip(layout.numels, layout.kinds) if kind == k) for k in set(layout.kinds)}
+    used = {k: sum(math.prod(shapes[n]) for n in shapes if kind_of[n] == k) for k in padded}
+    assert layout.waste_numels() == {k: padded[k] - used[k] for k in padded}
+
+
+@settings(max_examples=200, deadline=None)
+@given(two_kind_models(), st.integers(1, 700), st.integers(1, 700), st.sampled_from([1, 2, 8]),
+       st.sampled_from([1, 8, 64]))
+def test_each_kind_fills_chunks_of_its_own_size(model, trainable_numel, frozen_numel, multiple, align):
+    shapes, decayed, frozen = model
+    # (each kind has a tensor within its size, as with an int or auto's sizes: else the kind's
+    # size would read as the smallest of its chunks, all of their own)
+    smallest = {k: min((math.prod(s) for n, s in shapes.items() if (n in frozen) == (k == "frozen")), default=1)
+                for k in ("trainable", "frozen")}
+    sizes = {"trainable": max(trainable_numel, smallest["trainable"]), "frozen": max(frozen_numel, smallest["frozen"])}
+    layout = build_layout(shapes, lambda n: n in decayed, sizes, align, trainable=lambda n: n not in frozen,
+                          multiple=multiple)
+    for s in layout.slots:  # no straddling, aligned, the decayed prefix
+        assert 0 <= s.offset and s.offset + s.numel <= layout.numel_of(s.chunk) and s.offset % align == 0
+        assert (s.offset + s.numel <= layout.n_decay[s.chunk]) if s.decays else (s.offset >= layout.n_decay[s.chunk])
+    check_kinds(layout, shapes, frozen, sizes, align, multiple)
+    assert ChunkLayout.from_json(layout.to_json()) == layout
+
+
+@settings(max_examples=60, deadline=None)
+@given(two_kind_models(), st.sampled_from([1, 2, 8]))
+def test_auto_sizes_per_kind_are_least_padding_over_each_kinds_range(model, multiple):
+    """With both kinds, each kind's size pads its tensors no more than any aligned size from its
+    largest repeated tensor (else its largest) up to twice that, capped at a quarter of the kind."""
+    shapes, decayed, frozen = model
+    decays, trainable = (lambda n: n in decayed), (lambda n: n not in frozen)
+    sizes = auto_chunk_numels(shapes, decays, multiple=multiple, trainable=trainable)
+    assert set(sizes) == {"frozen" if n in frozen else "trainable" for n in shapes}
+    for kind, best in sizes.items():
+        mine = {n: s for n, s in shapes.items() if (n in frozen) == (kind == "frozen")}
+        seen = [tuple(s) for s in mine.values()]
+        repeated = [math.prod(s) for s in set(seen) if seen.count(s) > 1]
+        step = multiple * ALIGN
+        low = _round(max(repeated) if len(sizes) > 1 and repeated else _largest(mine), step)
+        high = max(low, min(2 * low, _round(sum(_round(math.prod(s), ALIGN) for s in mine.values()) // 4, step)))
+        assert low <= best <= high and best % multiple == 0
+
+        def padded(n):
+            return build_layout(mine, decays, {kind: n}, trainable=trainable, multiple=multiple).padded_numel
+        assert all(padded(best) <= padded(n) for n in range(low, high + 1, step))
+
+
+def test_a_tiny_llama_lora_run_gets_small_adapter_chunks_and_the_embedding_and_head_alone():
+    """LoRA on a tiny Llama: the adapters' chunks are smaller than the largest frozen tensor, each
+    chunk holds one kind, the embedding and head each sit alone in a chunk of their size, and
+    EngineConfig.chunk_numel (--chunk-size) still forces one size on both kinds."""
+    import functools
+
+    from pstar_models import build_model
+    from pstar_models.lora import LoraSpec
+    from pstar_jax.config import EngineConfig
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.freeze import trainable
+    from pstar_jax.model.lora import frozen_for_lora
+    from pstar_jax.model.staged import decays
+    from pstar_jax.planner.build import default_mesh, layout_for
+    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0))
+    shapes, frozen = m.param_shapes(), frozen_for_lora(m, LoraConfig(rank=4))
+    sizes = auto_chunk_numels(shapes, functools.partial(decays, m), trainable=trainable(frozen))
+    assert sizes["trainable"] < max(math.prod(shapes[n]) for n in frozen)
+    layout = layout_for(m, EngineConfig(), default_mesh(1), trainable(frozen))
+    assert layout.chunk_numels == sizes and {"trainable", "frozen"} == set(layout.kinds)
+    check_kinds(layout, shapes, frozen, sizes, ALIGN, 1)
+    assert sorted(s.name for s in layout.slots if s.chunk in layout.own_chunks) == ["embed.embedding", "head.kernel"]
+    assert all(layout.waste_numels()[k] < 0.2 * layout.padded_numel for k in sizes)
+    forced = layout_for(m, EngineConfig(chunk_numel=12_345), default_mesh(1), trainable(frozen))
+    assert set(forced.numels) == {12_345} and forced.own_chunks == () and set(forced.kinds) == set(sizes)
+    check_kinds(forced, shapes, frozen, dict.fromkeys(sizes, 12_345), ALIGN, 1)
+    with pytest.raises(ConfigError, match="below the largest tensor"):
+        layout_for(m, EngineConfig(chunk_numel=4096), default_mesh(1), trainable(frozen))

@@ -255,3 +255,19 @@ def test_sizes_per_kind_train_bit_identically_to_one_size():
         assert a.h2d_bytes > 0 and b.h2d_bytes > 0, "the budgets must make chunks move every step"
     for name, value in per_kind.params().items():
         np.testing.assert_array_equal(one_size.params()[name], value, err_msg=name)
+
+
+def test_identical_blocks_share_compiles_under_sizes_per_kind():
+    """Adapters' and base's chunks of their own sizes cut the blocks at other places, yet a deeper
+    model's blocks still share a few compiled backwards, as many at 12 layers as at 6."""
+    from pstar_models import build_model
+    from pstar_models.lora import LoraSpec
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.lora import frozen_for_lora
+    counts = []
+    for n_layer in (6, 12):
+        m = build_model("llama-tiny", n_layer=n_layer, lora=LoraSpec(rank=4, alpha=16.0))
+        engine = _lora_engine(m, frozen_for_lora(m, LoraConfig(rank=4)), None, clip_norm=1.0)
+        engine.step(batches(1)[0])
+        counts.append(len([key for key in engine.fns._cache if key[0] == "bwd"]))
+    assert 0 < counts[0] == counts[1] < 6, counts

@@ -305,6 +305,40 @@ def test_lora_plans_adapters_trained_and_the_base_frozen(capsys):
     assert "LoRA rank 4" in text and f"{adapters:,} trained at 14 B/param" in text and "frozen chunks have none" in text
 
 
+def test_a_lora_answer_names_each_kinds_chunk_size_and_waste(capsys):
+    """Adapters and base in chunks of their own sizes: the answer names both sizes, their counts,
+    their padding in bytes (at 14 and 2 B/elem), the tensors in chunks of their own, and says when
+    --chunk-size forced one size on both."""
+    from pstar_jax.config import EngineConfig, ModelConfig, RunConfig
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.io.models import load_model
+    from pstar_jax.model.freeze import trainable
+    from pstar_jax.model.lora import frozen_for_lora
+    from pstar_jax.planner.build import default_mesh, layout_for
+    model = load_model(RunConfig(model=ModelConfig(name="llama-tiny"), lora=LoraConfig(rank=4)))
+    layout = layout_for(model, EngineConfig(), default_mesh(1), trainable(frozen_for_lora(model, LoraConfig(rank=4))))
+    sizes, waste = layout.chunk_numels, layout.waste_numels()
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--no-search", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chunk_numels"] == sizes and "chunk_numel" not in data and not data["chunk_size_forced"]
+    assert data["n_chunks_by_kind"] == {k: layout.kinds.count(k) for k in sizes} and data["n_chunks"] == layout.n_chunks
+    assert data["waste_bytes"] == {"trainable": 14 * waste["trainable"], "frozen": 2 * waste["frozen"]}
+    assert data["own_chunks"] == ["embed.embedding", "head.kernel"]
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--no-search"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("chunks: "))
+    n = {k: layout.kinds.count(k) - sum(layout.kinds[c] == k for c in layout.own_chunks) for k in sizes}
+    assert line.startswith(f"chunks: trainable {n['trainable']} of {sizes['trainable']:,} elements (")
+    assert f"; frozen {n['frozen']} of {sizes['frozen']:,} (" in line and line.count("waste ") == 2
+    assert "at 14 B/elem" in line and "at 2 B/elem" in line
+    assert line.endswith("; 2 of their own (embed.embedding, head.kernel)")
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--no-search", "--chunk-size", "12288", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chunk_numel"] == 12288 and data["chunk_numels"] == {"trainable": 12288, "frozen": 12288}
+    assert data["chunk_size_forced"] and data["own_chunks"] == []
+    assert main([*LORA_FLAGS, "--lora-rank", "4", "--no-search", "--chunk-size", "12288"]) == 0
+    assert "; sizes set by --chunk-size" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # two depth searches of up to 512 chunks: a minute or more on 2 cores
 def test_lora_depth_search_rebuilds_adapters_and_goes_deeper(capsys):
     """The depth search's deeper models have adapters and the same frozen base, so LoRA reaches

@@ -124,7 +124,7 @@ def test_longest_seq_len_trains_and_a_little_longer_does_not():
     n = report.seq_len_search.value
     assert n > 1024 and report.longest.fits and report.longest.seq_len == n
     longer = -(-int(n + max(SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE * n)) // SEQ_LEN_GRANULE) * SEQ_LEN_GRANULE
-    cfg_at = dataclasses.replace(cfg, chunk_numel=report.longest.planned.layout.chunk_numel)
+    cfg_at = dataclasses.replace(cfg, chunk_numel=report.longest.planned.layout.chunk_numels["trainable"])
     assert not ps.plan_report(at(longer), cfg_at, 1, mesh(), H200, 2**30, search=False).fits
     data = report.to_json()["largest_seq_len"]
     assert data["value"] == n and data["plan"]["fits"] and data["tokens_per_s"] > 0
@@ -189,7 +189,8 @@ def test_depth_bound_counts_the_stage_inputs_and_holds():
     report = ps.plan_report(model, ps.EngineConfig(device_memory=4 * MiB), 8, mesh(), H200, 8 * MiB, search=False)
     planned, shape = report.planned, report.planned.shape
     assert report.fits
-    cfg = dataclasses.replace(ps.EngineConfig(device_memory=4 * MiB), chunk_numel=planned.layout.chunk_numel)
+    cfg = dataclasses.replace(ps.EngineConfig(device_memory=4 * MiB),
+                              chunk_numel=planned.layout.chunk_numels["trainable"])
     bound = depth_memory_bound(model, one_more, shape, cfg, None, 1, 2, 12 * MiB)
     per_param = sum(shape.bytes_per_element(0))
     params_only = 2 + int((12 * MiB - model.n_params() * per_param) // ((one_more.n_params() - model.n_params())

@@ -110,8 +110,8 @@ def test_plan_presets_lora_rows_answer_as_pstar_plan(capsys):
     assert mine["predicted_step_s"] == cli["plan"]["predicted_step_s"] and mine["n_chunks"] == cli["n_chunks"]
     trained_chunks = mine["adam_chunks_device"] + mine["adam_chunks_host"] + mine["adam_chunks_streamed"]
     assert 1 <= trained_chunks < mine["n_chunks"]  # the adapters' chunks; the base's are frozen
-    item, state = cli["plan"]["item_bytes"], cli["plan"]["opt_state_bytes"]
-    assert mine["model_data_bytes"] == mine["n_chunks"] * item + trained_chunks * state
+    # the adapters' chunks and the base's have sizes of their own; every trainable chunk one state
+    assert mine["model_data_bytes"] == sum(cli["plan"]["chunk_bytes"]) + trained_chunks * cli["plan"]["opt_state_bytes"]
 
 
 def test_build_engine_refuses_plain_settings_for_the_chunked_engine_and_names_its_machine():

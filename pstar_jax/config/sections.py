@@ -128,8 +128,10 @@ class EngineConfig:
     ``device_memory``: all the device memory the engine may use, chunks and working memory
     together: bytes (int), a fraction of the device (float in (0, 1]), or None for automatic
     (0.9 of an accelerator; on a CPU half the model data beside the working memory, so that
-    chunks move). ``chunk_numel`` None picks the size that wastes least."""
-    chunk_numel: int | None = option(None, "elements per chunk (4M, 65536) or auto", flag="--chunk-size",
+    chunks move). ``chunk_numel`` is one size for trained and frozen chunks alike; None picks, for
+    each of the two, the size that wastes least (a larger tensor then gets a chunk of its own)."""
+    chunk_numel: int | None = option(None, "elements per chunk, trained and frozen alike (4M, 65536), or auto: "
+                                     "for each the size that wastes least", flag="--chunk-size",
                                      parse=parse_chunk_numel)
     device_memory: int | float | None = option(
         None, "device memory for chunks and activations: bytes (2GiB, 1e9), a fraction of the device "

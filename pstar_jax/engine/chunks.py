@@ -1,9 +1,11 @@
 """Chunks: every parameter tensor packed into fixed-size flat arrays.
 
-A chunk is a flat 1-D array of one dtype; chunk ``c`` has ``numels[c]`` elements (today every
-chunk of a layout has the same size). The layout maps each tensor to (chunk, offset, shape); it
-is the same for the four chunk lists (bf16 params and their grads, fp32 master params, Adam m,
-Adam v), so chunk ``i`` of every list covers the same tensors. Rules, as in PatrickStar:
+A chunk is a flat 1-D array of one dtype; chunk ``c`` has ``numels[c]`` elements. Each kind of
+chunk has a size of its own (``build_layout`` with sizes per kind), and a tensor larger than its
+kind's size gets a chunk of its own, exactly its size (an embedding or head beside a LoRA run's
+adapters). The layout maps each tensor to (chunk, offset, shape); it is the same for the four
+chunk lists (bf16 params and their grads, fp32 master params, Adam m, Adam v), so chunk ``i`` of
+every list covers the same tensors. Rules, as in PatrickStar:
   * no tensor straddles two chunks, so a chunk's size >= the largest tensor it holds;
   * tensors are placed greedily in model order, so a stage's tensors sit in consecutive chunks;
   * inside a chunk, tensors that take weight decay come first: elements ``[0, n_decay)`` decay
@@ -64,12 +66,28 @@ class ChunkLayout:
         return self.numels[chunk]
 
     @property
-    def chunk_numel(self) -> int:
-        """The one chunk size of a layout whose chunks all have it (ValueError otherwise): for
-        reports that name a single size."""
-        if len(set(self.numels)) != 1:
-            raise ValueError(f"the layout's chunks have {len(set(self.numels))} sizes, not one")
-        return self.numels[0]
+    def chunk_numels(self) -> dict[str, int]:
+        """Per kind present (in KINDS order): the size its chunks are filled to. A chunk larger than
+        that holds one tensor of its own, so the kind's size is the smallest of its chunks (sizes
+        under every tensor of a kind, which neither an int nor auto_chunk_numels gives, would read
+        as the smallest of those chunks)."""
+        return {kind: min(n for n, k in zip(self.numels, self.kinds) if k == kind)
+                for kind in KINDS if kind in self.kinds}
+
+    @property
+    def own_chunks(self) -> tuple[int, ...]:
+        """The chunks larger than their kind's size: each holds one tensor, alone."""
+        sizes = self.chunk_numels
+        return tuple(c for c, (n, k) in enumerate(zip(self.numels, self.kinds)) if n > sizes[k])
+
+    def waste_numels(self) -> dict[str, int]:
+        """Per kind present: its chunks' elements that hold no tensor (padding and alignment gaps)."""
+        waste = {kind: 0 for kind in self.chunk_numels}
+        for n, kind in zip(self.numels, self.kinds):
+            waste[kind] += n
+        for s in self.slots:
+            waste[self.kinds[s.chunk]] -= s.numel
+        return waste
 
     @property
     def frozen(self) -> tuple[bool, ...]:
@@ -143,34 +161,55 @@ def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[st
 
 
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-                 chunk_numel: int, align: int = 64, trainable: Callable[[str], bool] | None = None) -> ChunkLayout:
+                 chunk_numel: int | Mapping[str, int], align: int = 64, trainable: Callable[[str], bool] | None = None,
+                 multiple: int = 1) -> ChunkLayout:
     """Greedy placement in model order, trainable and frozen tensors (``trainable``, default: all
-    trainable) in chunks of their own; raises ConfigError if a tensor cannot fit a chunk."""
+    trainable) in chunks of their own kind. ``chunk_numel`` is one size for every kind (an int, as
+    ``--chunk-size`` gives: a tensor larger than it is a ConfigError) or a size per kind (a mapping
+    from "trainable"/"frozen", as ``auto_chunk_numels`` gives): then a tensor larger than its kind's
+    size gets a chunk of its own, its size rounded up to ``align * multiple`` (shardable over
+    ``multiple`` devices), and the kind's next tensor opens a new chunk, so each kind's chunks
+    still follow model order."""
     trainable = trainable or (lambda name: True)
-    largest = max(shapes, key=lambda n: math.prod(shapes[n]))
-    if math.prod(shapes[largest]) > chunk_numel:
-        raise ConfigError(
-            f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
-            f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
+    if isinstance(chunk_numel, Mapping):
+        sizes = dict(chunk_numel)
+    else:
+        largest = max(shapes, key=lambda n: math.prod(shapes[n]))
+        if math.prod(shapes[largest]) > chunk_numel:
+            raise ConfigError(
+                f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
+                f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
+        sizes = dict.fromkeys(KINDS, chunk_numel)
     groups: list[list[str]] = []
-    kinds: list[bool] = []  # per chunk: trainable
+    kinds: list[str] = []  # per chunk
+    numels: list[int] = []  # per chunk
     # kind -> (the chunk it fills now, the running ends of its decayed and non-decayed parts)
-    open_chunk: dict[bool, tuple[int, int, int]] = {}
+    open_chunk: dict[str, tuple[int, int, int]] = {}
     # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
     # reordering changes the alignment gaps. The non-decayed part starts aligned, so its span does
     # not depend on the decayed part's: two running ends give the extent of the chunk plus one
     # tensor in constant time (recomputing it over the chunk made a chunk of many small tensors
     # quadratic: 12,000 tensors of a 1000-layer tiny took minutes).
     for name in shapes:
-        kind, numel, decayed = bool(trainable(name)), math.prod(shapes[name]), decays(name)
+        kind, numel, decayed = "trainable" if trainable(name) else "frozen", math.prod(shapes[name]), decays(name)
+        if kind not in sizes:
+            raise ValueError(f"no chunk size for {kind} tensors (such as {name}); sizes given: {sorted(sizes)}")
+        size = sizes[kind]
+        if numel > size:  # (sizes per kind only) alone, in a chunk of exactly its size
+            groups.append([name])
+            kinds.append(kind)
+            numels.append(_round_up(numel, align * multiple))
+            open_chunk.pop(kind, None)
+            continue
         c, decayed_end, plain_end = open_chunk.get(kind, (-1, 0, 0))
         d_end = _round_up(decayed_end, align) + numel if decayed else decayed_end
         p_end = plain_end if decayed else _round_up(plain_end, align) + numel
         extent = _round_up(d_end, align) + p_end if p_end else d_end
-        if c < 0 or extent > chunk_numel:  # each kind fills chunks of its own
+        if c < 0 or extent > size:  # each kind fills chunks of its own
             c = len(groups)
             groups.append([])
             kinds.append(kind)
+            numels.append(size)
             d_end, p_end = (numel, 0) if decayed else (0, numel)
         groups[c].append(name)
         open_chunk[kind] = (c, d_end, p_end)
@@ -182,7 +221,7 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             offset = _round_up(offset + math.prod(shapes[name]), align)
     order = {name: i for i, name in enumerate(shapes)}
     slots.sort(key=lambda s: order[s.name])
-    return _finish((chunk_numel,) * len(groups), tuple(slots), tuple("trainable" if t else "frozen" for t in kinds))
+    return _finish(tuple(numels), tuple(slots), tuple(kinds))
 
 
 def _finish(numels: tuple[int, ...], slots: tuple[TensorSlot, ...], kinds: tuple[str, ...]) -> ChunkLayout:
@@ -232,20 +271,45 @@ def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.nd
     return {s.name: host[s.chunk][s.offset:s.offset + s.numel].reshape(s.shape) for s in layout.slots}
 
 
-def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
-                     multiple: int = 1, align: int = 64, max_candidates: int = 512,
-                     trainable: Callable[[str], bool] | None = None) -> int:
-    """The chunk size (>= the largest tensor) whose layout wastes the fewest elements.
+def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
+                      multiple: int = 1, align: int = 64, max_candidates: int = 512,
+                      trainable: Callable[[str], bool] | None = None) -> dict[str, int]:
+    """Per kind present ("trainable", "frozen"), the chunk size whose layout of that kind's tensors
+    wastes the fewest elements (build_layout with these sizes).
 
-    Waste is padding at chunk ends plus alignment gaps. A least-waste size is always the
-    extent of some run of consecutive tensors (a smaller size would not change the layout of a
-    full chunk), so those extents are the candidates; repeated blocks make most of them equal.
-    Sizes run from the largest tensor up to 2x it (coarser chunks place memory too coarsely),
-    but no further than a quarter of the model,
-    so there are always several chunks to place. Ties go to the smaller size."""
+    Waste is padding at chunk ends plus alignment gaps. A least-waste size is always the extent
+    of some run of consecutive tensors of the kind (a smaller size would not change the layout of
+    a full chunk), so those extents are the candidates; repeated blocks make most of them equal.
+    Sizes run from ``low`` up to 2x it (coarser chunks place memory too coarsely), but no further
+    than a quarter of the kind, so there are always several chunks to place. Ties go to the
+    smaller size. ``low`` is the largest tensor when one kind holds every tensor (nothing frozen:
+    the sizes of layouts before kinds had sizes of their own). With both kinds it is the kind's
+    largest tensor whose shape occurs at least twice (a block's), else its largest: a larger
+    singleton, such as an embedding or a head, gets a chunk of its own instead of setting the
+    size of all the others."""
+    trainable = trainable or (lambda name: True)
+    by_kind: dict[str, dict[str, Sequence[int]]] = {}
+    for name, shape in shapes.items():
+        by_kind.setdefault("trainable" if trainable(name) else "frozen", {})[name] = shape
+    out = {}
+    for kind in (k for k in KINDS if k in by_kind):
+        mine = by_kind[kind]
+        numels = [math.prod(s) for s in mine.values()]
+        seen: dict[tuple, int] = {}
+        for shape in mine.values():
+            seen[tuple(shape)] = seen.get(tuple(shape), 0) + 1
+        repeated = [math.prod(s) for s, n in seen.items() if n > 1]
+        low = max(repeated) if len(by_kind) > 1 and repeated else max(numels)
+        out[kind] = _least_waste(mine, decays, low, kind, multiple, align, max_candidates)
+    return out
+
+
+def _least_waste(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool], low_numel: int, kind: str,
+                 multiple: int, align: int, max_candidates: int) -> int:
+    """auto_chunk_numels' search over the tensors of one kind."""
     names = list(shapes)
     sizes = [_round_up(math.prod(shapes[n]), align) for n in names]
-    low = _round_up(max(math.prod(s) for s in shapes.values()), multiple * align)
+    low = _round_up(low_numel, multiple * align)
     high = max(low, min(2 * low, _round_up(sum(sizes) // 4, multiple * align)))
     candidates = {low}
     for i in range(len(names)):
@@ -260,4 +324,14 @@ def auto_chunk_numel(shapes: Mapping[str, Sequence[int]], decays: Callable[[str]
     if len(ordered) > max_candidates:  # keep the search quick for huge, irregular models
         step = len(ordered) / max_candidates
         ordered = sorted({ordered[int(i * step)] for i in range(max_candidates)} | {low})
-    return min(ordered, key=lambda n: (build_layout(shapes, decays, n, align, trainable).padded_numel, n))
+    trainable = (lambda name: kind == "trainable")
+    return min(ordered, key=lambda n: (build_layout(shapes, decays, {kind: n}, align, trainable,
+                                                    multiple).padded_numel, n))
+
+
+def outgrown(shapes: Mapping[str, Sequence[int]], chunk_numel: int | Mapping[str, int],
+             trainable: Callable[[str], bool] | None = None) -> set[str]:
+    """The tensors larger than their kind's size (with sizes per kind: those in chunks of their own)."""
+    trainable = trainable or (lambda name: True)
+    sizes = chunk_numel if isinstance(chunk_numel, Mapping) else dict.fromkeys(KINDS, chunk_numel)
+    return {n for n, s in shapes.items() if math.prod(s) > sizes.get("trainable" if trainable(n) else "frozen", 0)}

@@ -179,7 +179,7 @@ class ChunkedEngine(ChunkState, Evaluation):
             f"{on_device} chunks, on the host for {n - on_device - streamed}, streamed through the device for "
             f"{streamed}; per step {format_bytes(p.h2d_bytes)} h2d, "
             f"{format_bytes(p.d2h_bytes)} d2h; predicted {p.predicted_step_s * 1e3:.1f} ms/step on {self.machine.name}",
-            f"plan: {p.stage_inputs_line()}"])
+            f"plan: {p.stage_inputs_line()}", *(f"plan: {line}" for line in filter(None, [p.frozen_line()]))])
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
         """Master and optimizer state where the plan keeps them; params in the slots, placed as at

@@ -48,9 +48,8 @@ _STORED = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
 
 
 def chunk_numel(layout: ChunkLayout, c: int) -> int:
-    """Chunk ``c``'s elements, for layouts of one size (``chunk_numel``) and of sizes per chunk (``numel_of``)."""
-    numel_of = getattr(layout, "numel_of", None)
-    return numel_of(c) if numel_of is not None else layout.chunk_numel
+    """Chunk ``c``'s elements."""
+    return layout.numel_of(c)
 
 
 def layout_digest(layout: ChunkLayout) -> str:

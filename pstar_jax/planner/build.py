@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh
 
-from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numel, build_layout
+from pstar_jax.engine.chunks import ChunkLayout, auto_chunk_numels, build_layout
 from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_bytes
 from pstar_jax.engine.protocol import Engine
 from pstar_jax.engine.executor import ChunkedEngine
@@ -56,10 +56,10 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
                trainable: Callable[[str], bool] | None = None) -> Planned:
     """Lay out, trace and plan without allocating model data.
 
-    ``cfg`` must be resolved (a chunk size, a device budget in bytes or None for the CPU demo
-    default). ``adam`` fixes the optimizer placement (per chunk: state on the device, state
-    streamed) instead of choosing it: an engine places its optimizer state once, for every
-    batch shape. ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
+    ``cfg`` must be resolved (a device budget in bytes or None for the CPU demo default).
+    ``adam`` fixes the optimizer placement (per chunk: state on the device, state streamed)
+    instead of choosing it: an engine places its optimizer state once, for every batch shape.
+    ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
     given ``layout``, which records its frozen chunks."""
     layout, bound, fns, shape, budget = trace_model(model, cfg, mesh, batch_shape, make_tx, layout, fns, trace_cache,
                                                     trainable)
@@ -82,8 +82,6 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
                 ) -> tuple[ChunkLayout, list[BoundStage], StageFunctions, StepShape, int]:
     """plan_model's layout, bound stages, stage functions, trace and device budget in bytes, before
     any placement is planned."""
-    if cfg.chunk_numel is None:
-        raise ConfigError("EngineConfig.chunk_numel is auto; resolve the config first (resolve_engine_config)")
     placement = Placement(mesh)
     param_dtype = cfg.compute_dtype
     stages = list(model.stages(param_dtype))
@@ -91,11 +89,9 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
         validate_stages(stages, model.param_shapes())
     except ValueError as err:
         raise ConfigError(f"the model's stages are inconsistent: {err}") from None
-    chunk_numel = -(-cfg.chunk_numel // placement.n_devices) * placement.n_devices  # shardable
     if trainable is None and cfg.freeze:
         trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
-    layout = layout or build_layout(model.param_shapes(), functools.partial(decays, model), chunk_numel,
-                                    trainable=trainable)
+    layout = layout or layout_for(model, cfg, mesh, trainable)
     bound = [bind(s, layout, i) for i, s in enumerate(stages)]
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).chunk_state_bytes(layout)
@@ -185,13 +181,31 @@ def default_mesh(data_parallel: int | None = None) -> Mesh:
     return data_mesh(data_parallel)
 
 
+def chunk_sizes(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
+                trainable: Callable[[str], bool] | None = None) -> int | dict[str, int]:
+    """The chunk sizes a layout of ``model`` gets: ``EngineConfig.chunk_numel`` for every kind
+    (rounded up to shard over the mesh) when set, else per kind the size that wastes least
+    (chunks.auto_chunk_numels; ``trainable`` as build_layout's)."""
+    W = mesh.devices.size
+    if cfg.chunk_numel is not None:
+        return -(-cfg.chunk_numel // W) * W
+    return auto_chunk_numels(model.param_shapes(), functools.partial(decays, model), multiple=W, trainable=trainable)
+
+
+def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Callable[[str], bool] | None = None,
+               sizes: int | Mapping[str, int] | None = None) -> ChunkLayout:
+    """``model``'s chunk layout with ``sizes`` (default: ``chunk_sizes``'), shardable over the mesh."""
+    sizes = chunk_sizes(cfg, model, mesh, trainable) if sizes is None else sizes
+    return build_layout(model.param_shapes(), functools.partial(decays, model), sizes, trainable=trainable,
+                        multiple=mesh.devices.size)
+
+
 def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
                           trainable: Callable[[str], bool] | None = None) -> EngineConfig:
-    """The automatic choices made concrete: a chunk size (the one that wastes least, shardable over
-    the mesh) and the device budget in bytes (a fraction of the device, 0.9 of an accelerator by
-    default, or None on a CPU: the demo default of half the model data, so chunks move)."""
-    chunk_numel = cfg.chunk_numel or auto_chunk_numel(model.param_shapes(), functools.partial(decays, model),
-                                                      multiple=mesh.devices.size, trainable=trainable)
+    """The automatic choices made concrete: the device budget in bytes (a fraction of the device,
+    0.9 of an accelerator by default, or None on a CPU: the demo default of half the model data, so
+    chunks move). The chunk sizes are chosen where the layout is built (``layout_for``), per kind,
+    so ``model`` and ``trainable`` no longer matter here."""
     device = mesh.devices.flat[0]
     memory = cfg.device_memory
     if memory is None:
@@ -200,7 +214,7 @@ def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
         budget = int(memory * device_total_bytes(device))
     else:
         budget = memory
-    return dataclasses.replace(cfg, chunk_numel=chunk_numel, device_memory=budget)
+    return dataclasses.replace(cfg, device_memory=budget)
 
 
 def resolve_machine(config: EngineConfig, mesh: Mesh, make_tx: TxFactory | None = None) -> Machine:
@@ -273,4 +287,5 @@ def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: M
 
 
 __all__ = ["Planned", "plan_model", "trace_model", "require_fit", "EnginePlanner", "chunked_engine",
-           "resolve_engine_config", "resolve_machine", "build_engine", "default_mesh", "micro_batch_shape"]
+           "resolve_engine_config", "chunk_sizes", "layout_for", "resolve_machine", "build_engine", "default_mesh",
+           "micro_batch_shape"]

@@ -19,9 +19,10 @@ from jax.sharding import Mesh
 
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes, format_seconds
 from pstar_jax.config.lora import LoraConfig
+from pstar_jax.engine.chunks import outgrown
 from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
-from pstar_jax.planner.build import Planned, plan_model, resolve_engine_config
+from pstar_jax.planner.build import Planned, chunk_sizes, layout_for, plan_model, resolve_engine_config
 from pstar_jax.planner.fit import any_fits
 from pstar_jax.planner.search import (MAX_SEARCH_CHUNKS, MAX_SEARCH_SEQ_LEN, SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE, Largest,
                                      Progress, announced, default_tx_for_shapes, largest_batch, largest_depth,
@@ -53,6 +54,7 @@ class PlanReport:
     seq_len_search: Largest | None = None  # tokens per sequence at one sequence per device
     longest: "PlanReport | None" = None  # the plan at that length
     n_trainable: int | None = None  # trained params (None: all of them)
+    chunk_size_forced: bool = False  # EngineConfig.chunk_numel (--chunk-size) set every kind's size
 
     @property
     def bytes_per_param(self) -> tuple[int, int]:
@@ -89,11 +91,9 @@ class PlanReport:
         return self.flops_per_token * self.tokens_per_step / self.plan.predicted_step_s / 1e12
 
     def to_json(self) -> dict:
-        layout = self.planned.layout
         out = {"label": self.label, "n_params": self.n_params,
                "n_trainable": self.n_params if self.n_trainable is None else self.n_trainable,
-               "model_data_bytes": self.model_data_bytes, "chunk_numel": layout.chunk_numel,
-               "n_chunks": layout.n_chunks, "plan": self.plan.to_json()}
+               "model_data_bytes": self.model_data_bytes, **self._chunks_json(), "plan": self.plan.to_json()}
         for name in ("depth", "batch"):
             if getattr(self, name) is not None:
                 out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
@@ -106,6 +106,55 @@ class PlanReport:
                                       "model_tflops": longest.model_tflops if longest else None}
         return out
 
+    def _chunks_json(self) -> dict:
+        """The chunk size and count, as before sizes were per kind while one kind holds every
+        tensor; with both kinds, per kind: the size, the count, the bytes of padding (with their
+        optimizer state), and the tensors in chunks of their own."""
+        layout = self.planned.layout
+        sizes = layout.chunk_numels
+        out = {"chunk_numel": layout.numels[0]} if len(set(layout.numels)) == 1 else {}
+        out["n_chunks"] = layout.n_chunks
+        if len(sizes) > 1:
+            out.update(chunk_numels=sizes, n_chunks_by_kind={k: layout.kinds.count(k) for k in sizes},
+                       waste_bytes=self.waste_bytes, own_chunks=self._own_tensors(),
+                       chunk_size_forced=self.chunk_size_forced)
+        return out
+
+    @property
+    def waste_bytes(self) -> dict[str, int]:
+        """Per kind: the model's bytes in chunk padding, at that kind's bytes per element (its item
+        and optimizer state, as ``bytes_per_param`` rounds them: 14 and 2 B in bf16)."""
+        shape, kinds = self.planned.shape, self.planned.layout.kinds
+        first = {kind: kinds.index(kind) for kind in set(kinds)}
+        return {kind: n * round(sum(shape.bytes_per_element(first[kind])))
+                for kind, n in self.planned.layout.waste_numels().items()}
+
+    def _own_tensors(self) -> list[str]:
+        layout = self.planned.layout
+        own = set(layout.own_chunks)
+        return [s.name for s in layout.slots if s.chunk in own]
+
+    def _chunks_line(self) -> str:
+        layout = self.planned.layout
+        sizes = layout.chunk_numels
+        if len(sizes) == 1:
+            return (f"chunks: {layout.n_chunks} chunks of {max(sizes.values()):,} elements "
+                    f"({100 * layout.numel / layout.padded_numel:.1f}% used)")
+        own, waste, shape = set(layout.own_chunks), self.waste_bytes, self.planned.shape
+        unused = layout.waste_numels()
+        parts = []
+        for i, (kind, size) in enumerate(sizes.items()):
+            chunks = [c for c, k in enumerate(layout.kinds) if k == kind]
+            padded = sum(layout.numels[c] for c in chunks)
+            per_element = round(sum(shape.bytes_per_element(chunks[0])))
+            parts.append(f"{kind} {sum(c not in own for c in chunks)} of {size:,}{' elements' if not i else ''} "
+                         f"({100 * (padded - unused[kind]) / padded:.1f}%{' used' if not i else ''}, "
+                         f"waste {format_bytes(waste[kind])} at {per_element} B/elem)")
+        line = "chunks: " + "; ".join(parts)
+        if own:
+            line += f"; {len(own)} of their own ({', '.join(self._own_tensors())})"
+        return line + ("; sizes set by --chunk-size" if self.chunk_size_forced else "")
+
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.plan.predicted_step_s
@@ -117,8 +166,7 @@ class PlanReport:
                f"host {format_bytes(self.host_bytes)} per device, {W} data-parallel device(s)",
                f"model {self.label}: {self.n_params:,} params ({self._data_words()}), batch "
                f"{self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), {self.precision}",
-               f"chunks: {layout.n_chunks} chunks of {layout.chunk_numel:,} elements "
-               f"({100 * layout.numel / layout.padded_numel:.1f}% used)"]
+               self._chunks_line()]
         if plan.fits:
             n, on_device, streamed = self.planned.shape.n_trainable, sum(plan.opt_on_device), sum(plan.opt_streamed)
             frozen = layout.n_chunks - n
@@ -132,6 +180,7 @@ class PlanReport:
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host",
                     plan.stage_inputs_line(),
+                    *filter(None, [plan.frozen_line()]),
                     f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
                     f"{tflops:.0f} "
                     "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
@@ -184,7 +233,7 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                 host_bytes: int, *, label: str | None = None, model_at: Callable[[int], StagedModel] | None = None,
                 search: bool = True, seq_len_at: Callable[[int], StagedModel] | None = None,
                 cache: dict | None = None, lora: LoraConfig | None = None,
-                progress: Progress | None = None) -> PlanReport:
+                progress: Progress | None = None, sizes: int | dict[str, int] | None = None) -> PlanReport:
     """Plan ``model`` (config resolved against ``mesh``; ``host_bytes`` per device) for a step of
     ``batch_size`` sequences; ``model_at(n_layer)`` rebuilds the model at another depth for the
     depth search (no depth search without it). ``seq_len_at(seq_len)`` rebuilds it for another
@@ -192,7 +241,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
     sequence per device (``longest_seq_len``), whatever ``search`` says. ``lora``: a LoRA run
     (``model`` built with its adapters) trains only them and ``modules_to_save``; the rest is
     frozen, as ``EngineConfig.freeze`` freezes. No model data is allocated. ``progress`` hears
-    what the searches try (search.Progress: lines on stderr once they have run a few seconds)."""
+    what the searches try (search.Progress: lines on stderr once they have run a few seconds).
+    ``sizes``: the chunk sizes (build.chunk_sizes') instead of those ``config`` gives."""
     if batch_size < 1 or batch_size % config.micro_batches:
         raise ConfigError(f"TrainConfig.batch_size {batch_size} must be a positive multiple of "
                           f"EngineConfig.micro_batches {config.micro_batches}")
@@ -203,7 +253,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                           "(DistributedConfig.data_parallel)")
     trainable = trainable_for(model, config, lora)
     resolved = resolve_engine_config(config, model, mesh, trainable)
-    layout = check_plan_size(model, resolved, mesh, trainable)
+    sizes = chunk_sizes(config, model, mesh, trainable) if sizes is None else sizes
+    layout = check_plan_size(model, resolved, mesh, trainable, sizes)
     make_tx = default_tx_for_shapes()
     cache = {} if cache is None else cache
     planned = plan_model(model, resolved, mesh, (micro, model.seq_len), machine, host_bytes, make_tx,
@@ -215,7 +266,7 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                         config.micro_batches, model.seq_len, config.precision,
                         flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
                         width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width",
-                        n_trainable=trained)
+                        n_trainable=trained, chunk_size_forced=isinstance(sizes, int))
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
             report.depth = largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
@@ -250,22 +301,24 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     W = mesh.devices.size
     make_tx = default_tx_for_shapes()
     first = seq_len_at(start)
-    chunk_numel = resolve_engine_config(cfg, first, mesh, trainable_for(first, cfg, lora)).chunk_numel
+    sizes = chunk_sizes(cfg, first, mesh, trainable_for(first, cfg, lora))
+    first_outgrown = outgrown(first.param_shapes(), sizes, trainable_for(first, cfg, lora))
+    resolved = resolve_engine_config(cfg, first, mesh)
     fitted: dict[int, bool] = {}
     shapes: dict[int, tuple] = {}  # seq_len -> (its step's shape, its device budget)
 
-    def resolved_at(model: StagedModel) -> EngineConfig:
-        # The run's chunk size at every length, unless a tensor grows past it (GPT's positions).
-        largest_numel = max(math.prod(v) for v in model.param_shapes().values())
-        numel = chunk_numel if largest_numel <= chunk_numel else None
-        return resolve_engine_config(dataclasses.replace(cfg, chunk_numel=numel), model, mesh,
-                                     trainable_for(model, cfg, lora))
+    def sizes_at(model: StagedModel) -> int | dict[str, int]:
+        # The run's chunk sizes at every length, unless a tensor grows past its kind's size (GPT's
+        # positions): then that length's own (a forced size would not hold it).
+        trainable = trainable_for(model, cfg, lora)
+        if outgrown(model.param_shapes(), sizes, trainable) <= first_outgrown:
+            return sizes
+        return chunk_sizes(dataclasses.replace(cfg, chunk_numel=None), model, mesh, trainable)
 
     def fits(seq_len: int) -> bool:
         if seq_len not in fitted:
             model = seq_len_at(seq_len)
-            resolved = resolved_at(model)
-            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora))
+            layout = check_plan_size(model, resolved, mesh, trainable_for(model, cfg, lora), sizes_at(model))
             shape = _traced(model, resolved, mesh, (W, seq_len), layout, make_tx, cache)
             shapes[seq_len] = shape, resolved.device_budget_bytes
             fitted[seq_len] = fits_in(shape, resolved.device_budget_bytes)
@@ -285,8 +338,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     def report_at(seq_len: int) -> PlanReport:
         # The full plan (placement search, predicted step) at the answer: its traces are cached.
         model = seq_len_at(seq_len)
-        return plan_report(model, resolved_at(model), W, mesh, machine, host_bytes, search=False, cache=cache,
-                           lora=lora)
+        return plan_report(model, resolved, W, mesh, machine, host_bytes, search=False, cache=cache, lora=lora,
+                           sizes=sizes_at(model))
 
     length, capped = longest_within(announced(fits, "seq-len", "tokens", progress), start, SEQ_LEN_GRANULE,
                                     tolerance, MAX_SEARCH_SEQ_LEN, guess=memory_allows)
@@ -309,15 +362,14 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
-                    trainable: Callable[[str], bool] | None = None):
-    """The layout of ``model`` (``config`` resolved; ``trainable`` as build_layout's), refusing a
-    step too long to plan in reasonable time (MAX_PLAN_CHUNKS, MAX_PLAN_MOMENTS) with a value
-    that answers when followed."""
+                    trainable: Callable[[str], bool] | None = None, sizes: int | dict[str, int] | None = None):
+    """The layout of ``model`` (``trainable`` as build_layout's; ``sizes`` as build.layout_for's),
+    refusing a step too long to plan in reasonable time (MAX_PLAN_CHUNKS chunks of both kinds,
+    MAX_PLAN_MOMENTS) with a value that answers when followed."""
     from pstar_jax.engine.chunks import build_layout
     W = mesh.devices.size
-    chunk_numel = -(-config.chunk_numel // W) * W
     decay = functools.partial(decays, model)
-    layout = build_layout(model.param_shapes(), decay, chunk_numel, trainable=trainable)
+    layout = layout_for(model, config, mesh, trainable, sizes)
     n_stages = len(list(model.stages(config.compute_dtype)))
     moments = 2 * n_stages * config.micro_batches
     if 2 * n_stages > MAX_PLAN_MOMENTS:
@@ -331,14 +383,17 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
                           f"backward moments, more than pstar-plan replays ({MAX_PLAN_MOMENTS:,}); use "
                           f"EngineConfig.micro_batches {max(1, MAX_PLAN_MOMENTS // (2 * n_stages))} or fewer")
     if layout.n_chunks > MAX_PLAN_CHUNKS:
-        larger = -(-layout.numel // MAX_PLAN_CHUNKS)
+        larger = max(-(-layout.numel // MAX_PLAN_CHUNKS), max(math.prod(v) for v in model.param_shapes().values()))
         while True:  # packing wastes some of each chunk: grow until the count is within the cap
             larger = -(-larger // (64 * W)) * 64 * W
             if build_layout(model.param_shapes(), decay, larger, trainable=trainable).n_chunks <= MAX_PLAN_CHUNKS:
                 break
             larger = larger * 9 // 8
-        raise ConfigError(f"{layout.n_chunks:,} chunks of {layout.chunk_numel:,} elements are more than pstar-plan "
-                          f"plans ({MAX_PLAN_CHUNKS:,}); use EngineConfig.chunk_numel {larger} or more")
+        sizes = layout.chunk_numels
+        of = (f"of {max(sizes.values()):,} elements" if len(sizes) == 1 else
+              "(" + ", ".join(f"{kind} {layout.kinds.count(kind):,} of {n:,}" for kind, n in sizes.items()) + ")")
+        raise ConfigError(f"{layout.n_chunks:,} chunks {of} are more than pstar-plan plans ({MAX_PLAN_CHUNKS:,}); "
+                          f"use EngineConfig.chunk_numel {larger} or more")
     return layout
 
 

@@ -18,6 +18,7 @@ import functools
 import math
 import sys
 import time
+from fractions import Fraction
 from typing import TYPE_CHECKING, Callable
 
 from pstar_jax.config import EngineConfig, OptimConfig
@@ -237,13 +238,15 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
     placement = Placement(mesh)
     optimizer = ChunkOptimizer(make_tx, placement, cfg.compute_dtype)
     traced_at: dict[int, object] = {}  # depth -> its step's shape (asked without mixes, then with)
+    sizes = planned.layout.chunk_numels  # the run's sizes per kind at every depth
 
     def depth_fits(n_layer: int, mixes: bool) -> bool:
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         if n_layer not in traced_at:
             deeper = model_at(n_layer)
-            layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), planned.layout.chunk_numel,
-                                  trainable=trainable_for(deeper, cfg, lora, strict=False))
+            layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), sizes,
+                                  trainable=trainable_for(deeper, cfg, lora, strict=False),
+                                  multiple=placement.n_devices)
             bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
             traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.numels, cfg.compute_dtype,
                                             *planned.batch_shape, optimizer.chunk_state_bytes(layout),
@@ -257,11 +260,24 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
         return Largest(depth0)
     memory_bound = depth_memory_bound(model, one_more, shape, cfg, lora, mesh.devices.size, depth0,
                                       device_bytes + host_bytes)
-    chunk_bound = depth0 + max(0, (MAX_SEARCH_CHUNKS - shape.n_chunks) * planned.layout.chunk_numel // layer_numel)
+    # A layer adds its elements of each kind in chunks of that kind's size.
+    per_kind = [_numel_by_kind(m, cfg, lora) for m in (model, one_more)]
+    chunks_per_layer = sum(Fraction(per_kind[1].get(k, 0) - per_kind[0].get(k, 0), n) for k, n in sizes.items())
+    chunk_bound = (depth0 + max(0, math.floor((MAX_SEARCH_CHUNKS - shape.n_chunks) / chunks_per_layer))
+                   if chunks_per_layer > 0 else memory_bound)
     limit = max(1, min(memory_bound, chunk_bound))
     # From half the bound: the answer is usually near it, and deep probes cost the most.
     depth = largest_mixed(announced(depth_fits, "depth", "layers", progress), max(depth0, limit // 2), limit)
     return Largest(depth, capped=depth == limit and chunk_bound < memory_bound, memory_bound=memory_bound)
+
+
+def _numel_by_kind(model, cfg: EngineConfig, lora: LoraConfig | None) -> dict[str, int]:
+    trainable = trainable_for(model, cfg, lora, strict=False)
+    out: dict[str, int] = {}
+    for name, shape in model.param_shapes().items():
+        kind = "trainable" if trainable is None or trainable(name) else "frozen"
+        out[kind] = out.get(kind, 0) + math.prod(shape)
+    return out
 
 
 def depth_memory_bound(model, one_more, shape, cfg: EngineConfig, lora: LoraConfig | None, W: int, depth0: int,
