@@ -15,7 +15,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pstar_jax.plan.machine import H200  # noqa: E402
-from pstar_jax.plan.placement import make_plan, plan_forward, plan_step  # noqa: E402
+from pstar_jax.plan.forward import plan_forward  # noqa: E402
+from pstar_jax.plan.placement import make_plan, plan_step  # noqa: E402
 from tests.step_shapes import frozen_shape, gpt_like_shape  # noqa: E402
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan_goldens.json")

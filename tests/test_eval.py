@@ -18,7 +18,8 @@ from pstar_jax.plan.machine import H200
 from pstar_jax.engine.memory import Space
 from pstar_jax.engine.optim import default_tx
 from pstar_jax.engine.plain import PlainEngine
-from pstar_jax.plan.placement import plan_forward, plan_step
+from pstar_jax.plan.forward import plan_forward
+from pstar_jax.plan.placement import plan_step
 from pstar_jax.planner.build import plan_model
 from pstar_jax.plan.schedule import forward_accesses, step_accesses
 from pstar_jax.cli.train import main

@@ -65,7 +65,11 @@ def test_bad_input_exit_2(capsys):
                                           (["--plot", "{tmp}"], "must name an image file"),
                                           (["--plot", "{tmp}/timeline"], "must name an image file"),
                                           (["--plot", "{tmp}/absent/t.png"], "is not a directory"),
-                                          (["--machine", "{tmp}/absent.json"], "neither one of h200")])
+                                          (["--machine", "{tmp}/absent.json"], "neither one of h200"),
+                                          (["--disk-memory", "1TB"], "needs the disk's read rate: pass --disk-rate"),
+                                          (["--disk-memory", "1TB", "--disk-rate", "fast"], "is not a read rate"),
+                                          (["--disk-memory", "1TB", "--disk-rate", "0GB/s"], "is not a read rate"),
+                                          (["--disk-memory", "-5"], "is not a size")])
 def test_bad_values_are_one_line_exit_2(capsys, tmp_path, flags, words):
     flags = [f.format(tmp=tmp_path) for f in flags]
     assert main([*TINY, "--no-search", *flags]) == 2
@@ -397,3 +401,19 @@ def test_json_answers_are_those_recorded(args, capsys):
     answer = json.loads(capsys.readouterr().out)
     del answer["model"]  # (a new model setting adds a field here)
     assert hashlib.sha256(json.dumps(answer).encode()).hexdigest() == want[args]
+
+
+@pytest.mark.slow  # a 70B trace: about 30 s on 2 cores
+def test_a_70b_lora_fits_a_24gib_gpu_with_its_base_on_nvme(capsys):
+    """llama-3.1-70b LoRA on a 24 GiB GPU and 64 GiB host fits once the frozen chunks the host
+    cannot hold live on a 6 GB/s disk: the answer names the disk, its reads and the base's homes;
+    without the disk it does not fit."""
+    flags = ["llama-3.1-70b", "--lora-rank", "16", "--device-memory", "22GiB", "--host-memory", "64GiB",
+             "--seq-len", "4096", "--batch-size", "8", "--micro-batches", "8", "--no-search"]
+    assert main([*flags, "--disk-memory", "2TB", "--disk-rate", "6GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "and disk 1.82 TiB (read at 5.59 GiB/s) per device" in out
+    assert re.search(r"frozen base: .* chunks on disk; [0-9.]+ TiB read from disk per step", out), out
+    assert re.search(r"predicted: .*/step, [0-9,]+ tokens/s", out)
+    assert main(flags) == 1
+    assert "host memory runs out" in capsys.readouterr().err

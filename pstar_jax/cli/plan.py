@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from pstar_jax.cli import flags as cli
 from pstar_jax.config import ConfigError, EngineConfig, ModelConfig, RunConfig, TrainConfig
 from pstar_jax.config.lora import LoraConfig
+from pstar_jax.config.sizes import parse_rate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 GiB = 2**30
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO) (default: 1)")
     g.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's --host-memory "
                    "(default: W up to 8)")
+    g.add_argument("--disk-rate", default=None, metavar="RATE", help="the read rate of the local disk that "
+                   "--disk-memory plans for (6GB/s: an NVMe drive; default: the rate pstar-machine --disk measured, "
+                   "kept in --machine's file)")
     g.add_argument("--no-search", action="store_true", help="skip the largest depth and batch searches")
     g.add_argument("--largest-seq-len", action="store_true", help="also search the longest sequence that trains "
                    "at batch 1 (one sequence per device; a handful of traces whatever the answer, each a few seconds "
@@ -178,6 +182,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     config = RunConfig(model=cli.build(ModelConfig, args, "model"), engine=engine,
                        train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"))
     _check(args, config)
+    rate = None if args.disk_rate is None else parse_rate(args.disk_rate, "--disk-rate")
     W = args.data_parallel
     per_host = args.devices_per_host or min(W, 8)  # the devices sharing --host-memory
     host_bytes = engine.host_memory // per_host  # the plan is per device
@@ -192,6 +197,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.planner.search import Progress
 
     machine = load_machine(engine.machine)
+    if rate is not None:
+        machine = dataclasses.replace(machine, disk_read_bytes_per_s=rate, disk_tensor_bytes_per_s=rate)
+    if engine.disk_memory and not machine.disk_read_bytes_per_s:
+        raise ConfigError("EngineConfig.disk_memory needs the disk's read rate: pass --disk-rate (6GB/s for an NVMe "
+                          "drive) or a --machine file where pstar-machine --disk DIR measured it")
     model = load_model(config)
 
     seq_len_at = seq_len_builder(config, model) if args.largest_seq_len else None

@@ -148,6 +148,10 @@ class EngineConfig:
     remat: str = option("none", "plain engine: XLA rematerialisation of the blocks", choices=REMATS)
     host_memory: int | None = option(None, "pinned host memory pool for chunks (bytes; default: 85%% of what "
                                      "the machine has available)", parse=parse_optional_bytes)
+    disk_memory: int | None = option(None, "local disk per device for frozen chunks the host cannot hold, read "
+                                     "ahead of each use (bytes; default: none, the base stays in device and host "
+                                     "memory; needs the disk's read rate: pstar-machine --disk DIR)",
+                                     parse=parse_optional_bytes)
     machine: str | None = option(None, "rates the plan predicts with: h200, h200-duplex or a JSON file; default: "
                                  "this machine's, measured once and kept (pstar-machine "
                                  "--remeasure measures again)", metavar="NAME_OR_FILE")
@@ -161,7 +165,7 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ConfigError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got "
                                   f"{getattr(self, name)!r}")
-        positive_int(self, "chunk_numel", "host_memory", allow_none=True, upper=2**62)
+        positive_int(self, "chunk_numel", "host_memory", "disk_memory", allow_none=True, upper=2**62)
         positive_int(self, "micro_batches", upper=MAX_STEPS)
         memory = self.device_memory
         if isinstance(memory, float):

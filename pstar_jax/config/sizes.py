@@ -22,6 +22,19 @@ def parse_bytes(text: str | int, what: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_rate(text: str, what: str) -> float:
+    """'6GB/s', '5.5GiB/s', '2e9' -> bytes per second (positive)."""
+    body = str(text).strip()
+    body = body[:-2] if body.lower().endswith("/s") else body
+    try:
+        rate = parse_bytes(body, what) if body else 0
+    except ConfigError:
+        rate = 0
+    if rate <= 0:
+        raise ConfigError(f"{what}: {text!r} is not a read rate; write bytes per second like 6GB/s or 3.5GiB/s")
+    return float(rate)
+
+
 def parse_count(text: str | int, what: str) -> int:
     """An element count like '64M' (binary multipliers: K=1024, M=1024**2)."""
     if isinstance(text, int):

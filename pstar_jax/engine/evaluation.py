@@ -1,5 +1,5 @@
 """The held-out loss of the chunked engine: a forward-only pass between steps by a plan of its
-own (pstar_jax.plan.placement.plan_forward, made through the engine's ``Replanner``): the pending
+own (pstar_jax.plan.forward.plan_forward, made through the engine's ``Replanner``): the pending
 update applied first, no gradients, no optimizer work, and the slots put back where the training
 plan starts a step.
 

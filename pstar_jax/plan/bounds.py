@@ -42,7 +42,7 @@ def most_bytes_within(sizes: Sequence[int], room: int) -> int:
 
 
 def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequence[bool],
-                      streamed: Sequence[bool]) -> int:
+                      streamed: Sequence[bool], disk_bytes: int = 0) -> int:
     """A lower bound on the peak host memory of any plan with this optimizer placement. Every
     chunk has a bf16 item (params or grad) at every moment, on the device or the host, and so has
     every stage input from its forward to its backward (``working_moments``): what the device
@@ -50,7 +50,8 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     non-model data, counted in whole chunks: ``most_bytes_within``); and params made by host Adam
     all sit on the host once the last update has run (a copy fetched to the device leaves the
     host copy valid). A frozen chunk's params count as any chunk's item: one the device holds all
-    step needs no host copy (placement.frozen_homes)."""
+    step needs no host copy (placement.frozen_homes), and up to ``disk_bytes`` of frozen chunks
+    may be on a disk instead (homes.with_disk_homes)."""
     trained = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
     state_on_device = sum(shape.opt_state_bytes[c] for c in trained if opt_on_device[c])
     room = device_bytes - state_on_device - shape.busiest_non_model_bytes
@@ -58,15 +59,19 @@ def host_needed_bytes(shape: StepShape, device_bytes: int, opt_on_device: Sequen
     host_adam = sum(shape.chunk_bytes[c] for c in trained if not opt_on_device[c] and not streamed[c])
     busiest_working = max(n + alive for n, alive in working_moments(shape))
     beside_inputs = sum(items) + busiest_working - (device_bytes - state_on_device)
-    off_device = max(sum(items) - most_bytes_within(items, room), host_adam, beside_inputs)
+    on_disk = min(disk_bytes, sum(b for c, b in enumerate(items) if shape.is_frozen(c)))
+    off_device = max(sum(items) - most_bytes_within(items, room) - on_disk, host_adam, beside_inputs - on_disk)
     return off_device + sum(shape.opt_state_bytes[c] for c in trained if not opt_on_device[c])
 
 
-def could_fit(shape: StepShape, device_bytes: int, host_bytes: int) -> bool:
+def could_fit(shape: StepShape, device_bytes: int, host_bytes: int, disk_bytes: int = 0) -> bool:
     """Whether the two memories together could hold the model data: every chunk has its bf16
     item (params or grad) and its optimizer state somewhere at every moment, and so has every
     stage input alive then, beside the moment's non-model data on the device; a frozen chunk has
-    its params alone, in one memory or both. False: no placement fits."""
+    its params alone, in one memory or both, or on up to ``disk_bytes`` of disk. False: no
+    placement fits."""
     data_bytes = sum(shape.chunk_bytes) + sum(shape.opt_state_bytes)
-    return all(data_bytes + alive <= max(0, device_bytes - n) + host_bytes for n, alive in working_moments(shape))
+    on_disk = min(disk_bytes, sum(b for c, b in enumerate(shape.chunk_bytes) if shape.is_frozen(c)))
+    return all(data_bytes + alive <= max(0, device_bytes - n) + host_bytes + on_disk
+               for n, alive in working_moments(shape))
 

@@ -53,9 +53,15 @@ H200 = Machine("h200", 48.6 * 2**30, 49.0 * 2**30, 408e12, 119e9, 0.88e9)
 MACHINES = {"h200": H200, "h200-duplex": dataclasses.replace(H200, name="h200-duplex", duplex=True)}
 
 
+# The disk's rates: measured apart (pstar-machine --disk DIR) and kept through a remeasure; a preset
+# given a disk rate (pstar-plan --disk-rate) is still the preset.
+DISK_FIELDS = ("disk_read_bytes_per_s", "disk_tensor_bytes_per_s", "disk_measured_on")
+
+
 def describe(machine: Machine) -> str:
     """'h200 rates (preset)' or 'NAME rates (measured)': where a plan's rates came from."""
-    preset = MACHINES.get(machine.name) == machine
+    known = MACHINES.get(machine.name)
+    preset = known is not None and dataclasses.replace(machine, **{f: getattr(known, f) for f in DISK_FIELDS}) == known
     return f"{machine.name} rates ({'preset' if preset else 'measured'})"
 
 

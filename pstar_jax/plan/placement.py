@@ -12,7 +12,8 @@ an engine gets is Belady's unless LRU or FIFO eviction moves fewer bytes under t
 The step's moments and what each needs come from schedule.py (where the deferred optimizer
 update and the stage inputs are explained), the replay of a step from replay.py, the eviction
 rule from eviction.py, the step time from predict.py, the memory any placement needs at least
-from bounds.py. Chunks may differ in size: a chunk's bytes and state are per chunk.
+from bounds.py, frozen chunks' homes from homes.py, an evaluation's plan from forward.py.
+Chunks may differ in size: a chunk's bytes and state are per chunk.
 Between steps each chunk's bf16 slot holds its gradient (an update is pending) or its current
 params (none is: after initialisation, a restore or a flush).
 
@@ -46,11 +47,11 @@ from typing import Callable, Sequence
 from pstar_jax.config import format_bytes
 from pstar_jax.plan.bounds import could_fit, host_needed_bytes
 from pstar_jax.plan.eviction import policy_for
-from pstar_jax.plan.homes import frozen_homes, start_items
+from pstar_jax.plan.homes import DISK_SLOTS, disk_reads, frozen_homes, staging_bytes, start_items, with_disk_homes
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.predict import predict_step_s, state_leads
-from pstar_jax.plan.replay import HostShort, Infeasible, PlanMoment, ReplayState, moment_name, settle, simulate
-from pstar_jax.plan.schedule import Item, StepShape, forward_accesses, step_accesses
+from pstar_jax.plan.replay import HostShort, Infeasible, PlanMoment, ReplayState, moment_name, settle
+from pstar_jax.plan.schedule import Item, StepShape, step_accesses
 
 
 def shortfall(n_bytes: int) -> str:
@@ -85,8 +86,11 @@ class Plan:
     input_offload_bytes: int = 0  # those of them sent to pinned host memory (and back) per step
     victim_rule: str = "belady"  # the eviction rule that made the moments (eviction.py)
     # Per chunk where a frozen chunk's params live ("" for a trainable chunk; () when none is
-    # frozen): "device" (never leaves it, no other copy), "host" (a pinned copy always held).
+    # frozen): "device" (never leaves it, no other copy), "host" (a pinned copy always held),
+    # "disk" (read into a staging buffer before each fetch: homes.py).
     frozen_home: tuple[str, ...] = ()
+    disk_read_bytes: int = 0  # read from disk-homed chunks per step, per device
+    staging_bytes: int = 0  # the disk reader's ring in pinned host memory (in peak_host_bytes)
 
     def to_json(self) -> dict:
         """The plan as plain data. Sizes all chunks share are one number, as they were before sizes
@@ -96,8 +100,8 @@ class Plan:
         states = {b for b in self.opt_state_bytes if b}  # a frozen chunk has none
         out = {}
         for key, value in data.items():
-            if key == "frozen_home" and not value:
-                continue  # nothing frozen: the plan as before frozen chunks had homes
+            if key in ("frozen_home", "disk_read_bytes", "staging_bytes") and not value:
+                continue  # nothing frozen, or nothing on disk: the plan as before those homes
             if key == "chunk_bytes" and len(set(value)) == 1:
                 key, value = "item_bytes", value[0]
             elif key == "opt_state_bytes" and len(states) == 1:
@@ -106,18 +110,29 @@ class Plan:
         return out
 
     def home(self, c: int) -> str:
-        """Where frozen chunk c's params live ("device", "host"; "" for a trainable chunk)."""
+        """Where frozen chunk c's params live ("device", "host", "disk"; "" for a trainable chunk)."""
         return self.frozen_home[c] if self.frozen_home else ""
+
+    def disk_reads(self) -> tuple[int, ...]:
+        """The disk-homed chunks a step reads, in the order its moments fetch them."""
+        return disk_reads(self.moments, self.frozen_home)
 
     def frozen_line(self) -> str | None:
         """Where the frozen base lives, in a sentence (None when nothing is frozen)."""
         if not self.frozen_home:
             return None
         parts = []
-        for home, where in (("device", "on the device (no host copy)"), ("host", "in pinned host memory")):
+        for home, where in (("device", "on the device (no host copy)"), ("host", "in pinned host memory"),
+                            ("disk", "on disk")):
             chunks = [c for c, h in enumerate(self.frozen_home) if h == home]
-            parts.append(f"{format_bytes(sum(self.chunk_bytes[c] for c in chunks))} in {len(chunks)} chunks {where}")
-        return "frozen base: " + ", ".join(parts)
+            if chunks or home != "disk":
+                parts.append(f"{format_bytes(sum(self.chunk_bytes[c] for c in chunks))} in {len(chunks)} chunks "
+                             f"{where}")
+        line = "frozen base: " + ", ".join(parts)
+        if "disk" in self.frozen_home:
+            line += (f"; {format_bytes(self.disk_read_bytes)} read from disk per step "
+                     f"({len(self.disk_reads())} reads) through {format_bytes(self.staging_bytes)} of staging buffers")
+        return line
 
     @property
     def device_state_bytes(self) -> int:
@@ -144,7 +159,7 @@ class Plan:
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
               streamed: Sequence[bool] | None = None, hide_state: bool = True, stop_short: bool = False,
-              leads: Sequence[int] | None = None, streaming: bool = False) -> Plan:
+              leads: Sequence[int] | None = None, streaming: bool = False, disk_bytes: int = 0) -> Plan:
     """The plan for a given optimizer placement (see ``make_plan`` for choosing one).
 
     ``hide_state``: send streamed state down as far ahead as its copy takes (``state_leads``),
@@ -154,7 +169,9 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     need no more). ``streaming``: no plan, the baseline it beats: each moment's device holds
     only that moment's own items, fetched for it and evicted after it, with no prefetch (every
     chunk streamed at every use, under the same placement and rules; ``device_bytes`` is then
-    what that takes)."""
+    what that takes). ``disk_bytes``: local disk for frozen chunks the host cannot hold
+    (homes.with_disk_homes; used only with a measured ``machine.disk_read_bytes_per_s``)."""
+    disk_bytes = disk_bytes if machine.disk_read_bytes_per_s > 0 else 0
     # A frozen chunk has no optimizer state: nothing of it is on the device or streamed.
     opt_on_device = tuple(bool(d) and not shape.is_frozen(c) for c, d in enumerate(opt_on_device))
     streamed = tuple(bool(s) and not d and not shape.is_frozen(c)
@@ -169,7 +186,7 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                     f"device memory runs out by {shortfall(short)}: the optimizer state of "
                     f"{sum(opt_on_device)} chunks kept there ({format_bytes(opt_device)}) and the busiest "
                     f"moment's working memory ({format_bytes(busiest)}) leave no room for a chunk")
-    host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed)
+    host_needed = host_needed_bytes(shape, device_bytes, opt_on_device, streamed, disk_bytes)
     if host_needed > host_bytes and not streaming:  # known without building the step, let alone replaying it
         return Plan((), (), tuple(opt_on_device), streamed, (1,) * shape.n_chunks, shape.chunk_bytes,
                     shape.opt_state_bytes, device_bytes, 0, 0, 0, host_needed, float("inf"), False,
@@ -208,78 +225,33 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                     device_bytes, 0, 0, 0, 0, float("inf"), False, problem)
     peak_device = max(m.chunk_bytes + m.input_bytes + a.non_model_bytes + opt_device
                       for m, a in zip(moments, accesses))
-    homes = frozen_homes(shape, moments, start)
-    peak_host = state.peak_host_bytes + host_opt + sum(b for b, h in zip(shape.chunk_bytes, homes) if h == "host")
+    held = state.peak_host_bytes + host_opt
+    homes = with_disk_homes(shape, moments, frozen_homes(shape, moments, start), host_bytes - held, disk_bytes)
+    staging = staging_bytes(shape, homes)
+    peak_host = held + staging + sum(b for b, h in zip(shape.chunk_bytes, homes) if h == "host")
     if peak_host > host_bytes:
         problem = f"host memory runs out by {shortfall(peak_host - host_bytes)}"
     offloaded = sum(shape.item_size(it) for m in moments for it in m.evict if it[0] == "act")
+    read = sum(shape.chunk_bytes[c] for c in disk_reads(moments, homes))
     return Plan(tuple(moments), tuple(sorted(start.device.items())), tuple(opt_on_device), streamed, leads,
                 shape.chunk_bytes, shape.opt_state_bytes, device_bytes, sum(m.h2d_bytes for m in moments),
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
-                predict_step_s(moments, accesses, shape, machine), problem is None, problem,
-                shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule, homes)
+                predict_step_s(moments, accesses, shape, machine, homes, DISK_SLOTS), problem is None, problem,
+                shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule, homes, read, staging)
 
 
-def fewest_bytes(plan: Plan, shape: StepShape, host_bytes: int, machine: Machine) -> Plan:
+def fewest_bytes(plan: Plan, shape: StepShape, host_bytes: int, machine: Machine, disk_bytes: int = 0) -> Plan:
     """``plan``, or the plan of its very placement and state leads under LRU or FIFO eviction where
     that moves fewer bytes (Belady's on ties). Furthest next use first is optimal for items of one
     size that are only read; beside stage inputs of other sizes and write-backs it can lose a
-    little to a simpler rule, and a plan is never to move more than one (tests/test_eviction.py)."""
+    little to a simpler rule, and a plan is never to move more than one (tests/test_eviction.py).
+    Bytes read from disk count as bytes moved."""
     if not plan.fits:
         return plan
     others = [plan_step(shape, plan.device_capacity_bytes, host_bytes, machine, plan.opt_on_device, victim_rule=rule,
-                        streamed=plan.opt_streamed, leads=plan.state_leads) for rule in ("lru", "fifo")]
-    return min([plan, *(p for p in others if p.fits)], key=lambda p: p.h2d_bytes + p.d2h_bytes)
-
-
-def plan_forward(shape: StepShape, training: Plan, host_bytes: int, machine: Machine,
-                 victim_rule: str = "belady") -> Plan:
-    """The plan of a forward-only pass (held-out loss) run between two steps of ``training``.
-
-    ``shape`` is a forward-only shape (trace.trace_forward). The pass starts where ``training``
-    starts a step (its slots holding current params, as after a flush), under the same device
-    budget beside the optimizer state that plan keeps on the device, and places chunks by the
-    same replay and eviction rule, with no gradients and no optimizer moments. Its last moment
-    ("restore") evicts what the pass brought in and fetches back what it evicted, so the next
-    step finds the placement its plan starts from. Moments are those of
-    ``schedule.forward_accesses(shape, resident)``; their items are ("param", c), the params that
-    sit in slot ("slot", c) between steps (``initial_device`` keeps the slots' names)."""
-    start = {("param", c): dirty for (_, c), dirty in training.initial_device}
-    opt_device = training.device_state_bytes
-    host_opt = sum(training.opt_state_bytes) - opt_device
-    accesses = forward_accesses(shape, tuple(start))
-    capacity = [training.device_capacity_bytes - a.non_model_bytes - opt_device for a in accesses]
-    homes = training.frozen_home or ("",) * shape.n_chunks
-    clean = {("param", c) for c in range(shape.n_chunks) if not start.get(("param", c), False)}
-    state = ReplayState(start, {it for it in clean if not homes[it[1]]}, frozenset(it for it in clean if homes[it[1]]),
-                        pinned=frozenset(("param", c) for c, h in enumerate(homes) if h == "device"))
-
-    def plan(moments=(), problem=None, peak_device=0, peak_host=0, predicted_s=float("inf")) -> Plan:
-        return Plan(tuple(moments), training.initial_device, training.opt_on_device, training.opt_streamed,
-                    training.state_leads, shape.chunk_bytes, training.opt_state_bytes,
-                    training.device_capacity_bytes, sum(m.h2d_bytes for m in moments),
-                    sum(m.d2h_bytes for m in moments), peak_device, peak_host, predicted_s, problem is None, problem,
-                    frozen_home=training.frozen_home)
-    try:
-        for a, room in zip(accesses, capacity):
-            own = sum(map(shape.item_size, a.needs))
-            if own > room:
-                raise Infeasible(moment_name(a), own - room)
-        # Belady sees the restore's needs, so it keeps what the next step starts with where it can.
-        moments, state = simulate(accesses[:-1], capacity[:-1], shape.item_size, state,
-                                  policy_for(victim_rule, accesses))
-    except Infeasible as err:
-        return plan(problem=f"device memory runs out during evaluation at {err} by {shortfall(err.shortfall)}")
-    evict = tuple(sorted(it for it in state.device if it not in start))
-    fetch = tuple(sorted(it for it in start if it not in state.device))
-    written_back = [it for it in evict if state.device[it]]  # never any: only start items are dirty
-    moments.append(PlanMoment("restore", -1, 0, evict, fetch, False, capacity[-1], sum(map(shape.item_size, start)),
-                              0, sum(map(shape.item_size, fetch)), sum(map(shape.item_size, written_back))))
-    peak_device = max(m.chunk_bytes + a.non_model_bytes + opt_device for m, a in zip(moments, accesses))
-    peak_host = state.peak_host_bytes + host_opt + sum(b for b, h in zip(shape.chunk_bytes, homes) if h == "host")
-    problem = (f"host memory runs out during evaluation by {shortfall(peak_host - host_bytes)}"
-               if peak_host > host_bytes else None)
-    return plan(moments, problem, peak_device, peak_host, predict_step_s(moments, accesses, shape, machine))
+                        streamed=plan.opt_streamed, leads=plan.state_leads, disk_bytes=disk_bytes)
+              for rule in ("lru", "fifo")]
+    return min([plan, *(p for p in others if p.fits)], key=lambda p: p.h2d_bytes + p.d2h_bytes + p.disk_read_bytes)
 
 
 TIE_MARGIN = 0.05  # plans predicted within 5% of the fastest count as equally fast
@@ -315,7 +287,7 @@ def choose(plans: Sequence[Plan]) -> Plan:
 
 def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               adam_placement: str = "auto", first_fit: bool = False, mixes: bool = True,
-              pure_fails: bool = False) -> Plan:
+              pure_fails: bool = False, disk_bytes: int = 0) -> Plan:
     """Choose the optimizer placement by the predicted step time of the resulting plan.
 
     Chunks 0..k-1 keep their state on the device (PatrickStar's margin), chunks k..b-1 stream it
@@ -346,7 +318,8 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     optimizer state, then its host bound), so its path does not hang on replays that fail: with
     ``pure_fails`` (first_fit and mixes only: the caller knows no candidate of the rest all on
     the host or all streamed fits, as a search past the answer without mixes) those candidates
-    are not planned at all, and the mixes tried are the ones the full search would try."""
+    are not planned at all, and the mixes tried are the ones the full search would try.
+    ``disk_bytes``: local disk for frozen chunks the host cannot hold (plan_step's)."""
     order = [c for c in range(shape.n_chunks) if not shape.is_frozen(c)]
     rank = {c: r for r, c in enumerate(order)}
     n = len(order)
@@ -356,11 +329,11 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
 
     def planned(opt_on_device: Sequence[bool], streamed: Sequence[bool], stop_short: bool = True) -> Plan:
         plan = plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed,
-                         stop_short=stop_short)
+                         stop_short=stop_short, disk_bytes=disk_bytes)
         if plan.fits or not any(plan.opt_streamed) or not plan.problem.startswith("device"):
             return plan  # the retry below saves device memory
         return plan_step(shape, device_bytes, host_bytes, machine, opt_on_device, streamed=streamed, hide_state=False,
-                         stop_short=stop_short)
+                         stop_short=stop_short, disk_bytes=disk_bytes)
 
     def answer(plan: Plan) -> Plan:  # a candidate that does not fit, replayed in full for its exact shortfall
         return plan if plan.fits else planned(plan.opt_on_device, plan.opt_streamed, stop_short=False)
@@ -369,8 +342,8 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     if adam_placement != "auto":
         return fewest_bytes(planned(everything if adam_placement == "device" else ranked(0, 0),
                                     everything if adam_placement == "stream" else ranked(0, 0), stop_short=False),
-                            shape, host_bytes, machine)
-    if first_fit and not could_fit(shape, device_bytes, host_bytes):
+                            shape, host_bytes, machine, disk_bytes)
+    if first_fit and not could_fit(shape, device_bytes, host_bytes, disk_bytes):
         return planned(ranked(0, 0), ranked(0, 0), stop_short=False)  # one candidate, to say what runs out
     scores: dict[tuple[int, int], Plan | None] = {}  # (k, b) -> plan (None: known not to fit, not planned)
     state_below = [0, *itertools.accumulate(shape.opt_state_bytes[c] for c in order)]  # of ranks below k
@@ -379,7 +352,7 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     def unfit_rank(key: tuple[int, int]) -> tuple[int, int]:
         k, b = key
         device_short = max(0, state_below[k] + moment_bytes - device_bytes)
-        return device_short, host_needed_bytes(shape, device_bytes, ranked(0, k), ranked(k, b))
+        return device_short, host_needed_bytes(shape, device_bytes, ranked(0, k), ranked(k, b), disk_bytes)
 
     class _Fits(Exception):
         pass
@@ -432,4 +405,4 @@ def make_plan(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
     made = [plan for plan in scores.values() if plan is not None]
     if first_fit:  # nothing fits: the caller asks no more
         return choose(made) if made else planned(ranked(0, 0), ranked(0, 0))
-    return fewest_bytes(answer(choose(made)), shape, host_bytes, machine)
+    return fewest_bytes(answer(choose(made)), shape, host_bytes, machine, disk_bytes)

@@ -16,6 +16,7 @@ class MomentCopies(Protocol):
     """What the prediction reads of a planned moment (replay.PlanMoment): when its copies are issued
     and how many bytes they move. placement.py imports this module, never the other way round."""
     prefetch: bool
+    fetch: tuple
     h2d_bytes: int
     d2h_bytes: int
 
@@ -51,7 +52,7 @@ def state_leads(accesses: Sequence[Access], shape: StepShape, machine: Machine) 
 
 
 def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], shape: StepShape,
-                   machine: Machine) -> float:
+                   machine: Machine, homes: Sequence[str] = (), slots: int = 1) -> float:
     """Replay the step on the device's compute stream and its copy engines, in the executor's order.
 
     Each moment computes after the previous one and after its own inputs have arrived. Copies
@@ -65,14 +66,27 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
 
     Host updates run one after another on the host's cores from the step's start (the previous
     step's backward sent their grads up and gave the norm); a host update's moment starts
-    when the device is free and that update is done."""
-    free = {"up": 0.0, "down": 0.0}  # when each copy engine is next free
+    when the device is free and that update is done.
+
+    A fetch of a chunk whose ``homes`` entry is "disk" waits for its read: the disk reads one
+    chunk after another at ``machine.disk_read_bytes_per_s``, in fetch order, from the step's
+    start, into a ring of ``slots`` buffers; a read waits for a free buffer, freed once the
+    fetch ``slots`` reads earlier is on the device (engine/disk.DiskReader does the same)."""
+    free = {"up": 0.0, "down": 0.0, "disk": 0.0}  # when each copy engine (and the disk) is next free
+    released: list[float] = []  # per disk read, in order: when its fetch freed its buffer
+    on_disk = "disk" in homes
 
     def copy(direction: str, after: float, seconds: float) -> float:
-        start = max(after, free[direction] if machine.duplex else max(free.values()))
-        for d in ((direction,) if machine.duplex else tuple(free)):
+        start = max(after, free[direction] if machine.duplex else max(free["up"], free["down"]))
+        for d in ((direction,) if machine.duplex else ("up", "down")):
             free[d] = start + seconds
         return start + seconds
+
+    def read(item_bytes: int) -> float:  # the next disk read: when it is done
+        k = len(released)
+        start = max(free["disk"], released[k - slots] if k >= slots else 0.0)
+        free["disk"] = start + item_bytes / machine.disk_read_bytes_per_s
+        return free["disk"]
 
     def own_copies(t: int, at: float) -> float:
         m, a = moments[t], accesses[t]
@@ -80,7 +94,13 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
         if up:
             at = copy("up", at, up / machine.d2h_bytes_per_s)
         fetch = m.h2d_bytes - a.state_bytes_each_way
-        return copy("down", at, fetch / machine.h2d_bytes_per_s) if fetch else at
+        from_disk = [it for it in m.fetch if it[0] == "param" and homes[it[1]] == "disk"] if on_disk else []
+        fetch -= sum(map(shape.item_size, from_disk))
+        done = copy("down", at, fetch / machine.h2d_bytes_per_s) if fetch else at
+        for it in from_disk:  # each after its read
+            done = copy("down", max(at, read(shape.item_size(it))), shape.item_size(it) / machine.h2d_bytes_per_s)
+            released.append(done)
+        return done
 
     staging = staged_after(accesses)
     state_ready: dict[int, float] = {}

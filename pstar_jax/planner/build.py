@@ -27,7 +27,8 @@ from pstar_jax.plan.machine import Machine
 from pstar_jax.engine.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
 from pstar_jax.model.staged import StagedModel, decays, validate_stages
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
-from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_forward, plan_step
+from pstar_jax.plan.forward import plan_forward
+from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_step
 from pstar_jax.plan.schedule import Access, StepShape, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes
@@ -64,13 +65,15 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     layout, bound, fns, shape, budget = trace_model(model, cfg, mesh, batch_shape, make_tx, layout, fns, trace_cache,
                                                     trainable)
     log.info("planning where each chunk lives at each moment of the step")
+    disk = cfg.disk_memory or 0
     if adam is None:
-        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement)
+        plan = make_plan(shape, budget, host_bytes, machine, cfg.adam_placement, disk_bytes=disk)
     else:
-        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1])
+        plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], disk_bytes=disk)
         if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
-            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False)
-        plan = fewest_bytes(plan, shape, host_bytes, machine)
+            plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False,
+                             disk_bytes=disk)
+        plan = fewest_bytes(plan, shape, host_bytes, machine, disk)
     return Planned(layout, bound, fns, shape, plan,
                    step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
                    tuple(batch_shape))
@@ -161,6 +164,9 @@ def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, me
     least device memory that fits and, given ``traced_at(n)`` (the step's shape and device budget
     with the model built for sequences of n tokens), a shorter sequence that fits."""
     host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
+    if cfg.disk_memory and not machine.disk_read_bytes_per_s:
+        raise ConfigError("EngineConfig.disk_memory needs the disk's read rate: measure it with pstar-machine --disk "
+                          "DIR (DIR on the disk the base is read from)")
     planned = plan_model(model, cfg, mesh, batch_shape, machine, host_bytes, make_tx, layout, trainable=trainable)
 
     def fixes(planned: Planned) -> str:
@@ -168,9 +174,12 @@ def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, me
         if traced_at is not None:
             log.info("looking for a sequence length that fits (a trace for each length tried)")
             shorter = fitting_seq_len(traced_at, batch_shape[1], host_bytes, machine, cfg.adam_placement,
-                                      planned.shape)
+                                      planned.shape, disk_bytes=cfg.disk_memory or 0)
         return misfit_fixes(planned, host_bytes, machine, cfg, shorter)
     require_fit(planned, host_bytes, fixes)
+    if "disk" in planned.plan.frozen_home:
+        raise ConfigError("the plan keeps frozen chunks on disk (EngineConfig.disk_memory), which this engine cannot "
+                          "read yet; raise EngineConfig.host_memory or leave EngineConfig.disk_memory unset")
     return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
                          make_tx, seed, clip_norm, init_params, skip_nonfinite)
 

@@ -26,10 +26,11 @@ SEQ_LEN_FIT_TOLERANCE = 0.1  # the error's sequence length is within 10% of one 
 SEQ_LEN_FIT_TRACES = 3  # or the longest seen to fit in this many traces
 
 
-def any_fits(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine, adam_placement: str) -> bool:
+def any_fits(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine, adam_placement: str,
+             disk_bytes: int = 0) -> bool:
     """Whether some placement of ``shape`` fits: the pure placements first, then the mixes."""
     return any(make_plan(shape, device_bytes, host_bytes, machine, adam_placement, first_fit=True, mixes=mixes,
-                         pure_fails=mixes).fits for mixes in (False, True))
+                         pure_fails=mixes, disk_bytes=disk_bytes).fits for mixes in (False, True))
 
 
 def flag_bytes(n_bytes: int) -> str:
@@ -44,7 +45,8 @@ def flag_bytes(n_bytes: int) -> str:
 
 def fitting_seq_len(shape_at: Callable[[int], tuple[StepShape, int]], seq_len: int, host_bytes: int,
                     machine: Machine, adam_placement: str, failing: StepShape | None = None,
-                    tolerance: float = SEQ_LEN_FIT_TOLERANCE, max_traces: int = SEQ_LEN_FIT_TRACES) -> int:
+                    tolerance: float = SEQ_LEN_FIT_TOLERANCE, max_traces: int = SEQ_LEN_FIT_TRACES,
+                    disk_bytes: int = 0) -> int:
     """A sequence length below ``seq_len`` (which does not fit; ``failing``: its step's shape) at
     which some placement fits, the longest the search saw fit; 0 when the shortest it tries does
     not. ``shape_at(n)`` is the step's shape and device budget with the model built for length n
@@ -68,7 +70,7 @@ def fitting_seq_len(shape_at: Callable[[int], tuple[StepShape, int]], seq_len: i
             shape, device_bytes = shape_at(n)
         except ConfigError:  # the model refuses this length
             return None
-        return shape, device_bytes, any_fits(shape, device_bytes, host_bytes, machine, adam_placement)
+        return shape, device_bytes, any_fits(shape, device_bytes, host_bytes, machine, adam_placement, disk_bytes)
 
     def memory_allows(low: int, shape: StepShape, device_bytes: int, high: int, above: StepShape | None) -> int:
         # The longest length in (low, high) at which low's trace, its working memory scaled, fits.
@@ -79,7 +81,7 @@ def fitting_seq_len(shape_at: Callable[[int], tuple[StepShape, int]], seq_len: i
         while hi - lo > max(granule, tolerance * lo / 2):
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if any_fits(scale_batch(shape, (mid / low) ** power), device_bytes, host_bytes,
-                                           machine, adam_placement) else (lo, mid)
+                                           machine, adam_placement, disk_bytes) else (lo, mid)
         return lo
     first = probe(granule) if seq_len > granule else None
     if first is None or not first[2]:

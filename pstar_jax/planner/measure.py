@@ -30,7 +30,7 @@ import numpy as np
 
 from pstar_jax.config import ConfigError, format_seconds
 from pstar_jax.engine.memory import Space
-from pstar_jax.plan.machine import Machine, copies_overlap, load_machine, load_note, provenance, save_machine
+from pstar_jax.plan.machine import DISK_FIELDS, Machine, copies_overlap, load_machine, load_note, provenance, save_machine
 
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
@@ -170,7 +170,6 @@ def machine_key(param_dtype) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
 
 
-DISK_FIELDS = ("disk_read_bytes_per_s", "disk_tensor_bytes_per_s", "disk_measured_on")  # pstar-machine --disk's
 
 
 def _warn(message: str) -> None:

@@ -55,6 +55,7 @@ class PlanReport:
     longest: "PlanReport | None" = None  # the plan at that length
     n_trainable: int | None = None  # trained params (None: all of them)
     chunk_size_forced: bool = False  # EngineConfig.chunk_numel (--chunk-size) set every kind's size
+    disk_bytes: int = 0  # local disk for frozen chunks, per device (EngineConfig.disk_memory)
 
     @property
     def bytes_per_param(self) -> tuple[int, int]:
@@ -94,6 +95,8 @@ class PlanReport:
         out = {"label": self.label, "n_params": self.n_params,
                "n_trainable": self.n_params if self.n_trainable is None else self.n_trainable,
                "model_data_bytes": self.model_data_bytes, **self._chunks_json(), "plan": self.plan.to_json()}
+        if self.disk_bytes:
+            out.update(disk_bytes=self.disk_bytes, disk_read_bytes_per_s=self.machine.disk_read_bytes_per_s)
         for name in ("depth", "batch"):
             if getattr(self, name) is not None:
                 out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
@@ -162,8 +165,11 @@ class PlanReport:
     def lines(self) -> list[str]:
         """What pstar-plan prints."""
         plan, layout, W = self.plan, self.planned.layout, self.data_parallel
-        out = [f"planned for {describe(self.machine)}: device {format_bytes(self.planned.device_budget_bytes)} and "
-               f"host {format_bytes(self.host_bytes)} per device, {W} data-parallel device(s)",
+        disk = (f" and disk {format_bytes(self.disk_bytes)} (read at {format_bytes(self.machine.disk_read_bytes_per_s)}/s)"
+                if self.disk_bytes else "")
+        out = [f"planned for {describe(self.machine)}: device {format_bytes(self.planned.device_budget_bytes)}"
+               f"{',' if disk else ' and'} host {format_bytes(self.host_bytes)}{disk} per device, {W} data-parallel "
+               "device(s)",
                f"model {self.label}: {self.n_params:,} params ({self._data_words()}), batch "
                f"{self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), {self.precision}",
                self._chunks_line()]
@@ -178,7 +184,8 @@ class PlanReport:
                     f"state streamed through the device for {streamed}"
                     + (f" ({frozen} frozen chunks have none)" if frozen else ""),
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
-                    f"device->host",
+                    f"device->host" + (f", {format_bytes(plan.disk_read_bytes)} read from disk"
+                                       if plan.disk_read_bytes else ""),
                     plan.stage_inputs_line(),
                     *filter(None, [plan.frozen_line()]),
                     f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
@@ -266,7 +273,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                         config.micro_batches, model.seq_len, config.precision,
                         flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
                         width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width",
-                        n_trainable=trained, chunk_size_forced=isinstance(sizes, int))
+                        n_trainable=trained, chunk_size_forced=isinstance(sizes, int),
+                        disk_bytes=(config.disk_memory or 0) if machine.disk_read_bytes_per_s else 0)
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
             report.depth = largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
@@ -296,7 +304,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     8M tokens, since each trace costs about the same at any length."""
     from pstar_jax.plan.schedule import scale_batch
     cache = {} if cache is None else cache
-    fits_in = functools.partial(any_fits, host_bytes=host_bytes, machine=machine, adam_placement=config.adam_placement)
+    fits_in = functools.partial(any_fits, host_bytes=host_bytes, machine=machine, adam_placement=config.adam_placement,
+                                disk_bytes=config.disk_memory or 0)
     cfg = dataclasses.replace(config, micro_batches=1)
     W = mesh.devices.size
     make_tx = default_tx_for_shapes()

@@ -210,7 +210,7 @@ def smallest_device_bytes(planned: Planned, host_bytes: int, machine: Machine, c
     found by bisection with make_plan's ``first_fit`` (more device memory never fits less)."""
     shape = planned.shape
     return _least(lambda device_bytes: make_plan(shape, device_bytes, host_bytes, machine, config.adam_placement,
-                                                 first_fit=True).fits,
+                                                 first_fit=True, disk_bytes=config.disk_memory or 0).fits,
                   planned.device_budget_bytes, resident_bytes(shape))
 
 
@@ -223,7 +223,7 @@ def smallest_host_bytes(planned: Planned, host_bytes: int, device_bytes: int, ma
     shape = planned.shape
     room = 2 * (_model_bytes_bound(shape) + shape.micro_batches * sum(shape.input_bytes))
     return _least(lambda host: make_plan(shape, device_bytes, host, machine, config.adam_placement,
-                                         first_fit=True).fits, host_bytes, room)
+                                         first_fit=True, disk_bytes=config.disk_memory or 0).fits, host_bytes, room)
 
 
 def default_tx_for_shapes():
@@ -253,7 +253,7 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
                                             cfg.micro_batches, cache=cache,
                                             dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
-                         mixes=mixes, pure_fails=mixes).fits  # largest_mixed asks with mixes only past the pure
+                         mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)
     layer_numel = n_params(one_more) - n_params(model)
     if layer_numel <= 0:
@@ -313,7 +313,7 @@ def largest_batch(planned: Planned, micro: int, machine, host_bytes: int, cfg: E
 
     def batch_fits(batch: int, mixes: bool) -> bool:
         return make_plan(scale_batch(shape, batch / micro), device_bytes, host_bytes, machine, cfg.adam_placement,
-                         first_fit=True, mixes=mixes, pure_fails=mixes).fits
+                         first_fit=True, mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits
     batch = largest_mixed(announced(batch_fits, "batch", "sequences per micro-batch", progress),
                           max(micro, batch_limit // 2), batch_limit)  # from half the bound, as the depth
     return Largest(batch, capped=batch == MAX_SEARCH_BATCH < memory_limit, memory_bound=memory_limit)
