@@ -213,7 +213,7 @@ def test_mixed_adam_placement_runs_as_planned(monkeypatch):
     from pstar_jax.planner import build as planning
     from pstar_jax.plan.placement import plan_step
 
-    def mixed(shape, budget, host_bytes, machine, adam_placement):
+    def mixed(shape, budget, host_bytes, machine, adam_placement, disk_bytes=0):
         n = shape.n_chunks
         return plan_step(shape, budget, host_bytes, machine, [c < 1 for c in range(n)],
                          streamed=[1 <= c < 3 for c in range(n)])
