@@ -68,7 +68,8 @@ class ChunkState:
         self.store.limit(None)
         self._pending_clip = None
         self._discard_begun()
-        given = [c for c in range(self.layout.n_chunks) if str(c) in state["param"]]
+        # (a frozen chunk homed on disk is read from its base there, whatever an old checkpoint saved of it)
+        given = [c for c in range(self.layout.n_chunks) if str(c) in state["param"] and self.plan.home(c) != "disk"]
         for c in given:
             for kind in ("param", "slot", "master", "opt"):
                 if (kind, c) in self.store:
@@ -91,7 +92,12 @@ class ChunkState:
     def _chunk_values(self, kind: str, c: int) -> np.ndarray:
         """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy."""
         if self.layout.is_frozen(c):
-            value = to_numpy(self.store.peek(("param", c)))
+            if ("param", c) in self.store:
+                value = to_numpy(self.store.peek(("param", c)))
+            else:  # homed on disk: read it there (after any read under way, which shares the source)
+                self.store.disk.cancel()
+                value = np.empty(self.layout.numel_of(c), np.dtype(self.param_dtype))
+                self.store.disk.source.read_into(c, value)
             return value.astype(np.float32) if kind == "master" else value
         return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
 

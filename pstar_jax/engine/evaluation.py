@@ -45,6 +45,7 @@ class Evaluation:
         self.flush()
         rows, seq_len = micro_batches[0].shape
         plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
+        self._begin_reads(plan)
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
         _, scale = self.fns.count(self._put_counts(micro_batches))

@@ -30,12 +30,14 @@ break the moment's device budget. The executor never decides placement itself.
 A frozen chunk (``trainable`` false for its tensors, see pstar_jax.engine.chunks) is its compute-dtype params
 alone, store key ("param", c), with one home (Plan.frozen_home): homed on the device it has no
 other copy and is never evicted; homed on the host it has a pinned copy, and a device copy while
-the plan keeps one there. No grad, master or optimizer state exists for it; evicting it drops
+the plan keeps one there; homed on disk it has no copy but the device's while the plan keeps one
+there, read at each fetch by the store's disk reader in the order the step's moments fetch (the
+reads are scheduled as the step begins). No grad, master or optimizer state exists for it; evicting it drops
 the device copy (nothing goes back up); stages differentiate only their trainable tensors.
 
-Two parts of the engine have modules of their own: ``evaluate``, the forward-only held-out loss
-by a plan of its own (pstar_jax.engine.evaluation), and the state checkpoints save and restore
-(pstar_jax.engine.chunk_state).
+Three parts of the engine have modules of their own: ``evaluate``, the forward-only held-out loss
+by a plan of its own (pstar_jax.engine.evaluation), the state checkpoints save and restore
+(pstar_jax.engine.chunk_state), and the optimizer updates of the chunks (pstar_jax.engine.updates).
 
 The engine receives its plan finished (pstar_jax.planner.build plans, then builds it) and asks
 the planner for more only through its ``Replanner``: the plan of a new batch shape, and the
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +59,9 @@ from pstar_jax import compat
 from pstar_jax.data.batch import Batch, as_batch, check_batches, row_counts, trained_count, with_dropout_seeds
 from pstar_jax.engine.chunk_state import ChunkState
 from pstar_jax.engine.chunks import pack_chunk
+from pstar_jax.engine.disk import ChunkReader, DiskReader
 from pstar_jax.engine.evaluation import Evaluation
+from pstar_jax.engine.updates import ChunkUpdates
 from pstar_jax.config import EngineConfig, format_bytes
 from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
 from pstar_jax.plan.machine import Machine
@@ -65,6 +69,7 @@ from pstar_jax.engine.memory import ChunkStore, Placement, Space
 from pstar_jax.model.staged import StagedModel
 from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
                              zeros_chunk)
+from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
 from pstar_jax.plan.schedule import Access, staged_after
@@ -90,17 +95,18 @@ class Replanner(Protocol):
         ...
 
 
-class ChunkedEngine(ChunkState, Evaluation):
+class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
     """Model data in chunks placed by the plan; one step runs stage by stage (the Engine protocol)."""
     kind = "chunked"
 
     def __init__(self, model: StagedModel, cfg: EngineConfig, planned: "Planned", replanner: Replanner,
                  make_tx: TxFactory, seed: int = 0, clip_norm: float | None = 1.0, init_params: Any = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, frozen_source: ChunkReader | None = None):
         """Carry out ``planned`` (a fitting plan for ``model`` under ``cfg``: its layout, stage
         functions and placement); ``replanner`` answers for other batch shapes and evaluations.
         ``cfg.device_budget_bytes`` is all the device memory the engine may use per device, chunks
-        and working memory together. Build one with pstar_jax.planner.build.chunked_engine."""
+        and working memory together. ``frozen_source`` reads the frozen chunks the plan homes on
+        disk (required when it homes any there). Build one with pstar_jax.planner.build.chunked_engine."""
         if not planned.plan.fits:
             raise ValueError(f"an engine needs a plan that fits: {planned.plan.problem}")
         self.cfg = cfg
@@ -119,6 +125,11 @@ class ChunkedEngine(ChunkState, Evaluation):
         self.device_budget_bytes = planned.device_budget_bytes
         self.opt_space = [Space.DEVICE if d else Space.HOST for d in self.plan.opt_on_device]
         self.store = ChunkStore(self.placement, self.device_budget_bytes)
+        if "disk" in self.plan.frozen_home:
+            if frozen_source is None:
+                raise ValueError("the plan homes frozen chunks on disk: the engine needs a frozen_source to read them")
+            self.store.disk = DiskReader(frozen_source, np.dtype(self.param_dtype), DISK_SLOTS,
+                                         numel_of=self.layout.numel_of)
         # Device-resident optimizer state sits beside each moment's chunk capacity (same in every plan).
         self.store.reserve(self.plan.device_state_bytes)
         self.trained_chunks = self.layout.trainable_chunks
@@ -183,10 +194,16 @@ class ChunkedEngine(ChunkState, Evaluation):
 
     def _init_chunks(self, tensor: Callable[[str], Any]) -> None:
         """Master and optimizer state where the plan keeps them; params in the slots, placed as at
-        the plan's step start (a frozen chunk homed on the device: there only). One chunk at a time:
-        a model far larger than one device or than host memory never exists whole."""
+        the plan's step start (a frozen chunk homed on the device: there only; one homed on disk is
+        read from there, none of its tensors asked for). One chunk at a time: a model far larger
+        than one device or than host memory never exists whole."""
         initial = dict(self.plan.initial_device)
         for c in range(self.layout.n_chunks):
+            if self.plan.home(c) == "disk":
+                self.store.on_disk(("param", c), self.chunk_bytes(c))
+                if ("param", c) in initial:
+                    self.store.get(("param", c), Space.DEVICE)
+                continue
             chunk = pack_chunk(self.layout, c, tensor)
             if jax.process_count() > 1:  # each process cuts its own shards from the same values
                 chunk = to_numpy(chunk)
@@ -226,6 +243,7 @@ class ChunkedEngine(ChunkState, Evaluation):
         if plan is not self.plan:  # another batch shape: move to the new plan's starting state
             self._place_slots(plan)
             self.plan = plan
+        self._begin_reads(plan)
         count, scale = self.fns.count(self._put_counts(micro_batches))
         run = _StepState(scale=scale)
         clip, self._pending_clip = self._pending_clip, None
@@ -266,7 +284,23 @@ class ChunkedEngine(ChunkState, Evaluation):
                           clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
-                          trained_tokens=trained)
+                          trained_tokens=trained, disk_read_bytes=self.store.traffic.disk_read_bytes,
+                          predicted_disk_read_bytes=plan.disk_read_bytes)
+
+    def _begin_reads(self, plan: Plan) -> None:
+        """Schedule the reads of the chunks ``plan``'s moments fetch from disk, in that order (reads
+        left by a step that ended early are dropped first); the files they come from must not have
+        changed since the run opened them (CheckpointError otherwise)."""
+        if self.store.disk is not None:
+            self.store.disk.source.check_unchanged()
+            self.store.disk.cancel()
+            self.store.disk.schedule(plan.disk_reads())
+
+    def close(self) -> None:
+        """Stop the disk reader's thread and close the files it reads (a no-op without one)."""
+        if self.store.disk is not None:
+            self.store.disk.close()
+            getattr(self.store.disk.source, "close", lambda: None)()
 
     def flush(self) -> None:
         """Apply the pending update now; afterwards the slots hold the current params, placed where
@@ -293,15 +327,18 @@ class ChunkedEngine(ChunkState, Evaluation):
                 self.store.evict(key)
 
     def _place_slots(self, plan: Plan) -> None:
-        """Put the slots where ``plan`` starts a step (between steps: the whole budget is room)."""
+        """Put the slots where ``plan`` starts a step (between steps: the whole budget is room; a
+        frozen chunk homed on disk that belongs on the device is read at once)."""
         self.store.limit(None)
+        if self.store.disk is not None:
+            self.store.disk.cancel()  # nothing a step scheduled is read now
         initial = dict(plan.initial_device)
         for key in self.store.device_resident(("slot", "param")):  # between steps "param" keys are frozen chunks
             if key not in initial:
                 self.store.evict(key)
         for key, dirty in initial.items():
             self.store.get(key, Space.DEVICE)
-            if dirty or plan.home(key[1]) == "device":  # a frozen chunk homed there has no other copy
+            if dirty or plan.home(key[1]) in ("device", "disk"):  # a frozen chunk homed there has no other copy
                 self.store.drop_copy(key, Space.HOST)
             else:
                 self.store.get(key, Space.HOST)
@@ -313,15 +350,6 @@ class ChunkedEngine(ChunkState, Evaluation):
             self.store.evict(key)
         for key in moment.fetch:
             self.store.get(key, Space.DEVICE)
-
-    def _stage(self, chunks: Iterable[int]) -> None:
-        """Send these chunks' streamed optimizer state down ahead of their updates; the plan counts
-        it as device memory of the moments in between."""
-        for c in chunks:
-            self._staged.add(c)
-            self.store.reserve(self.plan.opt_state_bytes[c])
-            for kind in ("master", "opt"):
-                self.store.get((kind, c), Space.DEVICE)
 
     def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
         i = a.index
@@ -383,55 +411,6 @@ class ChunkedEngine(ChunkState, Evaluation):
                 out.append(zeros_chunk(self.layout.numel_of(c), self.param_dtype,
                                        self.placement.sharding(Space.DEVICE)))
         return tuple(out)
-
-    def _update_space(self, c: int) -> Space:
-        """Where chunk c's update runs: where its state lives, or the device when it is streamed."""
-        return Space.DEVICE if self.plan.opt_streamed[c] else self.opt_space[c]
-
-    def _begin_host_updates(self, accesses: Sequence[Access], clip: jax.Array) -> None:
-        """Start the pending update of every host-updated chunk, in the order the next step needs
-        their params; their grads, masters and states leave the store until ``_adam`` takes the
-        results. The grads went up to the host during the backward (the plan's ``to_host``)."""
-        for a in accesses:
-            c = a.index
-            if a.phase == "adam" and self._update_space(c) is Space.HOST and c not in self._begun:
-                inputs = (self.store.take((kind, c), Space.HOST) for kind in ("slot", "master", "opt"))
-                self._begun[c] = self.optimizer.begin_update(Space.HOST, *inputs, clip, self.layout.n_decay[c])
-
-    def _discard_begun(self) -> None:
-        """Wait for the host updates under way and forget their results (the state is being
-        replaced); their buffers are the updates' own until they end."""
-        begun, self._begun = self._begun, {}
-        for pending in begun.values():
-            try:
-                pending.result()
-            except Exception:  # noqa: BLE001 - the results are discarded either way
-                pass
-
-    def _adam(self, c: int, clip: jax.Array | None) -> None:
-        """Chunk c's update from the grad in its slot, or the result of the one begun after the
-        last step; with ``clip`` None nothing is pending (the slot holds params): the same moves,
-        and the params are cast from the master again."""
-        home, space = self.opt_space[c], self._update_space(c)
-        if c in self._begun:
-            master, state, params = self._begun.pop(c).result()
-        else:
-            grad = self.store.take(("slot", c), space)
-            master = self.store.take(("master", c), space)  # streamed: staged already
-            state = self.store.take(("opt", c), space)
-            if clip is None:
-                master, state, params = self.optimizer.keep(space, grad, master, state)
-            else:
-                master, state, params = self.optimizer.update(space, grad, master, state, clip,
-                                                              self.layout.n_decay[c])
-        for key, value in ((("master", c), master), (("opt", c), state)):
-            self.store.put(key, value)
-            if space is not home:  # streamed: back up at once (the plan counts both trips)
-                self.store.evict(key)
-        if c in self._staged:
-            self._staged.discard(c)
-            self.store.reserve(-self.plan.opt_state_bytes[c])
-        self.store.put(("param", c), params)
 
     def device_memory_in_use(self) -> int | None:
         """What the backend's allocator holds now (None on a CPU): for checking the trace."""

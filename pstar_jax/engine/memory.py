@@ -11,6 +11,10 @@ device copy and a host copy. A fetched parameter chunk keeps its host copy, so e
 again while it is unchanged is free; a changed chunk (a gradient, new parameters) has one copy.
 It counts per-device bytes in each space and refuses to let device-resident chunk bytes exceed
 the budget of the moment: making room is the plan's job (pstar_jax.plan.placement), not the store's.
+
+A frozen chunk homed on disk (``on_disk``) has no copy at all until it is fetched: the store then
+takes its bytes from the disk reader (engine/disk.DiskReader, reading ahead in the plan's fetch
+order) and puts them on the device; evicting it drops that copy, nothing goes back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pstar_jax.compat import patient_cpu_collectives
 from pstar_jax.config import format_bytes
+from pstar_jax.engine.disk import DiskReader
 
 # (chunk list, chunk id). Lists: "param" (bf16 params a stage reads), "slot" (the chunk's bf16
 # slot: its grad, or its params between steps), "master" (fp32), "opt" (optimizer state); and
@@ -75,12 +80,14 @@ def space_of(tree: Any) -> Space:
 
 @dataclasses.dataclass
 class Traffic:
-    """Per-device bytes moved between host and device since the last reset."""
+    """Per-device bytes moved between host and device since the last reset, and read from disk
+    (a disk read's bytes go on to the device: they count in h2d too)."""
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    disk_read_bytes: int = 0
 
     def reset(self) -> None:
-        self.h2d_bytes = self.d2h_bytes = 0
+        self.h2d_bytes = self.d2h_bytes = self.disk_read_bytes = 0
 
 
 @dataclasses.dataclass
@@ -101,6 +108,10 @@ class ChunkStore:
         self.bytes = {Space.DEVICE: 0, Space.HOST: 0}
         self.peak_device_bytes = 0
         self._entries: dict[Key, _Entry] = {}
+        self.disk: DiskReader | None = None  # reads the chunks homed on disk
+        self._on_disk: dict[Key, int] = {}  # key -> its bytes per device, for chunks homed on disk
+        # A CPU array made from numpy may share its memory, and a staging buffer is read into again.
+        self._copy_reads = placement.mesh.devices.flat[0].platform == "cpu"
 
     # -- the budget -----------------------------------------------------------------------------
     @property
@@ -120,6 +131,13 @@ class ChunkStore:
         self.reserved_bytes += nbytes
 
     # -- registration -------------------------------------------------------------------------
+    def on_disk(self, key: Key, nbytes: int) -> None:
+        """``key`` (a frozen chunk's params, ``nbytes`` per device) lives on disk: ``disk`` reads it
+        at each fetch; it has no copy until then."""
+        if self.disk is None:
+            raise ValueError(f"{key} is homed on disk but the store has no disk reader")
+        self._on_disk[key] = nbytes
+
     def put(self, key: Key, value: Any) -> None:
         """Take ownership of an array (or optax state pytree) already placed in one space."""
         if key in self._entries:
@@ -159,7 +177,14 @@ class ChunkStore:
 
     # -- movement -----------------------------------------------------------------------------
     def get(self, key: Key, space: Space) -> Any:
-        """The copy in ``space``, copying it there first if needed (async: returns at once)."""
+        """The copy in ``space``, copying it there first if needed (async: returns at once; a read
+        from disk waits for its read and its copy, see ``_read``)."""
+        if key in self._on_disk:
+            if space is not Space.DEVICE:
+                raise RuntimeError(f"{key} is homed on disk: it has no host copy to make (a planner bug)")
+            if key not in self._entries:
+                self._read(key)
+            return self._entries[key].copies[Space.DEVICE]
         entry = self._entries[key]
         if space not in entry.copies:
             (source,) = entry.copies.values()
@@ -174,7 +199,12 @@ class ChunkStore:
         return entry.copies[space]
 
     def evict(self, key: Key) -> None:
-        """Leave only a host copy: free if a clean host copy exists, else a device->host copy."""
+        """Leave only a host copy: free if a clean host copy exists, else a device->host copy. A
+        chunk homed on disk keeps no copy (it is read again at its next fetch)."""
+        if key in self._on_disk:
+            if key in self._entries:
+                self.drop(key)
+            return
         entry = self._entries[key]
         if Space.HOST not in entry.copies:
             self.get(key, Space.HOST)
@@ -196,6 +226,25 @@ class ChunkStore:
     def device_resident(self, kinds: Iterable[str]) -> list[Key]:
         kinds = set(kinds)
         return [k for k, e in self._entries.items() if k[0] in kinds and Space.DEVICE in e.copies]
+
+    def _read(self, key: Key) -> None:
+        """Chunk ``key``'s bytes from the disk reader onto the device. The read was scheduled in the
+        plan's order (a fetch outside it, as when the slots are placed between steps, is read at
+        once); sync: the staging buffer goes back to the reader once its copy is on the device."""
+        nbytes, c = self._on_disk[key], key[1]
+        self._check_room(key, nbytes)
+        if not self.disk.pending:
+            self.disk.schedule([c])
+        buf = self.disk.take(c)
+        try:
+            value = self.placement.put(np.array(buf) if self._copy_reads else buf, Space.DEVICE)
+            jax.block_until_ready(value)
+        finally:
+            self.disk.release(c)
+        self._entries[key] = _Entry({Space.DEVICE: value}, nbytes)
+        self._add_bytes(Space.DEVICE, nbytes)
+        self.traffic.h2d_bytes += nbytes
+        self.traffic.disk_read_bytes += nbytes
 
     def _check_room(self, key: Key, nbytes: int) -> None:
         if self.bytes[Space.DEVICE] + nbytes > self.budget_bytes:

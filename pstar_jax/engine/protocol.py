@@ -28,6 +28,8 @@ class StepResult:
     skipped: bool = False  # a non-finite loss or gradient: no update was applied
     clip_scale: float = 1.0  # the factor global-norm clipping multiplied the grads by (1: not clipped)
     trained_tokens: int = 0  # targets in the loss (the loss mask summed over the global batch)
+    disk_read_bytes: int = 0  # frozen chunks read from disk (in h2d_bytes too: they go on to the device)
+    predicted_disk_read_bytes: int = 0
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -33,8 +33,11 @@ from pstar_jax.plan.schedule import Access, StepShape, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes
 from pstar_jax.planner.trace import trace_forward, trace_step
+from pstar_jax.engine.disk import ChunkReader
 
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
+# Opens the reader of the frozen chunks a plan homes on disk: (layout, those chunks) -> reader.
+FrozenSource = Callable[[ChunkLayout, Sequence[int]], ChunkReader]
 
 
 @dataclasses.dataclass
@@ -156,13 +159,16 @@ def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, me
                    batch_shape: tuple[int, int], machine: Machine, seed: int = 0, clip_norm: float | None = 1.0,
                    host_bytes: int | None = None, layout: ChunkLayout | None = None, init_params: Any = None,
                    skip_nonfinite: bool = False, trainable: Callable[[str], bool] | None = None,
-                   traced_at: Callable[[int], tuple[StepShape, int]] | None = None):
+                   traced_at: Callable[[int], tuple[StepShape, int]] | None = None,
+                   frozen_source: FrozenSource | None = None):
     """Plan ``model`` for ``batch_shape`` (global micro-batch rows, seq_len) and build the chunked
     engine that carries the plan out. ``cfg`` resolved (resolve_engine_config); ``host_bytes`` per
     device (default: what the machine has available); ``trainable(name)`` false freezes a tensor.
     Raises ConfigError, before allocating model data, when the plan does not fit, naming the
     least device memory that fits and, given ``traced_at(n)`` (the step's shape and device budget
-    with the model built for sequences of n tokens), a shorter sequence that fits."""
+    with the model built for sequences of n tokens), a shorter sequence that fits.
+    ``frozen_source(layout, chunks)`` opens the reader of the frozen ``chunks`` the plan homes on
+    disk (EngineConfig.disk_memory; io.frozen_disk: straight from a Hugging Face base's files)."""
     host_bytes = host_bytes if host_bytes is not None else available_host_bytes()
     if cfg.disk_memory and not machine.disk_read_bytes_per_s:
         raise ConfigError("EngineConfig.disk_memory needs the disk's read rate: measure it with pstar-machine --disk "
@@ -177,11 +183,20 @@ def chunked_engine(model: StagedModel, cfg: EngineConfig, make_tx: TxFactory, me
                                       planned.shape, disk_bytes=cfg.disk_memory or 0)
         return misfit_fixes(planned, host_bytes, machine, cfg, shorter)
     require_fit(planned, host_bytes, fixes)
-    if "disk" in planned.plan.frozen_home:
-        raise ConfigError("the plan keeps frozen chunks on disk (EngineConfig.disk_memory), which this engine cannot "
-                          "read yet; raise EngineConfig.host_memory or leave EngineConfig.disk_memory unset")
-    return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
-                         make_tx, seed, clip_norm, init_params, skip_nonfinite)
+    on_disk = [c for c, home in enumerate(planned.plan.frozen_home) if home == "disk"]
+    source = None
+    if on_disk:
+        if frozen_source is None:
+            raise ConfigError(f"the plan keeps {len(on_disk)} frozen chunks on disk (EngineConfig.disk_memory), read "
+                              "from the base's own safetensors files: start from a Hugging Face checkpoint "
+                              "(ModelConfig.init_from_hf), or raise EngineConfig.host_memory")
+        source = frozen_source(planned.layout, on_disk)
+    try:
+        return ChunkedEngine(model, cfg, planned, EnginePlanner(model, cfg, machine, host_bytes, make_tx, planned),
+                             make_tx, seed, clip_norm, init_params, skip_nonfinite, frozen_source=source)
+    except BaseException:
+        getattr(source, "close", lambda: None)()
+        raise
 
 
 def default_mesh(data_parallel: int | None = None) -> Mesh:
@@ -243,7 +258,8 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
                  mesh: Mesh | None = None, seed: int = 0, init_params: Any = None, skip_nonfinite: bool = False,
                  machine: Machine | None = None, make_tx: TxFactory | None = None, scan_layers: bool = True,
                  opt_on_host: bool = False, frozen: Frozen = None,
-                 seq_len_at: Callable[[int], StagedModel] | None = None) -> Engine:
+                 seq_len_at: Callable[[int], StagedModel] | None = None,
+                 frozen_source: FrozenSource | None = None) -> Engine:
     """An engine for ``model``, planned for this machine; raises ConfigError before allocating model
     data when the plan does not fit.
 
@@ -256,7 +272,9 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     blocks, ``opt_on_host`` keeps its optimizer state in pinned host memory. ``frozen`` (tensor
     names, or a predicate true for a frozen name) is frozen beside ``config.freeze``'s patterns.
     ``seq_len_at(n)``: the model built for sequences of n tokens, for a "does not fit" error to
-    name a length that fits (as the same config would plan it)."""
+    name a length that fits (as the same config would plan it). ``frozen_source``: how to read
+    frozen chunks the plan homes on disk (chunked_engine's); reads straight from safetensors plan
+    at the machine's ``disk_tensor_bytes_per_s``."""
     from pstar_jax.engine.plain import PlainEngine
 
     mesh = mesh if mesh is not None else default_mesh()
@@ -273,6 +291,8 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
     machine = machine or resolve_machine(resolved, mesh, make_tx)
+    if config.disk_memory and machine.disk_tensor_bytes_per_s:  # straight from the base's files: their rate
+        machine = dataclasses.replace(machine, disk_read_bytes_per_s=machine.disk_tensor_bytes_per_s)
     traced_at = None
     if seq_len_at is not None:
         def traced_at(seq_len: int) -> tuple[StepShape, int]:
@@ -282,7 +302,7 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
                                trainable=make_trainable(frozen))[3:]
     return chunked_engine(model, resolved, make_tx, mesh, batch_shape, machine, seed, optim.clip_norm,
                           host_bytes=host_bytes, init_params=init_params, skip_nonfinite=skip_nonfinite,
-                          trainable=make_trainable(frozen), traced_at=traced_at)
+                          trainable=make_trainable(frozen), traced_at=traced_at, frozen_source=frozen_source)
 
 
 def micro_batch_shape(batch_size: int, micro_batches: int, seq_len: int, mesh: Mesh) -> tuple[int, int]:

@@ -33,6 +33,19 @@ from pstar_jax.model.staged import StagedModel, flops_per_token
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
 
+def _frozen_source(hf, cfg: RunConfig):
+    """How the engine reads frozen chunks its plan homes on disk: straight from the Hugging Face
+    base's safetensors files (None without one: such a plan is refused in one line)."""
+    if hf is None:
+        return None
+
+    def source(layout, chunks):
+        from pstar_jax.io.frozen_disk import SafetensorsChunks
+        return SafetensorsChunks(hf, layout, np.dtype(cfg.engine.compute_dtype), chunks=chunks,
+                                 workers=min(4, os.cpu_count() or 1))
+    return source
+
+
 class Run:
     """One training run. ``model`` and ``tokens`` replace what the config names; ``writers``
     receive every step's metrics beside those the config asks for; ``make_tx`` replaces AdamW by
@@ -113,14 +126,14 @@ class Run:
         from pstar_jax.planner.build import build_engine, micro_batch_shape
         shape = micro_batch_shape(cfg.train.batch_size, cfg.engine.micro_batches, self.model.seq_len, self.mesh)
         zero.check_process_rows(shape[0])
-        init = None
+        init = hf = None
         if cfg.model.init_from_flax:
             from pstar_jax.io.flax_io import import_flax
             init = import_flax(cfg.model.init_from_flax, self.model.param_shapes())
         if cfg.model.init_from_hf:  # validated whole here; tensors are read one chunk at a time later
             from pstar_jax.io.hf import HFCheckpoint
             from pstar_jax.model.lora import WithAdapters, base_shapes
-            init = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), base_shapes(self.model))
+            init = hf = HFCheckpoint(cfg.model.init_from_hf, hf_functions(cfg)[0](self.model), base_shapes(self.model))
             for name, (rows, kept) in init.truncated.items():
                 if self.verbose:
                     print(f"note: {name} has {rows} rows in {cfg.model.init_from_hf}; the first {kept} are used "
@@ -142,7 +155,8 @@ class Run:
                 cfg, model=dataclasses.replace(cfg.model, seq_len=n))))
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
-                                       make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at)
+                                       make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at,
+                                       frozen_source=_frozen_source(hf, cfg))
             from pstar_jax.model.freeze import frozen_names, parse_patterns
             # What the engine freezes (its patterns and LoRA's): no weight gradient, fewer model FLOPs.
             self.frozen = frozen_names(list(self.model.param_shapes()), parse_patterns(cfg.engine.freeze), frozen)
@@ -322,10 +336,14 @@ class Run:
                            what="CheckpointConfig.export_lora")
 
     def close(self) -> None:
-        """Wait for the last checkpoint save and release the checkpoint directory."""
+        """Wait for the last checkpoint save and release the checkpoint directory; stop the disk
+        reader of a base read from disk."""
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> "Run":
         return self

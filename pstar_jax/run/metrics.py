@@ -5,8 +5,8 @@ A step's record (``step_record``): ``step`` (0-based), ``loss``, ``lr`` (the lea
 step's update; left out for an optimizer factory whose schedule is not known), ``grad_norm``,
 ``clip_scale`` (the factor global-norm clipping applied, 1.0 when not clipped), ``step_s``,
 ``tokens_per_s``, ``model_tflops``, the copies and memory of the step (``h2d_bytes``,
-``d2h_bytes``, ``device_chunk_peak_bytes``, ``predicted_h2d_bytes``, ``predicted_d2h_bytes``),
-``skipped``, and after an evaluation ``eval_loss`` and ``eval_s``."""
+``d2h_bytes``, ``device_chunk_peak_bytes``, ``predicted_h2d_bytes``, ``predicted_d2h_bytes``;
+with frozen chunks on disk ``disk_read_bytes`` and ``predicted_disk_read_bytes``), ``skipped``, and after an evaluation ``eval_loss`` and ``eval_s``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def step_record(step: int, result: StepResult, tokens: int, flops_per_token: flo
             "h2d_bytes": result.h2d_bytes, "d2h_bytes": result.d2h_bytes,
             "device_chunk_peak_bytes": result.device_chunk_peak_bytes,
             "predicted_h2d_bytes": result.predicted_h2d_bytes, "predicted_d2h_bytes": result.predicted_d2h_bytes,
+            **({"disk_read_bytes": result.disk_read_bytes,
+                "predicted_disk_read_bytes": result.predicted_disk_read_bytes}
+               if result.disk_read_bytes or result.predicted_disk_read_bytes else {}),
             "skipped": result.skipped}
 
 
@@ -86,7 +89,8 @@ def _truncate_steps(path: str, first_step: int) -> None:
 _TB_TAGS = {"eval_loss": "eval/loss", "eval_s": "eval/seconds", "h2d_bytes": "memory/h2d_bytes",
             "d2h_bytes": "memory/d2h_bytes", "device_chunk_peak_bytes": "memory/device_chunk_peak_bytes",
             "predicted_h2d_bytes": "memory/predicted_h2d_bytes",
-            "predicted_d2h_bytes": "memory/predicted_d2h_bytes"}
+            "predicted_d2h_bytes": "memory/predicted_d2h_bytes", "disk_read_bytes": "memory/disk_read_bytes",
+            "predicted_disk_read_bytes": "memory/predicted_disk_read_bytes"}
 
 
 def tensorboard_tag(name: str) -> str:
