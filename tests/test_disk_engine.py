@@ -76,6 +76,7 @@ def files(directory):
             for n in sorted(os.listdir(directory))}
 
 
+@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
 def test_frozen_chunks_read_from_disk_train_bit_identically_to_the_host_tier(tmp_path, monkeypatch):
     src, host_tier, disk_tier, opened = engines(tmp_path)
     before = files(src)
@@ -150,6 +151,7 @@ def tight_budgets(tmp_path):
     return disk_tier.cfg.device_budget_bytes, host, host_tier
 
 
+@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
 def test_a_base_file_changed_under_the_run_is_one_line(tmp_path):
     from pstar_jax.config import CheckpointError
     src, _, disk_tier, _ = engines(tmp_path)
@@ -163,6 +165,7 @@ def test_a_base_file_changed_under_the_run_is_one_line(tmp_path):
     disk_tier.close()
 
 
+@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
 def test_a_disk_plan_without_a_base_to_read_is_one_line(tmp_path):
     src, m, hf, frozen = base(tmp_path)
     device, host, _ = tight_budgets(tmp_path / "again")
@@ -174,6 +177,7 @@ def test_a_disk_plan_without_a_base_to_read_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
 def test_pstar_train_reads_a_hugging_face_base_from_disk(tmp_path):
     """Run with --init-from-hf, LoRA and EngineConfig.disk_memory (the disk's rate in the machine
     file): the steps' losses equal the same run with host memory for the whole base, each step's
@@ -213,6 +217,7 @@ def test_pstar_train_reads_a_hugging_face_base_from_disk(tmp_path):
         assert open(tmp_path / "loraFalse" / name, "rb").read() == open(tmp_path / "loraTrue" / name, "rb").read()
 
 
+@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
 def test_state_saved_and_restored_under_disk_homes(tmp_path):
     """The state of a run with disk homes (the trainable chunks only) restores into a fresh one,
     which goes on exactly as the run it came from."""
