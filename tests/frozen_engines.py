@@ -1,5 +1,6 @@
 """Engines over a partly frozen model, for tests/test_frozen.py and tests/test_lora.py: a chunked
-engine whose chunks move every step and the plain engine it must equal."""
+engine whose chunks move every step and the plain engine it must equal; and the tiny Llama LoRA
+base in a Hugging Face directory that the disk and quantized-base tests start from."""
 
 import jax
 import numpy as np
@@ -33,6 +34,23 @@ def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, b
     reads = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks)
     budget = shape.busiest_non_model_bytes + 2 * reads + max(shape.chunk_bytes)
     return chunked(m, frozen, budget, precision, micro_batches, W, batch)
+
+
+def hf_lora_llama(tmp_path, d_ff, seq=64, rank=4):
+    """A tiny Llama's HF directory (fp32) under tmp_path/base, its LoRA model, the checkpoint's
+    reader and the frozen set."""
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.io.hf import HFCheckpoint, read_hf_config
+    from pstar_jax.model.lora import base_shapes, frozen_for_lora
+    from pstar_models import hf as mhf
+    from pstar_models.llama import LlamaConfig, StagedLlama
+    from pstar_models.lora import LoraSpec
+    from test_hf import write_family_checkpoint
+    src = str(tmp_path / "base")
+    write_family_checkpoint(src, StagedLlama(LlamaConfig(vocab_size=256, d_model=64, n_layer=3, n_head=4, n_kv_head=2,
+                                                          d_ff=d_ff, seq_len=seq, max_position_embeddings=seq)))
+    m = mhf.build_from_hf(read_hf_config(src), lora=LoraSpec(rank=rank, alpha=16.0), seq_len=seq)
+    return src, m, HFCheckpoint(src, mhf.hf_tensors(m), base_shapes(m)), frozen_for_lora(m, LoraConfig(rank=rank))
 
 
 def plain(m, frozen, micro_batches=1, W=1):

@@ -6,43 +6,32 @@ and no file of the base is written."""
 
 import dataclasses
 import os
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 
 from pstar_jax.config import ConfigError, EngineConfig
-from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.memory import ChunkStore, Space
 from pstar_jax.engine.optim import default_tx
 from pstar_jax.io.frozen_disk import SafetensorsChunks
-from pstar_jax.io.hf import HFCheckpoint, read_hf_config
 from pstar_jax.model.freeze import trainable
-from pstar_jax.model.lora import WithAdapters, base_shapes, frozen_for_lora
+from pstar_jax.model.lora import WithAdapters
 from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.machine import H200
 from pstar_jax.planner.build import chunked_engine
-from pstar_models import hf as mhf
 from pstar_models.gpt import StagedGPT, preset
-from pstar_models.llama import LlamaConfig, StagedLlama
-from pstar_models.lora import LoraSpec
-from frozen_engines import OPTIM, mesh
+from frozen_engines import OPTIM, hf_lora_llama, mesh
 from sft_batches import batches
-from test_hf import write_family_checkpoint
 
 NVME = dataclasses.replace(H200, disk_read_bytes_per_s=6e9, disk_tensor_bytes_per_s=6e9)
-LORA = LoraSpec(rank=4, alpha=16.0)
 SEQ = 64
 
 
 def base(tmp_path):
-    """A tiny Llama's HF directory (fp32), its LoRA model, the tensors to start from and the frozen set."""
-    src = str(tmp_path / "base")
-    write_family_checkpoint(src, StagedLlama(LlamaConfig(vocab_size=256, d_model=64, n_layer=3, n_head=4, n_kv_head=2,
-                                                          d_ff=160, seq_len=SEQ, max_position_embeddings=SEQ)))
-    m = mhf.build_from_hf(read_hf_config(src), lora=LORA, seq_len=SEQ)
-    hf = HFCheckpoint(src, mhf.hf_tensors(m), base_shapes(m))
-    return src, m, hf, frozen_for_lora(m, LoraConfig(rank=4))
+    """A tiny Llama's HF directory (fp32), its LoRA model, the checkpoint's reader and the frozen set."""
+    return hf_lora_llama(tmp_path, d_ff=160, seq=SEQ)
 
 
 def engines(tmp_path, clip_norm=1e6):
@@ -177,44 +166,108 @@ def test_a_disk_plan_without_a_base_to_read_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores
+def run_config(tmp_path, src, device, host, disk=None, cache=None, tag=""):
+    import pstar_jax as ps
+    from pstar_jax.plan.machine import save_machine
+    machine = tmp_path / "nvme.json"
+    save_machine(dataclasses.replace(NVME, name="nvme"), machine)
+    per_host = jax.local_device_count()  # host memory is the host's, shared by its local devices
+    return ps.RunConfig(
+        model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(steps=3, batch_size=4),
+        engine=ps.EngineConfig(precision="fp32", device_memory=device, machine=str(machine), disk_memory=disk,
+                               host_memory=(host if disk else 10**9) * per_host, frozen_cache=cache),
+        distributed=ps.DistributedConfig(data_parallel=1), lora=ps.LoraConfig(rank=4, alpha=16.0),
+        output=ps.OutputConfig(quiet=True, metrics_out=str(tmp_path / f"m{tag}.jsonl")),
+        checkpoint=ps.CheckpointConfig(export_lora=str(tmp_path / f"lora{tag}")))
+
+
+@pytest.mark.slow  # four tiny-Llama runs traced and trained: about 30 s on 2 cores
 def test_pstar_train_reads_a_hugging_face_base_from_disk(tmp_path):
     """Run with --init-from-hf, LoRA and EngineConfig.disk_memory (the disk's rate in the machine
     file): the steps' losses equal the same run with host memory for the whole base, each step's
-    metrics record the disk's bytes as planned, and the adapter exports."""
+    metrics record the disk's bytes as planned, and the adapter exports; the same again through
+    EngineConfig.frozen_cache, written by the first run that asks and reused by the next."""
     import json
 
     import pstar_jax as ps
-    from pstar_jax.plan.machine import save_machine
+    from pstar_jax.io.frozen_disk import CACHE_FILE, ChunkCache
     src, _, _, _ = base(tmp_path)
     device, host, _ = tight_budgets(tmp_path / "budgets")
-    machine = tmp_path / "nvme.json"
-    save_machine(dataclasses.replace(NVME, name="nvme"), machine)
     tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
-    per_host = jax.local_device_count()  # host memory is the host's, shared by its local devices
-    losses = {}
-    for disk in (None, 10**9):
-        config = ps.RunConfig(
-            model=ps.ModelConfig(init_from_hf=src), train=ps.TrainConfig(steps=3, batch_size=4),
-            engine=ps.EngineConfig(precision="fp32", device_memory=device, machine=str(machine), disk_memory=disk,
-                                   host_memory=(host if disk else 10**9) * per_host),
-            distributed=ps.DistributedConfig(data_parallel=1), lora=ps.LoraConfig(rank=4, alpha=16.0),
-            output=ps.OutputConfig(quiet=True, metrics_out=str(tmp_path / f"m{bool(disk)}.jsonl")),
-            checkpoint=ps.CheckpointConfig(export_lora=str(tmp_path / f"lora{bool(disk)}")))
+    cache = tmp_path / "cache"
+    losses, identity = {}, []
+    for tag, disk, frozen_cache in (("host", None, None), ("disk", 10**9, None), ("cache", 10**9, str(cache)),
+                                    ("again", 10**9, str(cache))):
+        config = run_config(tmp_path, src, device, host, disk, frozen_cache, tag)
+        before = files(src)
         with ps.Run(config, tokens=tokens, verbose=False) as run:
             assert ("disk" in run.engine.plan.frozen_home) == bool(disk)
+            reader = run.engine.store.disk.source if disk else None
+            assert isinstance(reader, ChunkCache) == bool(frozen_cache)
+            if frozen_cache:  # written once, then found: the second run writes nothing
+                assert reader.written == (tag == "cache")
+                identity.append(os.stat(cache / CACHE_FILE).st_mtime_ns)
             records = list(run.fit())
-            losses[disk] = [r["loss"] for r in records]
+            losses[tag] = [r["loss"] for r in records]
             run.export_lora(config.checkpoint.export_lora)
-        metrics = [json.loads(line) for line in open(tmp_path / f"m{bool(disk)}.jsonl")]
+        assert files(src) == before
+        metrics = [json.loads(line) for line in open(tmp_path / f"m{tag}.jsonl")]
         if disk:
             assert all(r["disk_read_bytes"] == r["predicted_disk_read_bytes"] > 0 for r in metrics), metrics
             assert not run.engine.store.disk._thread.is_alive()  # closed with the run
         else:
             assert all("disk_read_bytes" not in r for r in metrics)
-    assert losses[None] == losses[10**9]
-    for name in os.listdir(tmp_path / "loraFalse"):
-        assert open(tmp_path / "loraFalse" / name, "rb").read() == open(tmp_path / "loraTrue" / name, "rb").read()
+    assert losses["host"] == losses["disk"] == losses["cache"] == losses["again"]
+    assert identity[0] == identity[1]
+    for tag in ("disk", "cache"):
+        for name in os.listdir(tmp_path / "lorahost"):
+            assert open(tmp_path / "lorahost" / name, "rb").read() == open(tmp_path / f"lora{tag}" / name, "rb").read()
+
+
+def test_a_frozen_cache_is_refused_in_one_line_before_any_work(tmp_path):
+    """A cache without a disk tier, without a base in files, in a file or inside a Flax export,
+    or where nothing can be written: one line each, before a model is built."""
+    import pstar_jax as ps
+    from pstar_jax.run.preflight import check_inputs
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "flax").mkdir()
+    with pytest.raises(ConfigError, match="give the disk's share with EngineConfig.disk_memory"):
+        ps.EngineConfig(frozen_cache=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match="must name a directory"):
+        ps.EngineConfig(frozen_cache=" ", disk_memory=10**9)
+    engine = ps.EngineConfig(frozen_cache=str(tmp_path / "c"), disk_memory=10**9)
+    cases = [({}, engine, "is written from a base read from files"),
+             ({"init_from_flax": str(tmp_path / "flax")},
+              dataclasses.replace(engine, frozen_cache=str(tmp_path / "flax" / "cache")), "is inside ModelConfig"),
+             ({"init_from_flax": str(tmp_path / "flax")},
+              dataclasses.replace(engine, frozen_cache=str(tmp_path / "a_file")), "is a file, not a directory"),
+             ({"init_from_flax": str(tmp_path / "flax")},
+              dataclasses.replace(engine, frozen_cache=str(tmp_path / "a_file" / "c")), "is under the file")]
+    for model, eng, words in cases:
+        with pytest.raises(ConfigError) as err:
+            check_inputs(ps.RunConfig(model=ps.ModelConfig(**model), engine=eng))
+        assert words in str(err.value) and "\n" not in str(err.value), err.value
+
+
+@pytest.mark.slow  # two tiny-Llama engines traced and a run refused: about 10 s on 2 cores
+def test_a_frozen_cache_on_a_full_or_read_only_file_system_is_one_line(tmp_path):
+    """Too little room for the cache is refused before a byte of it is written, and before the
+    engine allocates anything; a read-only file system before the model is built."""
+    import pstar_jax as ps
+    from test_faults import tmpfs
+    src, _, _, _ = base(tmp_path)
+    device, host, _ = tight_budgets(tmp_path / "budgets")
+    tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
+    with tmpfs(tmp_path / "small", "64k") as small:
+        config = run_config(tmp_path, src, device, host, 10**9, str(small / "cache"))
+        with pytest.raises(ConfigError) as err:
+            ps.Run(config, tokens=tokens, verbose=False)
+        assert "but its file system has" in str(err.value) and "\n" not in str(err.value)
+        assert os.listdir(small / "cache") == []
+        subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+        with pytest.raises(ConfigError) as err:
+            ps.Run(config, tokens=tokens, verbose=False)
+        assert "the file system is read-only" in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.slow  # two tiny-Llama engines traced and trained: 8-20 s on 2 cores

@@ -19,7 +19,7 @@ from pstar_jax.config import CheckpointError, ConfigError, HFCheckpointError
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.chunks import build_layout, pack_chunk
 from pstar_jax.io import frozen_disk
-from pstar_jax.io.frozen_disk import CACHE_FILE, ChunkCache, SafetensorsChunks, chunk_numel
+from pstar_jax.io.frozen_disk import CACHE_FILE, ChunkCache, SafetensorsChunks
 from pstar_jax.io.hf import HFCheckpoint, read_hf_config
 from pstar_jax.model.freeze import trainable
 from pstar_jax.model.lora import base_shapes, frozen_for_lora
@@ -64,7 +64,7 @@ def assert_same_chunks(reader, layout, hf, dtype=BF16):
     frozen = [c for c in range(layout.n_chunks) if layout.is_frozen(c)]
     assert list(reader.chunks) == frozen
     for c in frozen:
-        assert reader.nbytes(c) == chunk_numel(layout, c) * np.dtype(dtype).itemsize
+        assert reader.nbytes(c) == layout.numel_of(c) * np.dtype(dtype).itemsize
         assert read(reader, c).tobytes() == built(layout, hf, c, dtype).tobytes(), c
 
 
@@ -295,12 +295,12 @@ def test_reads_refuse_a_wrong_buffer_or_chunk(tmp_path):
     src, layout, hf = base_dir(tmp_path)
     with SafetensorsChunks(hf, layout) as reader:
         c = reader.chunks[0]
-        for bad in (np.zeros(chunk_numel(layout, c), np.float32), np.zeros(chunk_numel(layout, c) - 1, BF16),
-                    np.zeros(2 * chunk_numel(layout, c), BF16)[::2]):
+        for bad in (np.zeros(layout.numel_of(c), np.float32), np.zeros(layout.numel_of(c) - 1, BF16),
+                    np.zeros(2 * layout.numel_of(c), BF16)[::2]):
             with pytest.raises(ValueError):
                 reader.read_into(c, bad)
         with pytest.raises(ValueError):
-            reader.read_into(layout.trainable_chunks[0], np.zeros(chunk_numel(layout, c), BF16))
+            reader.read_into(layout.trainable_chunks[0], np.zeros(layout.numel_of(c), BF16))
     with pytest.raises(ValueError):
         SafetensorsChunks(hf, layout, chunks=layout.trainable_chunks)
 

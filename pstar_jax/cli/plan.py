@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_section(p, "model", skip=("init_from_flax",), defaults={"name": "GPT2_1B"})
     cli.add_section(p, "train", skip=("steps", "seed", "skip_nonfinite", "eval_every", "eval_batches"),
                     defaults={"batch_size": 8})
-    cli.add_section(p, "engine", skip=("kind", "remat"),
+    cli.add_section(p, "engine", skip=("kind", "remat", "frozen_cache"),
                     defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"},
                     helps=PLAN_HELPS)
     cli.add_section(p, "lora")

@@ -152,6 +152,10 @@ class EngineConfig:
                                      "ahead of each use (bytes; default: none, the base stays in device and host "
                                      "memory; needs the disk's read rate: pstar-machine --disk DIR)",
                                      parse=parse_optional_bytes)
+    frozen_cache: str | None = option(None, "directory for one chunk-ordered file of the frozen chunks the plan "
+                                      "homes on disk, written once at load and reused by later runs of the same "
+                                      "base and layout (default: read them straight from the base's safetensors "
+                                      "files)", metavar="DIR")
     machine: str | None = option(None, "rates the plan predicts with: h200, h200-duplex or a JSON file; default: "
                                  "this machine's, measured once and kept (pstar-machine "
                                  "--remeasure measures again)", metavar="NAME_OR_FILE")
@@ -167,6 +171,11 @@ class EngineConfig:
                                   f"{getattr(self, name)!r}")
         positive_int(self, "chunk_numel", "host_memory", "disk_memory", allow_none=True, upper=2**62)
         positive_int(self, "micro_batches", upper=MAX_STEPS)
+        if self.frozen_cache is not None and not (isinstance(self.frozen_cache, str) and self.frozen_cache.strip()):
+            raise ConfigError("EngineConfig.frozen_cache must name a directory")
+        if self.frozen_cache and not self.disk_memory:
+            raise ConfigError("EngineConfig.frozen_cache holds the frozen chunks the plan homes on disk: give the "
+                              "disk's share with EngineConfig.disk_memory (--disk-memory) too, or drop it")
         memory = self.device_memory
         if isinstance(memory, float):
             finite(self, "device_memory", 0, 1, high_open=False)

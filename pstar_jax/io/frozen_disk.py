@@ -47,16 +47,9 @@ _FORMAT = 1  # bump when a chunk's bytes for the same base and layout change
 _STORED = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}
 
 
-def chunk_numel(layout: ChunkLayout, c: int) -> int:
-    """Chunk ``c``'s elements."""
-    return layout.numel_of(c)
-
-
 def layout_digest(layout: ChunkLayout) -> str:
     """sha256 of what places a chunk's bytes: chunk sizes and kinds, each tensor's chunk, offset and shape."""
-    n = layout.n_chunks
-    kinds = getattr(layout, "kinds", None) or ["frozen" if layout.is_frozen(c) else "trainable" for c in range(n)]
-    text = json.dumps({"numels": [chunk_numel(layout, c) for c in range(n)], "kinds": list(kinds),
+    text = json.dumps({"numels": list(layout.numels), "kinds": list(layout.kinds),
                        "slots": [[s.name, list(s.shape), s.chunk, s.offset] for s in layout.slots]})
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -194,7 +187,7 @@ class SafetensorsChunks(_Reads):
     def __init__(self, hf: HFCheckpoint, layout: ChunkLayout, dtype: Any = ml_dtypes.bfloat16,
                  chunks: Iterable[int] | None = None, workers: int = 1):
         chosen = _frozen(layout, chunks)
-        super().__init__({c: chunk_numel(layout, c) for c in chosen}, dtype, workers)
+        super().__init__({c: layout.numel_of(c) for c in chosen}, dtype, workers)
         self.directory = hf.directory
         slots = [s for s in layout.slots if s.chunk in self._numels]
         paths = {f: os.path.join(self.directory, f) for f in sorted({hf.location(s.name)[0] for s in slots})}
@@ -301,7 +294,7 @@ class ChunkCache(_Reads):
                  fingerprint: str, dtype: Any = ml_dtypes.bfloat16, chunks: Iterable[int] | None = None,
                  workers: int = 1):
         chosen = _frozen(layout, chunks)
-        super().__init__({c: chunk_numel(layout, c) for c in chosen}, dtype, workers)
+        super().__init__({c: layout.numel_of(c) for c in chosen}, dtype, workers)
         self.directory = os.path.abspath(directory)
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ConfigError(f"EngineConfig.frozen_cache {self.directory} is a file, not a directory; pass a "
@@ -366,6 +359,11 @@ class ChunkCache(_Reads):
             if 16 + len(text) <= first:
                 break
             first = _round_up(16 + len(text))
+        free = (fs := os.statvfs(self.directory)).f_bavail * fs.f_frsize
+        if free < header["size_bytes"]:  # refused before a byte is written
+            raise ConfigError(f"the frozen-chunk cache in {self.directory} needs {format_bytes(header['size_bytes'])} "
+                              f"but its file system has {format_bytes(free)} free; free space there or choose "
+                              "another EngineConfig.frozen_cache")
         fd, tmp = create_temp_beside(self.path)
         try:
             _pwrite(fd, _MAGIC + len(text).to_bytes(8, "little") + text, 0)
@@ -446,4 +444,4 @@ def _fill(layout: ChunkLayout, c: int, source: ChunkReader | Mapping[str, Any], 
     out[...] = np.asarray(pack_chunk(layout, c, source.__getitem__).astype(jnp.dtype(out.dtype)))
 
 
-__all__ = ["SafetensorsChunks", "ChunkCache", "Piece", "CACHE_FILE", "chunk_numel", "layout_digest"]
+__all__ = ["SafetensorsChunks", "ChunkCache", "Piece", "CACHE_FILE", "layout_digest"]

@@ -291,7 +291,7 @@ def build_engine(model: StagedModel, config: EngineConfig, optim: OptimConfig, b
     resolved = resolve_engine_config(config, model, mesh, make_trainable(frozen))
     host_bytes = host_budget_bytes(config.host_memory) // max(1, jax.local_device_count())  # per device
     machine = machine or resolve_machine(resolved, mesh, make_tx)
-    if config.disk_memory and machine.disk_tensor_bytes_per_s:  # straight from the base's files: their rate
+    if config.disk_memory and machine.disk_tensor_bytes_per_s and not config.frozen_cache:  # the base's files
         machine = dataclasses.replace(machine, disk_read_bytes_per_s=machine.disk_tensor_bytes_per_s)
     traced_at = None
     if seq_len_at is not None:

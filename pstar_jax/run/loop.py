@@ -33,16 +33,27 @@ from pstar_jax.model.staged import StagedModel, flops_per_token
 log = logging.getLogger(__name__)  # start-up phases (see pstar_jax.cli.flags.start_up_notes)
 
 
-def _frozen_source(hf, cfg: RunConfig):
+def _frozen_source(hf, init, cfg: RunConfig, model: StagedModel):
     """How the engine reads frozen chunks its plan homes on disk: straight from the Hugging Face
-    base's safetensors files (None without one: such a plan is refused in one line)."""
-    if hf is None:
+    base's safetensors files, or from EngineConfig.frozen_cache, written first from those files or
+    the Flax export's tensors (None without a base in files: such a plan is refused in one line)."""
+    cache = cfg.engine.frozen_cache
+    if hf is None and not (cache and init is not None):
         return None
 
     def source(layout, chunks):
-        from pstar_jax.io.frozen_disk import SafetensorsChunks
-        return SafetensorsChunks(hf, layout, np.dtype(cfg.engine.compute_dtype), chunks=chunks,
-                                 workers=min(4, os.cpu_count() or 1))
+        from pstar_jax.io.frozen_disk import ChunkCache, SafetensorsChunks
+        dtype, workers = np.dtype(cfg.engine.compute_dtype), min(4, os.cpu_count() or 1)
+        straight = SafetensorsChunks(hf, layout, dtype, chunks=chunks, workers=workers) if hf is not None else None
+        if not cache:
+            return straight
+        from pstar_jax.io.base_record import base_record
+        try:
+            return ChunkCache(cache, layout, straight if straight is not None else init,
+                              base_record(cfg, model)["fingerprint"], dtype, chunks, workers)
+        finally:
+            if straight is not None:
+                straight.close()
     return source
 
 
@@ -156,7 +167,7 @@ class Run:
             self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
                                        make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at,
-                                       frozen_source=_frozen_source(hf, cfg))
+                                       frozen_source=_frozen_source(hf, init, cfg, self.model))
             from pstar_jax.model.freeze import frozen_names, parse_patterns
             # What the engine freezes (its patterns and LoRA's): no weight gradient, fewer model FLOPs.
             self.frozen = frozen_names(list(self.model.param_shapes()), parse_patterns(cfg.engine.freeze), frozen)

@@ -42,7 +42,23 @@ def check_inputs(config: RunConfig) -> None:
             check_output_dir(path, what)
     if o.metrics_out:
         check_output_file(o.metrics_out, "OutputConfig.metrics_out")
+    if config.engine.frozen_cache:
+        check_frozen_cache(config)
     check_profile(config, 0)
+
+
+def check_frozen_cache(config: RunConfig) -> None:
+    """The cache of disk-homed frozen chunks is written from a base read from files, in a writable
+    place (beside a Hugging Face base's own files, for one, but not inside a Flax export)."""
+    cache, m = os.path.realpath(config.engine.frozen_cache), config.model
+    if not (m.init_from_hf or m.init_from_flax):
+        raise ConfigError("EngineConfig.frozen_cache is written from a base read from files: start from "
+                          "ModelConfig.init_from_hf or init_from_flax, or drop it")
+    if m.init_from_flax and (cache + os.sep).startswith(os.path.realpath(m.init_from_flax) + os.sep):
+        raise ConfigError(f"EngineConfig.frozen_cache {config.engine.frozen_cache} is inside ModelConfig."
+                          f"init_from_flax {m.init_from_flax}, whose fingerprint covers every file there; put the "
+                          "cache elsewhere")
+    check_output_dir(config.engine.frozen_cache, "EngineConfig.frozen_cache")
 
 
 def _directory(path: str, what: str, error: type[ConfigError], kind: str, marker: str | None) -> None:
