@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from pstar_jax.config import ConfigError
+from pstar_jax.model import quant
 from pstar_jax.model.quant import (DYNAMIC_CODE, NF4_CODE, NF4Tensor, dequant_tile_bytes, dequantize_int8,
-                                   dequantize_int8_tile, dequantize_nf4, dequantize_nf4_tile, quantize_int8,
-                                   quantize_nf4, quantized_bytes)
+                                   dequantize_int8_tile, dequantize_nf4, dequantize_nf4_tile, quant_matmul,
+                                   quant_tile, quant_tile_bytes, quantize_int8, quantize_nf4, quantized_bytes)
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -234,6 +235,140 @@ def test_bad_sizes_fail_in_one_line_before_any_array():
         quantize_int8(np.zeros((64,), np.float32))
     with pytest.raises(ConfigError, match="unknown quantization 'nf3'"):
         quantized_bytes((64, 64), "nf3")
+
+
+# --- quant_matmul: one output tile at a time -------------------------------------------------------
+
+def kernels(n_out=200, n_in=96, seed=1):
+    """The same weight as an nf4 torch weight [out, in] (96 values a row: its tiles are even rows,
+    whole blocks) and an int8 kernel [in, out], each with its dense kernel K [in, out]: y = x @ K."""
+    w = normal((n_out, n_in), seed=seed)
+    q4, q8 = quantize_nf4(w), quantize_int8(np.ascontiguousarray(w.T))
+    return [(q4, np.asarray(dequantize_nf4(q4)).T), (q8, np.asarray(dequantize_int8(q8)))]
+
+
+def product_bound(a, b, eps=F32_EPS):
+    """Higham's bound on a floating-point matrix product (Accuracy and Stability of Numerical
+    Algorithms, section 3.1): |fl(a @ b) - a @ b| <= gamma_n * |a| @ |b| elementwise, gamma_n =
+    n u / (1 - n u), u = eps / 2, n the contracted length, in any order of summation (a fused
+    multiply-add only rounds less). A wrong or misplaced tile is off by about |a| @ |b| / sqrt(n)."""
+    n, u = a.shape[-1], eps / 2
+    return n * u / (1 - n * u) * (np.abs(np.asarray(a, np.float64)) @ np.abs(np.asarray(b, np.float64)))
+
+
+def assert_within(got, want, bound):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= bound), f"error up to {(err / bound).max():.3g} times the bound"
+
+
+@pytest.mark.parametrize("tile", [8, 48, 200, None])
+def test_quant_matmul_equals_the_dense_product(tile):
+    """x [B, L, in] @ K with q's arrays traced (jit): tiles of 8 (25 of them), 48 (4, and a
+    remainder of 8), 200 (one) and the default; float32 within rounding of the exact product."""
+    x = jnp.asarray(normal((2, 3, 96), 1.0, seed=2))
+    matmul = jax.jit(quant_matmul, static_argnames="tile")
+    for q, K in kernels():
+        y = matmul(x, q, tile=tile)
+        assert y.shape == (2, 3, 200) and y.dtype == jnp.float32
+        assert_within(y, np.asarray(x, np.float64) @ K, product_bound(x, K))
+
+
+def test_quant_matmul_gradient_is_the_dense_one():
+    """d/dx sum(c * quant_matmul(x, q)) = c @ K.T, jitted, with tiles of 48 and a remainder: its
+    float32 sum over 200 output channels (in tiles, then across them) is within gamma_200 of the
+    exact one, as is the dense product's gradient. The frozen kernel gets a zero gradient when
+    one is asked for (allow_int: float0 for its integer codes, 0.0 for float scales)."""
+    x, c = jnp.asarray(normal((2, 3, 96), 1.0, seed=2)), jnp.asarray(normal((2, 3, 200), 1.0, seed=3))
+    for q, K in kernels():
+        def loss(x, q):
+            return jnp.sum(c * quant_matmul(x, q, 48))
+        grad = jax.jit(jax.grad(loss))(x, q)
+        dense = jax.grad(lambda x: jnp.sum(c * (x @ jnp.asarray(K))))(x)
+        want, bound = np.asarray(c, np.float64) @ K.T, product_bound(c, K.T)
+        assert grad.dtype == jnp.float32 and grad.shape == x.shape
+        assert_within(grad, want, bound)
+        assert_within(grad, np.asarray(dense, np.float64), 2 * bound)
+        grad_x, grad_q = jax.jit(jax.grad(loss, argnums=(0, 1), allow_int=True))(x, q)
+        np.testing.assert_array_equal(np.asarray(grad_x), np.asarray(grad))
+        assert type(grad_q) is type(q) and grad_q.codes.dtype == jax.dtypes.float0
+        for leaf in jax.tree_util.tree_leaves(grad_q):
+            assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf))
+
+
+def test_quant_matmul_in_bfloat16():
+    """bf16 x: the tiles are dequantized into bf16 (one rounding of each weight) and multiplied
+    as jnp.matmul does, out in bf16; within one bf16 rounding at the values' scale of the exact
+    product of those bf16 weights. The gradient is bf16 too, summed in float32."""
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    x = jnp.asarray(normal((2, 3, 96), 1.0, seed=2), jnp.bfloat16)
+    c = jnp.asarray(normal((2, 3, 200), 1.0, seed=3), jnp.bfloat16)
+    for q, K in kernels():
+        K16 = np.asarray(jnp.asarray(K).astype(jnp.bfloat16), np.float64)
+        x64, c64 = np.asarray(x, np.float64), np.asarray(c, np.float64)
+        y = jax.jit(quant_matmul, static_argnames="tile")(x, q, tile=48)
+        assert y.dtype == jnp.bfloat16
+        assert_within(y, x64 @ K16, eps * (np.abs(x64) @ np.abs(K16)))
+        assert quant_matmul(x, q, 48, jnp.float32).dtype == jnp.float32
+        grad = jax.grad(lambda x: jnp.sum(c.astype(jnp.float32) * quant_matmul(x, q, 48, jnp.float32)))(x)
+        assert grad.dtype == jnp.bfloat16
+        assert_within(grad, c64 @ K16.T, eps * (np.abs(c64) @ np.abs(K16.T)))
+
+
+def test_quant_tile_default_fits_the_budget(monkeypatch):
+    """The default tile: all of ``out`` when it fits QUANT_TILE_BYTES, else the most output
+    channels that fit, or a divisor of ``out`` within half of that; nf4 on whole blocks."""
+    row = quant_tile_bytes((200, 96), "nf4", 2, jnp.float32) // 2  # bytes a row, rows in pairs
+    col = quant_tile_bytes((96, 97), "int8", 1, jnp.float32)
+    assert row == 96 * 4 + 8 * 96 // 64 and col == 96 * 4 + 4
+    assert quant_tile((200, 96), "nf4", jnp.float32) == 200  # 32 MiB hold it all
+    for budget, kind, shape, want in [(45 * row, "nf4", (200, 96), 40),  # 44 fit (even); 40 divides 200
+                                      (45 * col, "int8", (96, 97), 45),  # 97 is prime: 2 tiles of 45 and 7
+                                      (0, "int8", (96, 97), 1)]:  # never under one channel
+        monkeypatch.setattr(quant, "QUANT_TILE_BYTES", budget)
+        tile = quant_tile(shape, kind, jnp.float32)
+        assert tile == want and quant_tile_bytes(shape, kind, tile, jnp.float32) <= max(budget, col)
+    q = quantize_int8(normal((96, 97)))
+    x = jnp.asarray(normal((3, 96), 1.0, seed=2))
+    K = np.asarray(dequantize_int8(q))
+    monkeypatch.setattr(quant, "QUANT_TILE_BYTES", 45 * col)
+    assert_within(quant_matmul(x, q), np.asarray(x, np.float64) @ K, product_bound(x, K))
+
+
+def test_quant_matmul_bad_arguments_fail_in_one_line():
+    (q4, _), (q8, _) = kernels()
+    x = jnp.zeros((3, 96))
+    for q, tile, match in [(q4, 7, "tile 7 of kernel \\(200, 96\\) must be 1 to 200 .*multiple of 2"),
+                           (q4, 0, "tile 0 "), (q8, 201, "tile 201 of kernel \\(96, 200\\) must be 1 to 200"),
+                           (q8, 2.5, "tile 2.5 ")]:
+        with pytest.raises(ValueError, match=match) as err:
+            quant_matmul(x, q, tile)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="needs x's last axis to be 96"):
+        quant_matmul(jnp.zeros((3, 200)), q4)
+    with pytest.raises(ValueError, match="kernel of 2 axes"):
+        quant_matmul(x, quantize_int8(normal((2, 48, 8))))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quant_matmul_keeps_one_tile_live(kind):
+    """The compiled forward and backward of a kernel 16 tiles large (out 4096, in 1024, tiles of
+    256: 16 MiB dequantized in float32, a tile 1 MiB) allocate temporaries within two tiles'
+    working bytes (the tile and room for, say, a transposed copy of it) plus the activations'
+    buffers (x, y and the float32 dx). Dequantizing the whole kernel would take its 16 MiB,
+    several times that bound; so would keeping every tile for the backward."""
+    w = normal((4096, 1024))
+    q = quantize_nf4(w) if kind == "nf4" else quantize_int8(np.ascontiguousarray(w.T))
+    x = jnp.asarray(normal((2, 8, 1024), 1.0))
+    whole = 4096 * 1024 * 4
+    bound = 2 * quant_tile_bytes(q.shape, kind, 256, jnp.float32) + 4 * (2 * x.size + 2 * 8 * 4096)
+    assert bound < whole / 4
+    forward = jax.jit(lambda x, q: quant_matmul(x, q, 256))
+    backward = jax.jit(jax.grad(lambda x, q: jnp.sum(quant_matmul(x, q, 256))))
+    for fn in (forward, backward):
+        stats = fn.lower(x, q).compile().memory_analysis()
+        if stats is None:
+            pytest.skip("this backend reports no memory analysis")
+        assert stats.temp_size_in_bytes <= bound
 
 
 # --- bitsandbytes, bit for bit -------------------------------------------------------------------

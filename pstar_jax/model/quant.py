@@ -19,11 +19,18 @@ output channel on the last axis, the layout of an ``nnx.Linear`` kernel [in, out
 
 A tile is ``n_rows`` rows (and optionally ``n_cols`` columns) of the tensor viewed as the matrix
 [prod(shape[:-1]), shape[-1]]; its NF4 blocks must be whole, which the functions check.
+
+``quant_matmul`` multiplies activations by a quantized frozen kernel one output tile at a time:
+each step dequantizes one tile into the activations' dtype, multiplies and drops it, so a stage
+holds one tile (``quant_tile_bytes``), never the whole kernel, and its backward recomputes the
+tiles rather than keeping them. Its nf4 kernel is the torch weight [out, in], the layout
+bitsandbytes quantizes (blocks along ``in``); its int8 kernel is the flax one [in, out].
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -210,18 +217,19 @@ def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def _check_tile(q: NF4Tensor | Int8Tensor, row0: Any, n_rows: int, col0: int, n_cols: int, unit: int) -> None:
+def _check_tile(q: NF4Tensor | Int8Tensor, row0: Any, n_rows: int, col0: Any, n_cols: int, unit: int) -> None:
     """Static checks of a tile of the [R, C] view: inside it, and for nf4 made of whole blocks
-    (``unit`` = its block; 1 for int8). A traced row0 is the caller's to keep aligned."""
+    (``unit`` = its block; 1 for int8). A traced row0 or col0 is the caller's to keep aligned."""
     R, C = _matrix(q.shape)
     static = isinstance(row0, (int, np.integer))
-    if not (0 < n_rows <= R and 0 < n_cols <= C and 0 <= col0 <= C - n_cols):
+    col_static = isinstance(col0, (int, np.integer))
+    if not (0 < n_rows <= R and 0 < n_cols <= C and (not col_static or 0 <= col0 <= C - n_cols)):
         raise ValueError(f"tile of {n_rows} rows x {n_cols} columns at column {col0} is outside {q.shape}")
     if static and not 0 <= row0 <= R - n_rows:
         raise ValueError(f"tile rows [{row0}, {row0 + n_rows}) are outside the {R} rows of {q.shape}")
     if unit == 1:
         return
-    if n_cols < C and (C % unit or col0 % unit or n_cols % unit):
+    if n_cols < C and (C % unit or (col_static and col0 % unit) or n_cols % unit):
         raise ValueError(f"an nf4 column tile needs columns ({C}), its start ({col0}) and width ({n_cols}) "
                          f"in whole blocks of {unit}")
     if n_cols == C and ((n_rows * C) % unit or (static and (row0 * C) % unit)):
@@ -275,9 +283,10 @@ def dequantize_nf4(q: NF4Tensor, dtype: Any = None) -> jax.Array:
     return dequantize_nf4_tile(q, 0, _matrix(q.shape)[0], dtype=dtype).reshape(q.shape)
 
 
-def dequantize_int8_tile(q: Int8Tensor, row0: Any, n_rows: int, col0: int = 0, n_cols: int | None = None,
+def dequantize_int8_tile(q: Int8Tensor, row0: Any, n_rows: int, col0: Any = 0, n_cols: int | None = None,
                          dtype: Any = None) -> jax.Array:
-    """As ``dequantize_nf4_tile``: ``codes * absmax * (1/127)`` in float32, bitsandbytes' order."""
+    """As ``dequantize_nf4_tile``: ``codes * absmax * (1/127)`` in float32, bitsandbytes' order.
+    ``col0`` may be traced too (an output-channel tile of ``quant_matmul``)."""
     R, C = _matrix(q.shape)
     n_cols = C if n_cols is None else n_cols
     _check_tile(q, row0, n_rows, col0, n_cols, 1)
@@ -289,3 +298,114 @@ def dequantize_int8_tile(q: Int8Tensor, row0: Any, n_rows: int, col0: int = 0, n
 
 def dequantize_int8(q: Int8Tensor, dtype: Any = None) -> jax.Array:
     return dequantize_int8_tile(q, 0, _matrix(q.shape)[0], dtype=dtype).reshape(q.shape)
+
+
+# --- matmul against a quantized kernel, one output tile at a time ------------------------------------
+
+QUANT_TILE_BYTES = 32 * 2**20  # default most working bytes of one quant_matmul tile
+
+
+def _in_out(q_shape: tuple[int, ...], kind: Kind) -> tuple[int, int]:
+    """(in, out) of a kernel: nf4 holds the torch weight [out, in], int8 the kernel [in, out]."""
+    if len(q_shape) != 2:
+        raise ValueError(f"quant_matmul needs a kernel of 2 axes, but this one has shape {tuple(q_shape)}")
+    return (q_shape[1], q_shape[0]) if kind == "nf4" else (q_shape[0], q_shape[1])
+
+
+def _kind(q: NF4Tensor | Int8Tensor) -> Kind:
+    return "nf4" if isinstance(q, NF4Tensor) else "int8"
+
+
+def quant_tile_bytes(q_shape: tuple[int, ...], kind: Kind, tile: int, dtype: Any = jnp.bfloat16,
+                     block: int = 64) -> int:
+    """Device working bytes of one ``quant_matmul`` tile, what the planner charges the stage:
+    ``tile`` output channels dequantized into ``dtype`` with their scales, ``dequant_tile_bytes``
+    of [tile, in] (nf4, ``q_shape`` [out, in]) or [in, tile] (int8, [in, out]). The tile's
+    products [..., tile] are activations and counted with them."""
+    n_in, _ = _in_out(q_shape, kind)
+    if kind == "nf4":
+        return dequant_tile_bytes(tile, n_in, kind, dtype, block)
+    return dequant_tile_bytes(n_in, tile, kind, dtype, block)
+
+
+def quant_tile(q_shape: tuple[int, ...], kind: Kind, dtype: Any = jnp.bfloat16, block: int = 64,
+               tile: int | None = None) -> int:
+    """The output channels of one ``quant_matmul`` tile: ``tile`` checked (one-line ValueError),
+    or by default the most whose ``quant_tile_bytes`` fit QUANT_TILE_BYTES, a divisor of ``out``
+    when one lies within half of that (no remainder tile, at most twice the tiles), else that
+    most with a remainder. nf4 tiles are multiples of ``unit`` rows, to hold whole blocks."""
+    n_in, n_out = _in_out(q_shape, kind)
+    unit = block // math.gcd(n_in, block) if kind == "nf4" else 1
+    if tile is not None:
+        if isinstance(tile, bool) or not (isinstance(tile, (int, np.integer)) and 0 < tile <= n_out
+                                          and tile % unit == 0):
+            whole = f", a multiple of {unit} (whole nf4 blocks of {block})" if unit > 1 else ""
+            raise ValueError(f"quant_matmul tile {tile!r} of kernel {tuple(q_shape)} must be 1 to {n_out} "
+                             f"output channels{whole}: change tile or leave it None")
+        return int(tile)
+    # bytes are linear in the tile over multiples of unit (its nf4 blocks are whole)
+    most = max(1, QUANT_TILE_BYTES // quant_tile_bytes(q_shape, kind, unit, dtype, block)) * unit
+    if most >= n_out:
+        return n_out
+    return next((t for t in range(most, most // 2, -unit) if n_out % t == 0), most)
+
+
+def _tile_weights(q: NF4Tensor | Int8Tensor, o0: Any, n: int, dtype: Any) -> jax.Array:
+    """Output channels [o0, o0 + n) of the kernel dequantized into ``dtype``, as [in, n]."""
+    if isinstance(q, NF4Tensor):
+        return dequantize_nf4_tile(q, o0, n, dtype=dtype).T
+    return dequantize_int8_tile(q, 0, q.shape[0], o0, n, dtype)
+
+
+def _over_tiles(n_out: int, tile: int, step: Any, carry: Any) -> Any:
+    """``carry = step(o0, n, carry)`` for each tile: a loop over the whole ones (o0 traced, one
+    tile live at a time) and a static remainder."""
+    n_full, rest = divmod(n_out, tile)
+    carry = jax.lax.fori_loop(0, n_full, lambda i, c: step(i * tile, tile, c), carry)
+    return step(n_full * tile, rest, carry) if rest else carry
+
+
+# A custom_vjp so that autodiff saves no dequantized tile: the backward recomputes them and gives
+# the frozen kernel no cotangent. The dtypes are static arguments since residuals hold only arrays.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled_matmul(tile: int, dtype: np.dtype, x_dtype: np.dtype, x: jax.Array, q: Any) -> jax.Array:
+    _, n_out = _in_out(q.shape, _kind(q))
+
+    def step(o0, n, y):
+        y_t = jnp.matmul(x, _tile_weights(q, o0, n, x_dtype))
+        return jax.lax.dynamic_update_slice_in_dim(y, y_t.astype(dtype), o0, axis=y.ndim - 1)
+    return _over_tiles(n_out, tile, step, jnp.zeros((*x.shape[:-1], n_out), dtype))
+
+
+def _tiled_matmul_fwd(tile, dtype, x_dtype, x, q):
+    return _tiled_matmul(tile, dtype, x_dtype, x, q), q  # no dequantized tile is kept
+
+
+def _tiled_matmul_bwd(tile, dtype, x_dtype, q, g):
+    n_in, n_out = _in_out(q.shape, _kind(q))
+
+    def step(o0, n, dx):
+        g_t = jax.lax.dynamic_slice_in_dim(g, o0, n, axis=g.ndim - 1).astype(x_dtype)
+        w_t = _tile_weights(q, o0, n, x_dtype)  # recomputed, as in the forward
+        return dx + jnp.matmul(g_t, w_t.T, preferred_element_type=jnp.float32)
+    dx = _over_tiles(n_out, tile, step, jnp.zeros((*g.shape[:-1], n_in), jnp.float32))
+    return dx.astype(x_dtype), None  # the kernel is frozen: no cotangent (zeros, float0 for codes)
+
+
+_tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
+
+
+def quant_matmul(x: jax.Array, q: NF4Tensor | Int8Tensor, tile: int | None = None, dtype: Any = None) -> jax.Array:
+    """``x @ W`` for x [..., in] and a frozen quantized kernel: nf4 ``q`` of the torch weight
+    [out, in] (``W = dequantize_nf4(q).T``) or int8 ``q`` of the kernel [in, out]. Returns
+    [..., out] in ``dtype`` (default x's). ``tile`` output channels at a time (default: the most
+    within QUANT_TILE_BYTES) are dequantized into x's dtype and multiplied as jnp.matmul does;
+    the last tile may be smaller. Differentiable in ``x`` only: its backward recomputes each tile
+    and sums ``g_tile @ W_tile.T`` in float32, cast to x's dtype once."""
+    kind = _kind(q)
+    n_in, _ = _in_out(q.shape, kind)
+    if x.shape[-1] != n_in:
+        raise ValueError(f"quant_matmul of x {x.shape} with kernel {q.shape} needs x's last axis to be {n_in}")
+    x_dtype = jnp.dtype(x.dtype)
+    tile = quant_tile(q.shape, kind, x_dtype, q.block if kind == "nf4" else 64, tile)
+    return _tiled_matmul(tile, jnp.dtype(x_dtype if dtype is None else dtype), x_dtype, x, q)
