@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from pstar_jax.data.batch import mix_seeds
+from pstar_jax.model.quant import Int8Tensor, NF4Tensor, quant_matmul
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -130,6 +131,20 @@ def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int, rate: float) ->
     return jnp.where(keep, x_BxTxD / (1.0 - rate), jnp.zeros((), x_BxTxD.dtype)).astype(x_BxTxD.dtype)
 
 
+def base_linear(layer: nnx.Linear, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """``nnx.Linear``'s output; with a kernel stored quantized (a frozen base under
+    EngineConfig.base_quant: its stage passes the quantized form, pstar_jax.model.quant_bytes)
+    the matmul that dequantizes it one tile at a time, plus the bias."""
+    kernel = layer.kernel.get_value() if hasattr(layer.kernel, "get_value") else layer.kernel.value
+    if not isinstance(kernel, (NF4Tensor, Int8Tensor)):
+        return nnx.Linear.__call__(layer, x, out_sharding=out_sharding)
+    y = quant_matmul(x, kernel)
+    if layer.bias is not None:
+        bias = layer.bias.get_value() if hasattr(layer.bias, "get_value") else layer.bias.value
+        y = y + bias.astype(y.dtype)
+    return y
+
+
 class LoraLinear(nnx.Linear):
     """``nnx.Linear`` plus ``scale * lora(dropout(x))``, the adapter an ``nnx.LoRA`` at ``self.lora``.
 
@@ -145,7 +160,7 @@ class LoraLinear(nnx.Linear):
         self.lora_salt = int(np.uint32(zlib.crc32(path.encode())))
 
     def __call__(self, x: jax.Array, out_sharding: Any = None, dropout_seeds: jax.Array | None = None) -> jax.Array:
-        y = super().__call__(x, out_sharding=out_sharding)
+        y = base_linear(self, x, out_sharding)
         if dropout_seeds is not None and self.lora_dropout > 0:
             x = dropout(x, dropout_seeds, self.lora_salt, self.lora_dropout)
         return y + (self.lora_scale * self.lora(x)).astype(y.dtype)
@@ -155,7 +170,7 @@ def project(layer: nnx.Module, x: jax.Array, dropout_seeds: jax.Array | None = N
     """A projection's output: a LoraLinear gets the dropout seeds, a plain Linear only x."""
     if isinstance(layer, LoraLinear):
         return layer(x, dropout_seeds=dropout_seeds)
-    return layer(x)
+    return base_linear(layer, x) if isinstance(layer, nnx.Linear) else layer(x)
 
 
 def adapter_names(names: Sequence[str]) -> list[str]:

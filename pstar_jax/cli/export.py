@@ -49,7 +49,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     from pstar_jax.io.checkpoint import Checkpointer, CheckpointError, iter_master_tensors
     from pstar_jax.engine.chunks import ChunkLayout
     from pstar_jax.io.hf import check_export_target, tokenizer_files
-    from pstar_jax.io.hf_export import export_run_hf
+    from pstar_jax.io.hf_export import export_run_hf, quant_note
     from pstar_jax.io.lora_io import export_lora
     from pstar_jax.io.models import hf_export_config, load_model, saved_run_config
     from pstar_jax.io.peft_io import check_adapter_target
@@ -92,7 +92,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             files = export_run_hf(args.hf, config, model, tensors, args.export_dtype,
                                   args.tokenizer_from or config.model.init_from_hf, iter_adapters=trained, what="--hf")
             print(f"exported step {meta['step']} of {ckpt.directory} to {os.path.abspath(args.hf)} "
-                  f"({args.export_dtype}): {', '.join(files)}")
+                  f"({args.export_dtype}): {', '.join(files)}{quant_note(config)}")
     finally:
         ckpt.close()
     return 0

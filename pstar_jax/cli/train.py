@@ -66,7 +66,8 @@ def _train(config: RunConfig, start: float) -> int:
         if config.checkpoint.export_hf:
             files = r.export_hf(config.checkpoint.export_hf)
             if r.main_process:
-                print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}", flush=True)
+                from pstar_jax.io.hf_export import quant_note
+                print(f"exported to {config.checkpoint.export_hf}: {', '.join(files)}{quant_note(config)}", flush=True)
         if config.checkpoint.export_lora:
             files = r.export_lora(config.checkpoint.export_lora)
             if r.main_process:

@@ -119,6 +119,7 @@ PRECISIONS = ("bf16", "fp32")
 ADAM_PLACEMENTS = ("auto", "device", "host", "stream")
 ENGINES = ("chunked", "plain")
 REMATS = ("none", "dots", "full", "offload")
+BASE_QUANTS = ("nf4", "int8")
 
 
 @section
@@ -156,6 +157,10 @@ class EngineConfig:
                                       "homes on disk, written once at load and reused by later runs of the same "
                                       "base and layout (default: read them straight from the base's safetensors "
                                       "files)", metavar="DIR")
+    base_quant: str | None = option(None, "store the frozen base's projection kernels quantized, dequantized a "
+                                    "tile at a time in each stage (QLoRA): nf4 (blocks of 64, double-quantized "
+                                    "scales, as bitsandbytes) or int8 (per output channel); norms, embeddings and "
+                                    "the head stay in the compute dtype", choices=BASE_QUANTS, math_changing=True)
     machine: str | None = option(None, "rates the plan predicts with: h200, h200-duplex or a JSON file; default: "
                                  "this machine's, measured once and kept (pstar-machine "
                                  "--remeasure measures again)", metavar="NAME_OR_FILE")
@@ -171,6 +176,11 @@ class EngineConfig:
                                   f"{getattr(self, name)!r}")
         positive_int(self, "chunk_numel", "host_memory", "disk_memory", allow_none=True, upper=2**62)
         positive_int(self, "micro_batches", upper=MAX_STEPS)
+        if self.base_quant is not None and self.base_quant not in BASE_QUANTS:
+            raise ConfigError(f"EngineConfig.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
+        if self.base_quant and self.disk_memory:
+            raise ConfigError("EngineConfig.base_quant keeps the quantized base in device and host memory (the disk "
+                              "tier reads a bf16 base's own files): drop EngineConfig.disk_memory or base_quant")
         if self.frozen_cache is not None and not (isinstance(self.frozen_cache, str) and self.frozen_cache.strip()):
             raise ConfigError("EngineConfig.frozen_cache must name a directory")
         if self.frozen_cache and not self.disk_memory:

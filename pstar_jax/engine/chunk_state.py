@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pstar_jax.engine.chunks import ChunkLayout, unpack
+from pstar_jax.engine.chunks import ChunkLayout, slot_value, unpack
 from pstar_jax.engine.memory import Space
 from pstar_jax.engine.zero import to_numpy
 
@@ -87,18 +87,25 @@ class ChunkState:
         """Current tensors by name (fp32 master, or the compute-dtype params), as numpy; the
         pending update is applied first."""
         self.flush()
-        return unpack(self.layout, [self._chunk_values(kind, c) for c in range(self.layout.n_chunks)])
+        return unpack(self.layout, [self._chunk_values(kind, c) for c in range(self.layout.n_chunks)],
+                      self._values_dtype(kind))
+
+    def _values_dtype(self, kind: str) -> np.dtype:
+        """What a quantized kernel is dequantized into for ``kind``: float32, or the compute dtype."""
+        return np.dtype(np.float32) if kind == "master" else np.dtype(self.param_dtype)
 
     def _chunk_values(self, kind: str, c: int) -> np.ndarray:
-        """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy."""
+        """Chunk c's "master" (fp32; a frozen chunk's params cast up) or "param" values as numpy (a
+        chunk of quantized kernels: its bytes, which ``slot_value`` dequantizes)."""
         if self.layout.is_frozen(c):
             if ("param", c) in self.store:
                 value = to_numpy(self.store.peek(("param", c)))
             else:  # homed on disk: read it there (after any read under way, which shares the source)
                 self.store.disk.cancel()
-                value = np.empty(self.layout.numel_of(c), np.dtype(self.param_dtype))
+                value = np.empty(self.layout.numel_of(c), self.layout.dtype_of(c, self.param_dtype))
                 self.store.disk.source.read_into(c, value)
-            return value.astype(np.float32) if kind == "master" else value
+            quantized = value.dtype == np.uint8
+            return value.astype(np.float32) if kind == "master" and not quantized else value
         return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
 
     def iter_params(self, kind: str = "master") -> Iterator[tuple[str, np.ndarray]]:
@@ -111,4 +118,4 @@ class ChunkState:
         for c in range(self.layout.n_chunks):
             chunk = self._chunk_values(kind, c)
             for s in by_chunk.get(c, ()):
-                yield s.name, chunk[s.offset:s.offset + s.numel].reshape(s.shape)
+                yield s.name, slot_value(s, chunk, self._values_dtype(kind))

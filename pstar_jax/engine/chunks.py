@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from pstar_jax.config import ConfigError
+from pstar_jax.model.quant_bytes import dequantized, slot_bytes, to_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +36,22 @@ class TensorSlot:
     chunk: int
     offset: int
     decays: bool
+    quant: str = ""  # "nf4" or "int8": a frozen kernel kept quantized, as bytes (model/quant_bytes.py)
 
     @property
     def numel(self) -> int:
+        """The elements the slot takes in its chunk: the tensor's, or its quantized form's bytes."""
+        return slot_bytes(self.shape, self.quant, self.name) if self.quant else math.prod(self.shape)
+
+    @property
+    def n_params(self) -> int:
         return math.prod(self.shape)
 
 
-KINDS = ("trainable", "frozen")  # what a chunk holds: trained tensors, or frozen ones (params only)
+# What a chunk holds: trained tensors; frozen ones (params only, in the compute dtype); or frozen
+# kernels quantized (QUANT_KINDS: uint8 chunks of model/quant_bytes.py's slots).
+KINDS = ("trainable", "frozen", "nf4", "int8")
+QUANT_KINDS = ("nf4", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +101,25 @@ class ChunkLayout:
 
     @property
     def frozen(self) -> tuple[bool, ...]:
-        """Per chunk: holds frozen tensors (params only); () when none does."""
-        frozen = tuple(kind == "frozen" for kind in self.kinds)
+        """Per chunk: holds frozen tensors (params only, quantized or not); () when none does."""
+        frozen = tuple(kind != "trainable" for kind in self.kinds)
         return frozen if any(frozen) else ()
 
     def is_frozen(self, chunk: int) -> bool:
-        return self.kinds[chunk] == "frozen"
+        return self.kinds[chunk] != "trainable"
+
+    def dtype_of(self, chunk: int, compute_dtype: Any) -> np.dtype:
+        """The dtype of chunk ``chunk``'s params: uint8 for quantized kernels, else ``compute_dtype``."""
+        return np.dtype(np.uint8) if self.kinds[chunk] in QUANT_KINDS else np.dtype(compute_dtype)
+
+    def dtypes(self, compute_dtype: Any) -> tuple[np.dtype, ...]:
+        """Per chunk: ``dtype_of``."""
+        return tuple(self.dtype_of(c, compute_dtype) for c in range(self.n_chunks))
+
+    @property
+    def n_params(self) -> int:
+        """The model's parameters (a quantized kernel's counted as its elements, not its bytes)."""
+        return sum(s.n_params for s in self.slots)
 
     @property
     def trainable_chunks(self) -> tuple[int, ...]:
@@ -136,20 +159,25 @@ class ChunkLayout:
         "numels", per chunk), and the frozen chunks' ids, as layouts were written before sizes were
         per chunk (their checkpoints read the same)."""
         out = {"chunk_numel": self.numels[0]} if len(set(self.numels)) == 1 else {"numels": list(self.numels)}
-        out["tensors"] = [[s.name, list(s.shape), s.chunk, s.offset, s.decays] for s in self.slots]
+        out["tensors"] = [[s.name, list(s.shape), s.chunk, s.offset, s.decays, *([s.quant] if s.quant else [])]
+                          for s in self.slots]
         if any(self.frozen):  # absent: every chunk trainable (layouts saved before frozen chunks)
             out["frozen_chunks"] = [c for c in range(self.n_chunks) if self.is_frozen(c)]
         return out
 
     @staticmethod
     def from_json(data: Mapping) -> "ChunkLayout":
-        slots = tuple(TensorSlot(n, tuple(sh), c, o, d) for n, sh, c, o, d in data["tensors"])
+        slots = tuple(TensorSlot(n, tuple(sh), c, o, d, *q) for n, sh, c, o, d, *q in data["tensors"])
         if "numels" in data:
             numels = tuple(int(n) for n in data["numels"])
         else:
             numels = (int(data["chunk_numel"]),) * (max(s.chunk for s in slots) + 1)
         frozen = set(data.get("frozen_chunks", ()))
-        return _finish(numels, slots, tuple("frozen" if c in frozen else "trainable" for c in range(len(numels))))
+        kinds = ["frozen" if c in frozen else "trainable" for c in range(len(numels))]
+        for s in slots:  # a quantized kernel's chunk holds only quantized kernels of its kind
+            if s.quant:
+                kinds[s.chunk] = s.quant
+        return _finish(numels, slots, tuple(kinds))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -162,23 +190,24 @@ def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[st
 
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                  chunk_numel: int | Mapping[str, int], align: int = 64, trainable: Callable[[str], bool] | None = None,
-                 multiple: int = 1) -> ChunkLayout:
+                 multiple: int = 1, quant: Callable[[str], str] | None = None) -> ChunkLayout:
     """Greedy placement in model order, trainable and frozen tensors (``trainable``, default: all
     trainable) in chunks of their own kind. ``chunk_numel`` is one size for every kind (an int, as
     ``--chunk-size`` gives: a tensor larger than it is a ConfigError) or a size per kind (a mapping
     from "trainable"/"frozen", as ``auto_chunk_numels`` gives): then a tensor larger than its kind's
     size gets a chunk of its own, its size rounded up to ``align * multiple`` (shardable over
     ``multiple`` devices), and the kind's next tensor opens a new chunk, so each kind's chunks
-    still follow model order."""
-    trainable = trainable or (lambda name: True)
+    still follow model order. ``quant(name)`` names the quantization ("nf4", "int8") of a frozen
+    kernel stored quantized, in chunks of that kind, or "" (kept in the compute dtype)."""
+    kind_of, stored = tensor_kinds(shapes, trainable, quant)
     if isinstance(chunk_numel, Mapping):
         sizes = dict(chunk_numel)
     else:
-        largest = max(shapes, key=lambda n: math.prod(shapes[n]))
-        if math.prod(shapes[largest]) > chunk_numel:
+        largest = max(shapes, key=lambda n: stored[n])
+        if stored[largest] > chunk_numel:
             raise ConfigError(
                 f"--chunk-size {chunk_numel} is below the largest tensor ({largest}, "
-                f"{math.prod(shapes[largest])} elements); use --chunk-size auto or at least that many")
+                f"{stored[largest]} elements); use --chunk-size auto or at least that many")
         sizes = dict.fromkeys(KINDS, chunk_numel)
     groups: list[list[str]] = []
     kinds: list[str] = []  # per chunk
@@ -191,7 +220,7 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
     # tensor in constant time (recomputing it over the chunk made a chunk of many small tensors
     # quadratic: 12,000 tensors of a 1000-layer tiny took minutes).
     for name in shapes:
-        kind, numel, decayed = "trainable" if trainable(name) else "frozen", math.prod(shapes[name]), decays(name)
+        kind, numel, decayed = kind_of[name], stored[name], decays(name)
         if kind not in sizes:
             raise ValueError(f"no chunk size for {kind} tensors (such as {name}); sizes given: {sorted(sizes)}")
         size = sizes[kind]
@@ -217,11 +246,27 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
     for chunk, names in enumerate(groups):
         offset = 0  # decayed tensors first (stable), so a chunk's decay mask is a prefix
         for name in _decay_first(names, decays):
-            slots.append(TensorSlot(name, tuple(shapes[name]), chunk, offset, decays(name)))
-            offset = _round_up(offset + math.prod(shapes[name]), align)
+            q = kind_of[name] if kind_of[name] in QUANT_KINDS else ""
+            slots.append(TensorSlot(name, tuple(shapes[name]), chunk, offset, decays(name), q))
+            offset = _round_up(offset + stored[name], align)
     order = {name: i for i, name in enumerate(shapes)}
     slots.sort(key=lambda s: order[s.name])
     return _finish(tuple(numels), tuple(slots), tuple(kinds))
+
+
+def tensor_kinds(shapes: Mapping[str, Sequence[int]], trainable: Callable[[str], bool] | None = None,
+                 quant: Callable[[str], str] | None = None) -> tuple[dict[str, str], dict[str, int]]:
+    """(each tensor's chunk kind, the elements it takes in its chunk): "trainable" unless
+    ``trainable(name)`` is false, then "frozen" or the quantization ``quant(name)`` names, whose
+    slot holds its quantized bytes (a one-line ConfigError where the kind cannot hold it)."""
+    kinds, stored = {}, {}
+    for name, shape in shapes.items():
+        kind = "trainable" if trainable is None or trainable(name) else (quant and quant(name)) or "frozen"
+        if kind not in KINDS:
+            raise ValueError(f"unknown chunk kind {kind!r} for {name}; known: {KINDS}")
+        kinds[name] = kind
+        stored[name] = slot_bytes(tuple(shape), kind, name) if kind in QUANT_KINDS else math.prod(shape)
+    return kinds, stored
 
 
 def _finish(numels: tuple[int, ...], slots: tuple[TensorSlot, ...], kinds: tuple[str, ...]) -> ChunkLayout:
@@ -250,8 +295,17 @@ def pack(layout: ChunkLayout, params: Mapping[str, np.ndarray], dtype) -> list[n
 
 
 def pack_chunk(layout: ChunkLayout, chunk: int, tensor: Callable[[str], Any]) -> Any:
-    """One fp32 chunk as a jax array, asking ``tensor(name)`` only for the tensors it holds."""
+    """One fp32 chunk as a jax array, asking ``tensor(name)`` only for the tensors it holds; a
+    chunk of quantized kernels is their bytes, uint8 (quantized here, on the host)."""
     import jax.numpy as jnp  # chunks is otherwise numpy-only
+    if layout.kinds[chunk] in QUANT_KINDS:
+        out = np.zeros(layout.numel_of(chunk), np.uint8)
+        for s in (s for s in layout.slots if s.chunk == chunk):
+            value = np.asarray(tensor(s.name))
+            if value.shape != s.shape:
+                raise ConfigError(f"parameter {s.name} has shape {value.shape}, the layout expects {s.shape}")
+            out[s.offset:s.offset + s.numel] = to_bytes(value, s.quant, s.name)
+        return jnp.asarray(out)
     pieces, end = [], 0
     for s in sorted((s for s in layout.slots if s.chunk == chunk), key=lambda s: s.offset):
         if s.offset > end:
@@ -265,16 +319,25 @@ def pack_chunk(layout: ChunkLayout, chunk: int, tensor: Callable[[str], Any]) ->
     return jnp.concatenate(pieces)
 
 
-def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """Flat chunks -> tensors by name, in model order."""
+def unpack(layout: ChunkLayout, chunks: Sequence[np.ndarray], dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Flat chunks -> tensors by name, in model order (``slot_value``)."""
     host = [np.asarray(c) for c in chunks]
-    return {s.name: host[s.chunk][s.offset:s.offset + s.numel].reshape(s.shape) for s in layout.slots}
+    return {s.name: slot_value(s, host[s.chunk], dtype) for s in layout.slots}
+
+
+def slot_value(slot: TensorSlot, chunk: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+    """A tensor's values in its (host) chunk; a quantized kernel dequantized in full into ``dtype``."""
+    piece = chunk[slot.offset:slot.offset + slot.numel]
+    if slot.quant:
+        return dequantized(piece, slot.shape, slot.quant, dtype)
+    return piece.reshape(slot.shape)
 
 
 def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                       multiple: int = 1, align: int = 64, max_candidates: int = 512,
-                      trainable: Callable[[str], bool] | None = None) -> dict[str, int]:
-    """Per kind present ("trainable", "frozen"), the chunk size whose layout of that kind's tensors
+                      trainable: Callable[[str], bool] | None = None,
+                      quant: Callable[[str], str] | None = None) -> dict[str, int]:
+    """Per kind present ("trainable", "frozen", a quantization), the chunk size whose layout of that kind's tensors
     wastes the fewest elements (build_layout with these sizes).
 
     Waste is padding at chunk ends plus alignment gaps. A least-waste size is always the extent
@@ -287,19 +350,18 @@ def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str
     largest tensor whose shape occurs at least twice (a block's), else its largest: a larger
     singleton, such as an embedding or a head, gets a chunk of its own instead of setting the
     size of all the others."""
-    trainable = trainable or (lambda name: True)
+    kind_of, stored = tensor_kinds(shapes, trainable, quant)
     by_kind: dict[str, dict[str, Sequence[int]]] = {}
     for name, shape in shapes.items():
-        by_kind.setdefault("trainable" if trainable(name) else "frozen", {})[name] = shape
+        by_kind.setdefault(kind_of[name], {})[name] = shape
     out = {}
     for kind in (k for k in KINDS if k in by_kind):
         mine = by_kind[kind]
-        numels = [math.prod(s) for s in mine.values()]
         seen: dict[tuple, int] = {}
         for shape in mine.values():
             seen[tuple(shape)] = seen.get(tuple(shape), 0) + 1
-        repeated = [math.prod(s) for s, n in seen.items() if n > 1]
-        low = max(repeated) if len(by_kind) > 1 and repeated else max(numels)
+        repeated = [stored[n] for n, s in mine.items() if seen[tuple(s)] > 1]
+        low = max(repeated) if len(by_kind) > 1 and repeated else max(stored[n] for n in mine)
         out[kind] = _least_waste(mine, decays, low, kind, multiple, align, max_candidates)
     return out
 
@@ -308,7 +370,9 @@ def _least_waste(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
                  multiple: int, align: int, max_candidates: int) -> int:
     """auto_chunk_numels' search over the tensors of one kind."""
     names = list(shapes)
-    sizes = [_round_up(math.prod(shapes[n]), align) for n in names]
+    trainable, quant = (lambda name: kind == "trainable"), (lambda name: kind if kind in QUANT_KINDS else "")
+    stored = tensor_kinds(shapes, trainable, quant)[1]
+    sizes = [_round_up(stored[n], align) for n in names]
     low = _round_up(low_numel, multiple * align)
     high = max(low, min(2 * low, _round_up(sum(sizes) // 4, multiple * align)))
     candidates = {low}
@@ -324,14 +388,13 @@ def _least_waste(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
     if len(ordered) > max_candidates:  # keep the search quick for huge, irregular models
         step = len(ordered) / max_candidates
         ordered = sorted({ordered[int(i * step)] for i in range(max_candidates)} | {low})
-    trainable = (lambda name: kind == "trainable")
     return min(ordered, key=lambda n: (build_layout(shapes, decays, {kind: n}, align, trainable,
-                                                    multiple).padded_numel, n))
+                                                    multiple, quant).padded_numel, n))
 
 
 def outgrown(shapes: Mapping[str, Sequence[int]], chunk_numel: int | Mapping[str, int],
-             trainable: Callable[[str], bool] | None = None) -> set[str]:
+             trainable: Callable[[str], bool] | None = None, quant: Callable[[str], str] | None = None) -> set[str]:
     """The tensors larger than their kind's size (with sizes per kind: those in chunks of their own)."""
-    trainable = trainable or (lambda name: True)
+    kind_of, stored = tensor_kinds(shapes, trainable, quant)
     sizes = chunk_numel if isinstance(chunk_numel, Mapping) else dict.fromkeys(KINDS, chunk_numel)
-    return {n for n, s in shapes.items() if math.prod(s) > sizes.get("trainable" if trainable(n) else "frozen", 0)}
+    return {n for n in shapes if stored[n] > sizes.get(kind_of[n], 0)}

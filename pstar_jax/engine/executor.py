@@ -155,7 +155,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
     # -- planning -----------------------------------------------------------------------------
     def chunk_bytes(self, c: int) -> int:
         """Chunk c's params (or grad), per device."""
-        return self.layout.numel_of(c) * jnp.dtype(self.param_dtype).itemsize // self.n_devices
+        return self.layout.numel_of(c) * self.layout.dtype_of(c, self.param_dtype).itemsize // self.n_devices
 
     @property
     def model_data_bytes(self) -> int:
@@ -214,7 +214,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 self.store.put(("opt", c), self.optimizer.init(master))
                 self.store.put(("master", c), master)
             home = self.plan.home(c)
-            self.store.put(key, self.placement.put(chunk.astype(self.param_dtype),
+            self.store.put(key, self.placement.put(chunk.astype(self.layout.dtype_of(c, self.param_dtype)),
                                                    Space.DEVICE if dirty or home == "device" else Space.HOST))
             if dirty is False and home != "device":  # on the device with a valid host copy
                 self.store.get(key, Space.DEVICE)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
+from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
 from pstar_jax.model.staged import Stage, stage_seeds
 
 
@@ -36,6 +37,7 @@ class BoundStage:
     offsets: tuple[int, ...]  # per tensor: element offset in its chunk
     frozen: tuple[bool, ...] = ()  # per chunk of ``chunks``: frozen (no grad chunk); () none is
     index: int = 0  # the stage's place in the chain (mixed into its rows' dropout seeds)
+    quant: tuple[str, ...] = ()  # per tensor: its quantization ("nf4", "int8") or ""; () none is
 
     @property
     def offset_data(self) -> tuple[int, ...]:
@@ -55,7 +57,8 @@ def bind(stage: Stage, layout, index: int = 0) -> BoundStage:
     slots = [layout.slot(n) for n in stage.param_names]
     pattern = tuple((chunks.index(s.chunk), s.shape) for s in slots)
     frozen = tuple(layout.is_frozen(c) for c in chunks) if any(layout.frozen) else ()
-    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots), frozen, index)
+    quant = tuple(s.quant for s in slots) if any(s.quant for s in slots) else ()
+    return BoundStage(stage, chunks, pattern, tuple(s.offset for s in slots), frozen, index, quant)
 
 
 def _trainable_pattern(bound: BoundStage) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
@@ -74,9 +77,15 @@ def _with(params: tuple, tensors: tuple[int, ...], trained: tuple) -> tuple:
     return tuple(out)
 
 
-def _views(full_chunks, offsets, pattern):
-    return tuple(jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (math.prod(shape),)).reshape(shape)
-                 for i, (j, shape) in enumerate(pattern))
+def _views(full_chunks, offsets, pattern, quant=()):
+    """The stage's tensors: slices of its chunks, a quantized kernel's bytes read as its quantized
+    form (model/quant_bytes.py), which the projection dequantizes a tile at a time."""
+    def view(i, j, shape):
+        if quant and quant[i]:
+            buf = jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (slot_bytes(shape, quant[i]),))
+            return from_bytes(buf, shape, quant[i], jnp.float32)
+        return jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (math.prod(shape),)).reshape(shape)
+    return tuple(view(i, j, shape) for i, (j, shape) in enumerate(pattern))
 
 
 def _gather(chunks, n_devices: int):
@@ -119,12 +128,12 @@ class StageFunctions:
         self._cache: dict[tuple, Callable] = {}
         self._options = compat.compiler_options(mesh.devices.flat[0].platform)
 
-    def _params(self, chunks, offsets, pattern) -> tuple[jax.Array, ...]:
+    def _params(self, chunks, offsets, pattern, quant=()) -> tuple[jax.Array, ...]:
         """The stage's tensors, viewed out of its whole chunks."""
-        return _views(_gather(chunks, self.n_devices), offsets, pattern)
+        return _views(_gather(chunks, self.n_devices), offsets, pattern, quant)
 
     def _get(self, role: str, bound: BoundStage, build: Callable[[], Callable]) -> Callable:
-        key = (role, bound.stage.apply, bound.pattern, bound.frozen)
+        key = (role, bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -149,7 +158,7 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, x, batch):
-            return apply(self._params(chunks, offsets, pattern), x, stage_seeds(batch, offsets[-1]))
+            return apply(self._params(chunks, offsets, pattern, bound.quant), x, stage_seeds(batch, offsets[-1]))
         return self._get("fwd", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P("data")),
             compiler_options=self._options))
@@ -167,7 +176,7 @@ class StageFunctions:
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, x, batch, gy, grad_chunks):
-            params = self._params(chunks, offsets, pattern)
+            params = self._params(chunks, offsets, pattern, bound.quant)
             batch = stage_seeds(batch, offsets[-1])  # the forward's masks again
             trained = tuple(params[i] for i in tensors)
             if first:
@@ -197,7 +206,7 @@ class StageFunctions:
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
-            params = self._params(chunks, offsets, pattern)
+            params = self._params(chunks, offsets, pattern, bound.quant)
             batch = stage_seeds(batch, offsets[-1])
 
             def scaled_loss(trained, h):
@@ -219,8 +228,8 @@ class StageFunctions:
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, h, batch):
-            return jax.lax.psum(apply(self._params(chunks, offsets, pattern), h, stage_seeds(batch, offsets[-1])),
-                                "data")
+            params = self._params(chunks, offsets, pattern, bound.quant)
+            return jax.lax.psum(apply(params, h, stage_seeds(batch, offsets[-1])), "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
             compiler_options=self._options))

@@ -174,6 +174,11 @@ def run_base(config: RunConfig, model: Any, record: Mapping | None = None) -> Ma
 
 
 def _source_tensors(record: Mapping, model: Any, config: RunConfig) -> Mapping[str, Any]:
+    tensors = _stored_tensors(record, model, config)
+    return _Dequantized(tensors, model, config) if config.engine.base_quant else tensors
+
+
+def _stored_tensors(record: Mapping, model: Any, config: RunConfig) -> Mapping[str, Any]:
     if record["source"] == "hf":
         from pstar_jax.io.hf import HFCheckpoint
         from pstar_jax.io.models import hf_functions
@@ -183,6 +188,39 @@ def _source_tensors(record: Mapping, model: Any, config: RunConfig) -> Mapping[s
         from pstar_jax.io.flax_io import import_flax
         return import_flax(record["path"], model.param_shapes())
     return _Initialised(model, record["seed"])
+
+
+class _Dequantized(Mapping[str, Any]):
+    """A base trained quantized (EngineConfig.base_quant): its quantized kernels as the run's
+    stages computed with them, quantized and dequantized in full (fp32), the rest as stored; what
+    an export merges the adapters into, as peft merges into a bitsandbytes base's dequantized
+    weights."""
+
+    def __init__(self, tensors: Mapping[str, Any], model: Any, config: RunConfig):
+        from pstar_jax.model.freeze import frozen_names, parse_patterns
+        from pstar_jax.model.lora import frozen_for_lora
+        from pstar_jax.model.quant_bytes import quant_rule
+        shapes = model.param_shapes()
+        frozen = frozen_names(list(shapes), parse_patterns(config.engine.freeze), frozen_for_lora(model, config.lora))
+        self.tensors, self.kind = tensors, config.engine.base_quant
+        self.rule = quant_rule(self.kind, shapes, lambda name: name not in frozen)
+
+    def __getitem__(self, name: str) -> Any:
+        from pstar_jax.model.quant_bytes import dequantized, to_bytes
+        value = self.tensors[name]
+        if not self.rule(name):
+            return value
+        value = np.asarray(value, np.float32)
+        return dequantized(to_bytes(value, self.kind, name), value.shape, self.kind, np.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def close(self) -> None:
+        close_tensors(self.tensors)
 
 
 class _Initialised(Mapping[str, Any]):

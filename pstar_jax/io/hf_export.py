@@ -47,6 +47,13 @@ def export_run_hf(directory: str, config: RunConfig, model: Any, iter_params: Te
     return export_hf(directory, tensors, tensor_map, hf_json, dtype, tokenizer_from, what=what)
 
 
+def quant_note(config: RunConfig) -> str:
+    """What an export's message says of a base trained quantized (EngineConfig.base_quant), else ""."""
+    kind = config.engine.base_quant
+    return (f" (the {kind} base's kernels dequantized, as the run computed with them, and the adapters merged "
+            "into them in fp32, as peft merges into a bitsandbytes base)" if kind else "")
+
+
 def _with_base(iter_params: Tensors, frozen: set[str], config: RunConfig, model: Any, record: Mapping | None
                ) -> Iterator[tuple[str, np.ndarray]]:
     tensors = run_base(config, model, record)

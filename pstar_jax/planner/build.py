@@ -23,6 +23,7 @@ from pstar_jax.config import ConfigError, EngineConfig, OptimConfig, format_byte
 from pstar_jax.engine.protocol import Engine
 from pstar_jax.engine.executor import ChunkedEngine
 from pstar_jax.model.freeze import Frozen, frozen_names, parse_patterns, trainable as make_trainable
+from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine
 from pstar_jax.engine.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
 from pstar_jax.model.staged import StagedModel, decays, validate_stages
@@ -104,7 +105,8 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
     shape = trace_step(bound, fns, placement, layout.numels, param_dtype, *batch_shape, opt_state_bytes,
                        cfg.micro_batches, cache=trace_cache,
-                       dropout_seeded=bool(getattr(model, "dropout_seeded", False)))  # the batch the step runs
+                       dropout_seeded=bool(getattr(model, "dropout_seeded", False)),  # the batch the step runs
+                       dtypes=layout.dtypes(param_dtype))
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks) * 2
@@ -146,7 +148,8 @@ class EnginePlanner:
     def for_evaluation(self, training: Plan, batch_shape: tuple[int, int], micro_batches: int) -> Plan:
         first = self.first
         shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.numels,
-                              self.cfg.compute_dtype, *batch_shape, micro_batches)
+                              self.cfg.compute_dtype, *batch_shape, micro_batches,
+                              dtypes=first.layout.dtypes(self.cfg.compute_dtype))
         plan = plan_forward(shape, training, self.host_bytes, self.machine)
         if not plan.fits:
             raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "
@@ -211,9 +214,11 @@ def chunk_sizes(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
     (rounded up to shard over the mesh) when set, else per kind the size that wastes least
     (chunks.auto_chunk_numels; ``trainable`` as build_layout's)."""
     W = mesh.devices.size
+    quant = quant_rule(cfg.base_quant, model.param_shapes(), trainable)
     if cfg.chunk_numel is not None:
         return -(-cfg.chunk_numel // W) * W
-    return auto_chunk_numels(model.param_shapes(), functools.partial(decays, model), multiple=W, trainable=trainable)
+    return auto_chunk_numels(model.param_shapes(), functools.partial(decays, model), multiple=W, trainable=trainable,
+                             quant=quant)
 
 
 def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Callable[[str], bool] | None = None,
@@ -221,7 +226,7 @@ def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Cal
     """``model``'s chunk layout with ``sizes`` (default: ``chunk_sizes``'), shardable over the mesh."""
     sizes = chunk_sizes(cfg, model, mesh, trainable) if sizes is None else sizes
     return build_layout(model.param_shapes(), functools.partial(decays, model), sizes, trainable=trainable,
-                        multiple=mesh.devices.size)
+                        multiple=mesh.devices.size, quant=quant_rule(cfg.base_quant, model.param_shapes(), trainable))
 
 
 def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,

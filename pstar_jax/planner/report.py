@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from pstar_jax.config import ConfigError, EngineConfig, format_bytes, format_seconds
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.chunks import outgrown
+from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine, describe
 from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, chunk_sizes, layout_for, plan_model, resolve_engine_config
@@ -73,7 +74,14 @@ class PlanReport:
         """``bytes_per_param`` over the trained and the frozen params."""
         trained = self.n_params if self.n_trainable is None else self.n_trainable
         per_trained, per_frozen = self.bytes_per_param
-        return per_trained * trained + per_frozen * (self.n_params - trained)
+        quant_params, quant_bytes = self.quantized
+        return per_trained * trained + per_frozen * (self.n_params - trained - quant_params) + quant_bytes
+
+    @property
+    def quantized(self) -> tuple[int, int]:
+        """(params, bytes) of the frozen kernels stored quantized (EngineConfig.base_quant)."""
+        slots = [s for s in self.planned.layout.slots if s.quant]
+        return sum(s.n_params for s in slots), sum(s.numel for s in slots)
 
     @property
     def plan(self):
@@ -217,8 +225,14 @@ class PlanReport:
         data, (trained, frozen) = format_bytes(self.model_data_bytes), self.bytes_per_param
         if self.n_trainable is None or self.n_trainable == self.n_params:
             return f"{data} of model data at {trained} B/param"
-        return (f"{self.n_trainable:,} trained at {trained} B/param, the rest frozen at {frozen} B/param: {data} of "
-                "model data")
+        quant_params, quant_bytes = self.quantized
+        if quant_params:
+            kind = next(s.quant for s in self.planned.layout.slots if s.quant)
+            frozen_words = (f"{quant_params:,} frozen in {kind} at {quant_bytes / quant_params:.3f} B/param, the "
+                            f"rest frozen at {frozen} B/param")
+        else:
+            frozen_words = f"the rest frozen at {frozen} B/param"
+        return f"{self.n_trainable:,} trained at {trained} B/param, {frozen_words}: {data} of model data"
 
     def _longest_line(self) -> str:
         s, longest, W = self.seq_len_search, self.longest, self.data_parallel
@@ -311,7 +325,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
     make_tx = default_tx_for_shapes()
     first = seq_len_at(start)
     sizes = chunk_sizes(cfg, first, mesh, trainable_for(first, cfg, lora))
-    first_outgrown = outgrown(first.param_shapes(), sizes, trainable_for(first, cfg, lora))
+    first_outgrown = outgrown(first.param_shapes(), sizes, trainable_for(first, cfg, lora),
+                              quant_rule(cfg.base_quant, first.param_shapes(), trainable_for(first, cfg, lora)))
     resolved = resolve_engine_config(cfg, first, mesh)
     fitted: dict[int, bool] = {}
     shapes: dict[int, tuple] = {}  # seq_len -> (its step's shape, its device budget)
@@ -320,7 +335,8 @@ def longest_seq_len(seq_len_at: Callable[[int], StagedModel], config: EngineConf
         # The run's chunk sizes at every length, unless a tensor grows past its kind's size (GPT's
         # positions): then that length's own (a forced size would not hold it).
         trainable = trainable_for(model, cfg, lora)
-        if outgrown(model.param_shapes(), sizes, trainable) <= first_outgrown:
+        quant = quant_rule(cfg.base_quant, model.param_shapes(), trainable)
+        if outgrown(model.param_shapes(), sizes, trainable, quant) <= first_outgrown:
             return sizes
         return chunk_sizes(dataclasses.replace(cfg, chunk_numel=None), model, mesh, trainable)
 
@@ -367,7 +383,7 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     fns = StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).chunk_state_bytes(layout)
     return trace_step(bound, fns, placement, layout.numels, cfg.compute_dtype, *batch_shape, opt_state_bytes,
-                      cfg.micro_batches, cache=cache)
+                      cfg.micro_batches, cache=cache, dtypes=layout.dtypes(cfg.compute_dtype))
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
@@ -395,7 +411,9 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
         larger = max(-(-layout.numel // MAX_PLAN_CHUNKS), max(math.prod(v) for v in model.param_shapes().values()))
         while True:  # packing wastes some of each chunk: grow until the count is within the cap
             larger = -(-larger // (64 * W)) * 64 * W
-            if build_layout(model.param_shapes(), decay, larger, trainable=trainable).n_chunks <= MAX_PLAN_CHUNKS:
+            if build_layout(model.param_shapes(), decay, larger, trainable=trainable,
+                            quant=quant_rule(config.base_quant, model.param_shapes(), trainable)
+                            ).n_chunks <= MAX_PLAN_CHUNKS:
                 break
             larger = larger * 9 // 8
         sizes = layout.chunk_numels

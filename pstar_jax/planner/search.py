@@ -29,6 +29,7 @@ from pstar_jax.engine.optim import ChunkOptimizer, default_tx
 from pstar_jax.engine.stages import bind
 from pstar_jax.model.freeze import frozen_names, parse_patterns, trainable as make_trainable
 from pstar_jax.model.lora import frozen_for_lora
+from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.model.staged import StagedModel, decays, n_params
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan
@@ -244,14 +245,16 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
         # The trace of plan_model without its full placement search: only "does any placement fit?".
         if n_layer not in traced_at:
             deeper = model_at(n_layer)
-            layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), sizes,
-                                  trainable=trainable_for(deeper, cfg, lora, strict=False),
-                                  multiple=placement.n_devices)
+            trains = trainable_for(deeper, cfg, lora, strict=False)
+            layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), sizes, trainable=trains,
+                                  multiple=placement.n_devices,
+                                  quant=quant_rule(cfg.base_quant, deeper.param_shapes(), trains))
             bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
             traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.numels, cfg.compute_dtype,
                                             *planned.batch_shape, optimizer.chunk_state_bytes(layout),
                                             cfg.micro_batches, cache=cache,
-                                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)))
+                                            dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)),
+                                            dtypes=layout.dtypes(cfg.compute_dtype))
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)

@@ -55,16 +55,18 @@ class _Tracer:
 
     def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                  numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, cache: dict | None,
-                 dropout_seeded: bool = False):
+                 dropout_seeded: bool = False, dtypes: Sequence[Any] | None = None):
         self.bound, self.fns, self.numels, self.param_dtype = bound, fns, tuple(numels), param_dtype
+        # Per chunk: its dtype (uint8 for quantized kernels, ChunkLayout.dtypes), else the compute dtype.
+        self.dtypes = tuple(jnp.dtype(d) for d in dtypes) if dtypes else (jnp.dtype(param_dtype),) * len(self.numels)
         self.cache = {} if cache is None else cache
         self.dev = placement.sharding(Space.DEVICE)
         self.rep = placement.sharding(Space.DEVICE, P())
         self.W = placement.n_devices
-        self.abstract_chunks = [_abstract((n,), param_dtype, self.dev) for n in self.numels]
-        # Per chunk, per device: its elements and its bytes in the compute dtype.
+        self.abstract_chunks = [_abstract((n,), d, self.dev) for n, d in zip(self.numels, self.dtypes)]
+        # Per chunk, per device: its elements and its bytes in its dtype.
         self.shard_numels = tuple(n // self.W for n in self.numels)
-        self.chunk_bytes = tuple(n * jnp.dtype(param_dtype).itemsize // self.W for n in self.numels)
+        self.chunk_bytes = tuple(n * d.itemsize // self.W for n, d in zip(self.numels, self.dtypes))
         # The batch the engine runs (executor._put_batch): every field sharded over the data axis,
         # the seeds ([B] uint32, batch.with_dropout_seeds) only where the model draws dropout masks.
         seeds = _abstract((batch,), jnp.uint32, self.dev) if dropout_seeded else None
@@ -94,7 +96,7 @@ class _Tracer:
 
     def kind(self, b: BoundStage) -> tuple:
         return (getattr(b.stage.apply, "__qualname__", id(b.stage.apply)), b is self.bound[0], b is self.bound[-1],
-                jnp.dtype(self.param_dtype).name, self.W, b.frozen, self.batch.dropout_seed is not None)
+                jnp.dtype(self.param_dtype).name, self.W, b.frozen, self.batch.dropout_seed is not None, b.quant)
 
     def analysed(self, role: str, b: BoundStage, fn, *args) -> tuple[int, int, float]:
         # Memory barely depends on where tensors sit in chunks, so one compile per
@@ -108,7 +110,8 @@ class _Tracer:
 
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: Sequence[int],
-               micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False) -> StepShape:
+               micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False,
+               dtypes: Sequence[Any] | None = None) -> StepShape:
     """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``, over chunks
     of ``numels`` elements (the layout's, per chunk) whose master and optimizer state take
     ``opt_state_bytes`` per device (per chunk, 0 for a frozen one: ChunkOptimizer.chunk_state_bytes);
@@ -116,8 +119,9 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
 
     ``cache`` may be shared between traces of models that differ only in depth or chunk layout
     (pstar-plan's searches): a stage is known by its apply function's name and position, its
-    chunks' sizes and its activation shapes, so equal stages are analysed once."""
-    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded)
+    chunks' sizes and its activation shapes, so equal stages are analysed once. ``dtypes``: per
+    chunk (ChunkLayout.dtypes) where quantized kernels' chunks are uint8, else ``param_dtype``."""
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded, dtypes)
     xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
@@ -146,14 +150,14 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                   numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
-                  cache: dict | None = None) -> StepShape:
+                  cache: dict | None = None, dtypes: Sequence[Any] | None = None) -> StepShape:
     """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
 
     The shape of schedule.forward_accesses: a forward moment holds the micro-batch (live until
     its loss), its input, its temporaries and output (nothing is stashed: there is no backward);
     the head computes only the loss. The backward fields are zeros and there is no optimizer
     state."""
-    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache)
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dtypes=dtypes)
     head = len(bound) - 1
 
     def live(i: int) -> int:  # the batch, and the stage's input when it is not the batch's tokens

@@ -1,0 +1,106 @@
+"""A quantized frozen kernel as the bytes of its chunk slot, and back.
+
+A frozen base stored as nf4 or int8 (EngineConfig.base_quant) keeps each quantized kernel in a
+uint8 chunk, as one run of bytes: for nf4 the codes, the block scales (uint8 indices with double
+quantization, else float32), the 256-block scales (float32) and the offset (float32); for int8
+the codes, then one float32 absmax per output channel. The float32 parts are read back with a
+bitcast, so every byte the stage sees is the byte quantization wrote, in every memory tier.
+
+Layouts, so that a base quantized here equals the one bitsandbytes makes of the same Hugging
+Face weights (QLoRA's ``Linear4bit``, LLM.int8's per-channel codes): nf4 quantizes the torch
+weight [out, in], the transpose of the flax kernel [in, out], in blocks of 64 along ``in``;
+int8 quantizes the flax kernel [in, out] per column, which is per output channel as well.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pstar_jax.config import ConfigError
+from pstar_jax.model.quant import (SCALE_BLOCK, Int8Tensor, Kind, NF4Tensor, check_quantizable, dequantize_int8,
+                                   dequantize_nf4, quantize_int8,
+                                   quantize_nf4, quantized_bytes)
+
+QUANT_BLOCK = 64  # nf4's block, as QLoRA and bitsandbytes' default
+
+
+def stored_shape(kernel_shape: tuple[int, ...], kind: Kind) -> tuple[int, ...]:
+    """The shape of the tensor ``kind`` quantizes for a flax kernel [in, out]: its transpose for nf4."""
+    return tuple(reversed(kernel_shape)) if kind == "nf4" else tuple(kernel_shape)
+
+
+def slot_bytes(kernel_shape: tuple[int, ...], kind: Kind, name: str = "tensor") -> int:
+    """Bytes of a kernel's slot: quantized_bytes of its stored shape (a one-line ConfigError where
+    ``kind`` cannot hold it, as for nf4 of a size that is not a multiple of the block)."""
+    if len(kernel_shape) != 2:
+        check_quantizable(tuple(kernel_shape), "int8", name=name)  # (refuses anything but a matrix)
+    return quantized_bytes(stored_shape(tuple(kernel_shape), kind), kind, QUANT_BLOCK, True, name)
+
+
+def quant_rule(kind: str | None, shapes: Mapping[str, Sequence[int]],
+               trainable: Callable[[str], bool] | None) -> Callable[[str], str] | None:
+    """What EngineConfig.base_quant stores quantized (chunks.build_layout's ``quant``): every
+    frozen 2-D kernel of a block ("blocks.N.<projection>.kernel"); norms, biases, embeddings and
+    the head stay in the compute dtype. None without a kind. A kind with no frozen kernel to hold
+    is a one-line ConfigError."""
+    if not kind:
+        return None
+    chosen = {n for n, s in shapes.items() if n.startswith("blocks.") and n.endswith(".kernel") and len(s) == 2
+              and trainable is not None and not trainable(n)}
+    if not chosen:
+        raise ConfigError(f"EngineConfig.base_quant {kind} quantizes a frozen base, but no block kernel is frozen: "
+                          "train LoRA adapters (--lora-rank) or freeze the blocks (--freeze), or drop --base-quant")
+    return lambda name: kind if name in chosen else ""
+
+
+def _u8(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+
+
+def to_bytes(kernel: Any, kind: Kind, name: str = "tensor") -> np.ndarray:
+    """The slot's bytes of a kernel [in, out] (numpy or jax, any float dtype), quantized on the host."""
+    if kind == "nf4":
+        q = quantize_nf4(np.asarray(kernel).T, QUANT_BLOCK, True, name)
+        parts = (q.codes, q.absmax, q.absmax_scale, q.offset)
+    else:
+        q = quantize_int8(np.asarray(kernel), name)
+        parts = (q.codes, q.absmax)
+    return np.concatenate([_u8(p) for p in parts])
+
+
+def _f32(buf_u8: jax.Array, start: int, n: int) -> jax.Array:
+    """n float32 values from the bytes [start, start + 4n) of ``buf_u8``."""
+    return jax.lax.bitcast_convert_type(buf_u8[start:start + 4 * n].reshape(n, 4), jnp.float32)
+
+
+def from_bytes(buf_u8: jax.Array, kernel_shape: tuple[int, ...], kind: Kind, dtype: Any) -> NF4Tensor | Int8Tensor:
+    """The quantized tensor in a slot's bytes (a jax uint8 vector, of ``slot_bytes``), jittable:
+    views and bitcasts, no arithmetic. ``dtype`` is what dequantization gives (the compute dtype)."""
+    shape = stored_shape(tuple(kernel_shape), kind)
+    numel = math.prod(shape)
+    if kind == "int8":
+        codes = jax.lax.bitcast_convert_type(buf_u8[:numel], jnp.int8).reshape(shape)
+        return Int8Tensor(codes, _f32(buf_u8, numel, shape[-1]), shape, jnp.dtype(dtype))
+    blocks = numel // QUANT_BLOCK
+    scales = -(-blocks // SCALE_BLOCK)
+    codes = buf_u8[:numel // 2]
+    absmax = buf_u8[numel // 2:numel // 2 + blocks]
+    at = numel // 2 + blocks
+    return NF4Tensor(codes, absmax, _f32(buf_u8, at, scales), _f32(buf_u8, at + 4 * scales, 1).reshape(()), shape,
+                     jnp.dtype(dtype), QUANT_BLOCK)
+
+
+def dequantized(buf_u8: np.ndarray, kernel_shape: tuple[int, ...], kind: Kind, dtype: Any) -> np.ndarray:
+    """The kernel [in, out] a slot's bytes hold, dequantized in full into ``dtype`` (numpy): what
+    exports and ``params()`` read, the values the stages compute with."""
+    q = from_bytes(jnp.asarray(buf_u8), kernel_shape, kind, jnp.float32)
+    whole = dequantize_nf4(q).T if kind == "nf4" else dequantize_int8(q)
+    return np.asarray(whole.astype(dtype))
+
+
+__all__ = ["QUANT_BLOCK", "quant_rule", "dequantized", "stored_shape", "slot_bytes", "to_bytes", "from_bytes"]
