@@ -245,3 +245,44 @@ def test_assistant_first_conversation_names_what_to_change(dirs):
     template = ChatTemplate.from_tokenizer_dir(dirs["qwen25-marks"])  # marks need no prefix renders
     ids, labels = template.encode_with_mask(first)
     assert "Hello" in template.tokenizer.decode(ids[labels == 1].tolist(), skip_special_tokens=False)
+
+
+QWEN3_REASONING = [{"role": "user", "content": "héllo"},
+                   {"role": "assistant", "content": "<think>the lazy dog</think>ünïcode 123"},
+                   {"role": "user", "content": "and?"},
+                   {"role": "assistant", "content": "<think>\nhello world\n</think>\n\nthe quick brown fox"}]
+
+
+def test_qwen3_trains_each_assistant_turn_in_the_text_the_model_writes_it_in(dirs):
+    """Qwen3's template renders an assistant turn before the last user turn bare (its reasoning
+    dropped) and the last one after a think block (empty without reasoning), so no render of a
+    prefix begins the whole conversation: each assistant turn becomes an example of its own, the
+    conversation through that turn, token for token transformers' apply_chat_template of it, with
+    only that turn trained (think block and end of turn included)."""
+    from pstar_jax.data.sft import Counts, encode_examples
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(dirs["qwen3"])
+    template = ChatTemplate.from_tokenizer_dir(dirs["qwen3"])
+    ids, labels = template.encode_with_mask(CONVERSATIONS[0])  # one assistant turn: one example
+    assert ids.tolist() == _hf_ids(reference, CONVERSATIONS[0])
+    assert _runs(template, ids, labels) == ["<think>\n\n</think>\n\nParis is the capital.<|im_end|>\n"]
+    for conversation, turns in ((CONVERSATIONS[2], ["<think>\n\n</think>\n\nünïcode 123", "<think>\n\n</think>\n\nthe lazy dog"]),
+                                (QWEN3_REASONING, ["<think>\nthe lazy dog\n</think>\n\nünïcode 123",
+                                                   "<think>\nhello world\n</think>\n\nthe quick brown fox"])):
+        examples = template.encode_batch_with_mask(template.prepare(conversation))
+        ends = [i + 1 for i, m in enumerate(conversation) if m["role"] == "assistant"]
+        assert len(examples) == len(ends) == 2
+        for (ids, labels), end, turn in zip(examples, ends, turns):
+            assert ids.tolist() == _hf_ids(reference, conversation[:end])
+            assert _runs(template, ids, labels) == [turn + "<|im_end|>\n"]
+        with pytest.raises(DataError, match="as 2 examples, one per assistant turn"):
+            template.encode_with_mask(conversation)
+    history = template.tokenizer.decode(examples[1][0][examples[1][1] == 0].tolist(), skip_special_tokens=False)
+    assert "ünïcode 123" in history and "lazy" not in history  # the first turn's reasoning left out, as Qwen3 does
+    ids, labels = template.encode_with_mask(CONVERSATIONS[2], train_on_prompt=True)  # the whole text, once
+    assert ids.tolist() == _hf_ids(reference, CONVERSATIONS[2]) and labels.all()
+    counts = Counts()
+    got = encode_examples([(c, f"x.jsonl:{n}") for n, c in enumerate(CONVERSATIONS, 1)], template, 4096, counts=counts)
+    assert (counts.read, counts.split, len(got.lengths)) == (5, 2, 5)  # 1 + 2 + 2 examples
+    qwen25 = ChatTemplate.from_tokenizer_dir(dirs["qwen25"])  # a prefix-stable template: one example each
+    assert [len(qwen25.prepare(c)) for c in CONVERSATIONS] == [1, 1, 1]

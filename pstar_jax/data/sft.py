@@ -34,19 +34,22 @@ class Counts:
     skipped: int = 0
     truncated: int = 0
     dropped: int = 0
+    split: int = 0  # conversations trained as one example per assistant turn (ChatTemplate.turn_examples)
 
 
 def _prepared(conversations: Iterable[tuple[Conversation, str]], template: ChatTemplate, train_on_prompt: bool,
-              bad: BadLines) -> Iterator[list[tuple[tuple[str, list | None], str]]]:
+              bad: BadLines, counts: Counts) -> Iterator[list[tuple[tuple[str, list | None], str]]]:
     """Batches of (rendered text and trained spans, "FILE:LINE")."""
     batch = []
     for conversation, where in conversations:
         try:
-            batch.append((template.prepare(conversation, train_on_prompt), where))
+            examples = template.prepare(conversation, train_on_prompt)
         except BadExample as e:
             bad.add(where, str(e))
             continue
-        if len(batch) == BATCH_EXAMPLES:
+        counts.split += len(examples) > 1
+        batch += [(example, where) for example in examples]
+        if len(batch) >= BATCH_EXAMPLES:
             yield batch
             batch = []
     if batch:
@@ -59,7 +62,7 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
     """The examples (ids, labels) of ``conversations`` that fit ``row_len`` positions, counted in ``counts``."""
     bad, counts = bad if bad is not None else BadLines(), counts if counts is not None else Counts()
     tokens, labels, lengths = [], [], []
-    for batch in _prepared(conversations, template, train_on_prompt, bad):
+    for batch in _prepared(conversations, template, train_on_prompt, bad, counts):
         kept_ids, kept_labels = [], []
         prepared, wheres = zip(*batch)
         for (ids, mask), where in zip(template.encode_batch_with_mask(list(prepared)), wheres):
@@ -146,6 +149,7 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
             chat_template_sha256=template.sha256, examples=int(len(examples.lengths)),
             tokens=int(examples.lengths.sum()), trained_tokens=int(np.count_nonzero(examples.labels & (1 - first))),
             read=counts.read, skipped=counts.skipped, dropped=counts.dropped, truncated=counts.truncated,
+            split=counts.split,
             train_on_prompt=train_on_prompt, seed=seed, end_of_turn_ids=template.end_of_turn_ids())
         info = writer.commit(info)
     return {**info, "skipped_named": bad.named, "seconds": time.perf_counter() - start}
@@ -156,6 +160,9 @@ def summary(out: str | os.PathLike, info: dict) -> str:
     seconds = max(info["seconds"], 1e-9)
     return (f"wrote {out}: {info['read']:,} examples read, {info['skipped']:,} skipped, {info['truncated']:,} "
             f"truncated, {info['dropped']:,} dropped; {info['rows']:,} rows of {info['seq_len'] + 1:,}, "
-            f"{info['tokens']:,} tokens, {info['trained_tokens']:,} trained; packing efficiency "
+            f"{info['tokens']:,} tokens, {info['trained_tokens']:,} trained; "
+            + (f"{info['split']:,} conversations as one example per assistant turn (the chat template renders "
+               f"earlier turns otherwise once a later turn follows); " if info.get("split") else "")
+            + f"packing efficiency "
             f"{100 * info['real_position_fraction']:.1f}%; {info['read'] / seconds:,.0f} examples/s, "
             f"{info['tokens'] / seconds:,.0f} tokens/s")

@@ -6,8 +6,11 @@ template writes BOS itself), so the ids equal theirs, and finds which tokens are
 The assistant's tokens (the trained ones) come from the template's ``{% generation %}`` marks where
 it has them; otherwise from rendering the conversation's prefixes: the text between
 ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])`` is assistant
-turn i with its end-of-turn token(s). Character spans become token spans through the tokenizer's
-offsets: a token overlapping a span is trained (transformers' assistant mask does the same).
+turn i with its end-of-turn token(s). A template whose first turns render otherwise than the whole
+conversation begins (Qwen3's drops the reasoning of turns before the last user turn) gives one
+example per assistant turn instead, each the conversation through that turn as the template
+renders it there (``ChatTemplate.turn_examples``). Character spans become token spans through the
+tokenizer's offsets: a token overlapping a span is trained (transformers' assistant mask does the same).
 """
 
 from __future__ import annotations
@@ -253,6 +256,35 @@ class ChatTemplate:
 
     def assistant_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character span of each assistant turn (with its end-of-turn)."""
+        full, spans = self._spans(conversation)
+        if spans is None:
+            raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
+                            f"other text than the whole conversation begins with (it trains as one example per "
+                            f"assistant turn: turn_examples), so the assistant's tokens of the whole cannot be found")
+        return full, spans
+
+    def turn_examples(self, conversation: Conversation) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The examples that train ``conversation``'s assistant turns, each (text, trained spans).
+
+        One, the whole conversation, where the template renders its first turns as the whole
+        begins. Otherwise (Qwen3's template, say, drops the reasoning of every assistant turn
+        before the last user turn, and writes an empty think block into the last) one example
+        per assistant turn: the conversation through that turn as the template renders it there,
+        that turn alone trained, so every turn is learnt in the text the model sees when it
+        writes that turn (at the cost of repeating the earlier turns)."""
+        full, spans = self._spans(conversation)
+        if spans is not None:
+            return [(full, spans)]
+        examples = []
+        for i, message in enumerate(conversation):
+            if message["role"] == "assistant":
+                before, through = self._render_before(conversation, i), self._render(conversation[:i + 1], False)
+                examples.append((through, [self._turn_span(message, before, through)]))
+        return examples
+
+    def _spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]] | None]:
+        """The rendered text and its assistant spans; None for the spans where a turn's prefixes
+        render otherwise than the whole begins."""
         if self.has_generation_marks:
             spans: list[tuple[int, int]] = []
             return self._render(conversation, False, spans), spans
@@ -263,16 +295,25 @@ class ChatTemplate:
             before = self._render_before(conversation, i)
             through = full if i == len(conversation) - 1 else self._render(conversation[:i + 1], False)
             if not (full.startswith(through) and through.startswith(before)):
-                raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
-                                f"other text than the whole conversation begins with, so the assistant's tokens "
-                                f"cannot be found; give a template with {{% generation %}} marks (--chat-template) "
-                                f"or pass --train-on-prompt")
-            if message["content"].strip() not in through[len(before):]:
-                raise DataError(f"the chat template {self.name} does not render an assistant turn where its "
-                                f"prefixes say, so the assistant's tokens cannot be found; give a template with "
-                                f"{{% generation %}} marks (--chat-template) or pass --train-on-prompt")
-            spans.append((len(before), len(through)))
+                return full, None
+            spans.append(self._turn_span(message, before, through))
         return full, spans
+
+    def _turn_span(self, message: dict, before: str, through: str) -> tuple[int, int]:
+        """The span of the assistant turn rendered between prefixes ``before`` and ``through``."""
+        # A reasoning model's template rewrites "<think>...</think>answer" (whitespace, or drops
+        # the reasoning): the visible answer after the last </think> is what every such one keeps.
+        if not through.startswith(before):
+            raise DataError(f"the chat template {self.name} renders the first turns of a conversation as "
+                            f"other text than the whole conversation begins with, so the assistant's tokens "
+                            f"cannot be found; give a template with {{% generation %}} marks (--chat-template) "
+                            f"or pass --train-on-prompt")
+        answer = message["content"].rsplit("</think>", 1)[-1].strip()
+        if answer not in through[len(before):]:
+            raise DataError(f"the chat template {self.name} does not render an assistant turn where its "
+                            f"prefixes say, so the assistant's tokens cannot be found; give a template with "
+                            f"{{% generation %}} marks (--chat-template) or pass --train-on-prompt")
+        return len(before), len(through)
 
     def _render_before(self, conversation: Conversation, i: int) -> str:
         """The text before assistant turn ``i``: its prefix with the generation prompt."""
@@ -290,16 +331,22 @@ class ChatTemplate:
 
     def encode_with_mask(self, conversation: Conversation, train_on_prompt: bool = False
                          ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids uint32, labels uint8): 1 on the tokens of the assistant's turns (all with train_on_prompt)."""
-        return self.encode_batch_with_mask([self.prepare(conversation, train_on_prompt)])[0]
+        """(ids uint32, labels uint8): 1 on the tokens of the assistant's turns (all with
+        train_on_prompt), for a conversation that is one example (see ``prepare``)."""
+        examples = self.prepare(conversation, train_on_prompt)
+        if len(examples) != 1:
+            raise DataError(f"the chat template {self.name} trains this conversation as {len(examples)} examples, "
+                            f"one per assistant turn: encode them with encode_batch_with_mask(prepare(...))")
+        return self.encode_batch_with_mask(examples)[0]
 
     def prepare(self, conversation: Conversation, train_on_prompt: bool = False
-                ) -> tuple[str, list[tuple[int, int]] | None]:
-        """The rendered text and its trained character spans, None for all (BadExample if the
-        template refuses the conversation)."""
+                ) -> list[tuple[str, list[tuple[int, int]] | None]]:
+        """The examples of ``conversation``: rendered text and trained character spans, None for
+        all (BadExample if the template refuses the conversation): one, or one per assistant turn
+        where the template is not prefix-stable (``turn_examples``)."""
         if train_on_prompt:
-            return self.render(conversation), None
-        return self.assistant_spans(conversation)
+            return [(self.render(conversation), None)]
+        return self.turn_examples(conversation)
 
     def encode_batch_with_mask(self, prepared: list[tuple[str, list[tuple[int, int]] | None]]
                                ) -> list[tuple[np.ndarray, np.ndarray]]:
