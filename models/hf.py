@@ -131,8 +131,20 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original))
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we read
+
+
 def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int | None:
     """The window of the layers that slide, or None: what transformers would apply."""
+    types = config.get("layer_types")
+    if types is not None:  # each layer's attention, as transformers 4.56+ saves it
+        if not isinstance(types, list) or len(types) != n_layer:
+            raise ValueError(f"config.json layer_types must list one attention type for each of the "
+                             f"{n_layer} layers (num_hidden_layers), got {str(types)[:80]}")
+        unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"config.json layer_types holds {unknown[0]!r}, a kind of layer pstar_jax's {family} "
+                             f"models do not implement (known: {', '.join(LAYER_TYPES)})")
     if family == "mistral":
         return config.get("sliding_window", 4096)
     if family in ("qwen2", "qwen3") and config.get("use_sliding_window", False):

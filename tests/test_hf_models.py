@@ -212,6 +212,8 @@ def test_defaults_follow_transformers_and_seq_len_is_chosen():
     ({**QWEN2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {"seq_len": 24},
      "sliding-window"),
     ({**QWEN3, "attention_bias": True}, {}, "attention_bias"),
+    ({**QWEN3, "layer_types": ["full_attention", "linear_attention"]}, {}, "layer_types holds 'linear_attention'"),
+    ({**QWEN2, "layer_types": ["full_attention"]}, {}, "layer_types must list one attention type for each of the 2"),
     ({**QWEN3, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {"seq_len": 24},
      "sliding-window"),
     ({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, {},
