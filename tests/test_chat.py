@@ -286,3 +286,37 @@ def test_qwen3_trains_each_assistant_turn_in_the_text_the_model_writes_it_in(dir
     assert (counts.read, counts.split, len(got.lengths)) == (5, 2, 5)  # 1 + 2 + 2 examples
     qwen25 = ChatTemplate.from_tokenizer_dir(dirs["qwen25"])  # a prefix-stable template: one example each
     assert [len(qwen25.prepare(c)) for c in CONVERSATIONS] == [1, 1, 1]
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(dirs, tmp_path):
+    """--chat-template-kwargs '{"enable_thinking": false}': Qwen3's generation prompt ends with the
+    empty think block, as transformers' apply_chat_template(..., enable_thinking=False) writes it,
+    so the block is prompt and the trained tokens are the answer and its end of turn; bad values
+    are one line before any work."""
+    from pstar_jax.data.template import parse_template_kwargs
+    from pstar_jax.cli.tokens import main as tokens_main
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(dirs["qwen3"])
+    kwargs = parse_template_kwargs('{"enable_thinking": false}')
+    template = ChatTemplate.from_tokenizer_dir(dirs["qwen3"], kwargs=kwargs)
+    prompt = template.render(CONVERSATIONS[0][:1], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert template.encode(prompt) == _hf_ids(reference, CONVERSATIONS[0][:1], add_generation_prompt=True,
+                                              enable_thinking=False)
+    ids, labels = template.encode_with_mask(CONVERSATIONS[0])
+    assert _runs(template, ids, labels) == ["Paris is the capital.<|im_end|>\n"]
+    examples = template.encode_batch_with_mask(template.prepare(CONVERSATIONS[2]))
+    assert [_runs(template, i, m) for i, m in examples] == [["ünïcode 123<|im_end|>\n"], ["the lazy dog<|im_end|>\n"]]
+    for text, words in (("{", "is not JSON"), ("[1]", "must be a JSON object"), ('{"messages": []}', "may not set 'messages'"),
+                        ('{"a b": 1}', "is not a template variable name")):
+        with pytest.raises(DataError, match=words) as err:
+            parse_template_kwargs(text)
+        assert "\n" not in str(err.value)
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    assert tokens_main(["--chat", "--tokenizer", str(dirs["qwen3"]), "--seq-len", "256", str(data), "-o",
+                        str(tmp_path / "x.sft.u16.bin"), "--chat-template-kwargs", "{nope"]) == 2
+    assert not (tmp_path / "x.sft.u16.bin").exists()
+    assert tokens_main(["--chat", "--tokenizer", str(dirs["qwen3"]), "--seq-len", "256", str(data), "-o",
+                        str(tmp_path / "x.sft.u16.bin"), "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    sidecar = json.loads((tmp_path / "x.sft.u16.bin.json").read_text())
+    assert sidecar["chat_template_kwargs"] == {"enable_thinking": False} and sidecar["split"] == 2

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "{\"role\", \"content\"} messages to answer")
     p.add_argument("--chat-template", metavar="FILE", default=None, help="with --chat: a Jinja chat template "
                    "(default: the tokenizer's own)")
+    p.add_argument("--chat-template-kwargs", metavar="JSON", default=None, help="with --chat: extra template "
+                   "variables, a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy (default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the most likely tokens "
@@ -258,11 +260,12 @@ def generation_stop_ids(directories: Sequence[str | None]) -> list[int]:
 def chat_prompt(args: argparse.Namespace, source: Source, codec: Codec) -> tuple[list[int], list[int]]:
     """The prompt ids of the chat template with the generation prompt, and the ids that end the answer."""
     from pstar_jax.data.chat import BadExample
-    from pstar_jax.data.template import ChatTemplate
+    from pstar_jax.data.template import ChatTemplate, parse_template_kwargs
     directory = args.tokenizer or source.tokenizer_dir
     if directory is None:
         raise ConfigError("--chat needs the model's tokenizer directory (with its chat template); pass --tokenizer DIR")
-    template = ChatTemplate.from_tokenizer_dir(directory, args.chat_template)
+    template = ChatTemplate.from_tokenizer_dir(directory, args.chat_template,
+                                               kwargs=parse_template_kwargs(args.chat_template_kwargs))
     messages = read_messages(args.messages) if args.messages else [{"role": "user", "content": args.prompt}]
     try:
         ids = template.encode(template.render(messages, add_generation_prompt=True))
@@ -348,8 +351,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if (args.messages or args.chat_template) and not args.chat:  # before the seconds of loading a model
-        raise ConfigError("--messages and --chat-template need --chat")
+    if (args.messages or args.chat_template or args.chat_template_kwargs) and not args.chat:  # before loading
+        raise ConfigError("--messages, --chat-template and --chat-template-kwargs need --chat")
     _check_text(args.prompt, "--prompt")
     with cli.start_up_notes(not args.quiet, "pstar-generate"):
         return _run(args)

@@ -13,6 +13,7 @@ from pstar_jax.config.errors import ConfigError, DataError
 from pstar_jax.data import token_files as data
 from pstar_jax.data.chat import FORMATS
 from pstar_jax.data.sft import make_sft_file, summary
+from pstar_jax.data.template import parse_template_kwargs
 from pstar_jax.data.tokenizer import check_not_an_input, make_token_file
 
 
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the JSONL format (default: detected per file from its first valid line)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="a Jinja chat template (default: the tokenizer's own)")
+    chat.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                      help="extra template variables, a JSON object as transformers' apply_chat_template(**kwargs) "
+                      "takes them, e.g. '{\"enable_thinking\": false}' for Qwen3 (the empty think block "
+                      "then goes to the prompt, not the trained tokens)")
     chat.add_argument("--seq-len", type=int, default=None, help="the training sequence length: rows hold "
                       "seq_len + 1 tokens")
     chat.add_argument("--train-on-prompt", action="store_true",
@@ -70,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_CHAT_ONLY = ("chat_format", "chat_template", "seq_len", "train_on_prompt", "truncate")
+_CHAT_ONLY = ("chat_format", "chat_template", "chat_template_kwargs", "seq_len", "train_on_prompt", "truncate")
 
 
 def _run_chat(args: argparse.Namespace, out: str, inputs: list[str]) -> str:
@@ -83,7 +88,8 @@ def _run_chat(args: argparse.Namespace, out: str, inputs: list[str]) -> str:
     info = make_sft_file(out, inputs, args.tokenizer, args.seq_len, chat_format=args.chat_format,
                          chat_template=args.chat_template, train_on_prompt=args.train_on_prompt,
                          truncate=args.truncate, on_bad_example=args.on_bad_example, seed=args.seed,
-                         eos_token=args.eos_token, overwrite=args.overwrite)
+                         eos_token=args.eos_token, overwrite=args.overwrite,
+                         chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     lines = [f"skipped {line}" for line in info["skipped_named"]]
     if info["skipped"] > len(info["skipped_named"]):
         lines.append(f"... and {info['skipped'] - len(info['skipped_named']):,} more skipped")

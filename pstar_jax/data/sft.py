@@ -107,7 +107,8 @@ def _nothing_trained(where: str, template: ChatTemplate, train_on_prompt: bool, 
 def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], tokenizer_dir: str | os.PathLike,
                   seq_len: int, *, chat_format: str | None = None, chat_template: str | os.PathLike | None = None,
                   train_on_prompt: bool = False, truncate: bool = False, on_bad_example: str = "error",
-                  seed: int = 0, eos_token: str | None = None, overwrite: bool = False) -> dict:
+                  seed: int = 0, eos_token: str | None = None, overwrite: bool = False,
+                  chat_template_kwargs: dict | None = None) -> dict:
     """Writes packed SFT file ``out`` from conversation JSONL ``inputs``; returns its sidecar, with
     ``skipped_named`` (the first bad lines) and ``seconds``."""
     from pstar_jax.data.tokenizer import _check_input, check_not_an_input
@@ -127,7 +128,7 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
     for path in inputs:
         _check_input(path)
     check_not_an_input(out, inputs)
-    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token)
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token, chat_template_kwargs)
     packing.check_packed_destination(out, template.vocab_size, overwrite)  # before the work, not after
     bad, counts = BadLines(skip=on_bad_example == "skip"), Counts()
     conversations = (item for path in inputs for item in read_conversations(path, chat_format, bad))
@@ -146,7 +147,7 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
         info = packing.sidecar_info(
             writer.rows, vocab_size=template.vocab_size, eos_id=template.eos_id,
             tokenizer=str(Path(tokenizer_dir).resolve()), chat_template=template.name,
-            chat_template_sha256=template.sha256, examples=int(len(examples.lengths)),
+            chat_template_sha256=template.sha256, chat_template_kwargs=template.kwargs, examples=int(len(examples.lengths)),
             tokens=int(examples.lengths.sum()), trained_tokens=int(np.count_nonzero(examples.labels & (1 - first))),
             read=counts.read, skipped=counts.skipped, dropped=counts.dropped, truncated=counts.truncated,
             split=counts.split,

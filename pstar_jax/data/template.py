@@ -183,6 +183,34 @@ def template_text(tokenizer_dir: Path, config: dict, template_file: str | os.Pat
     return template, where
 
 
+# What a chat template reads beside its extra variables; a --chat-template-kwargs key may not be one.
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", *SPECIAL_TOKEN_NAMES,
+                       "raise_exception", "strftime_now"})
+
+
+def parse_template_kwargs(text: str | None) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object of extra template variables, as transformers'
+    ``apply_chat_template(**kwargs)`` passes them (``{"enable_thinking": false}`` for Qwen3)."""
+    if text is None:
+        return {}
+    if len(text) > 1 << 16:
+        raise DataError(f"--chat-template-kwargs is {len(text):,} characters; give a JSON object of a few variables")
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"--chat-template-kwargs is not JSON ({e}); give an object such as "
+                        "'{\"enable_thinking\": false}'") from None
+    if not isinstance(kwargs, dict):
+        raise DataError(f"--chat-template-kwargs must be a JSON object of variables, got {type(kwargs).__name__}")
+    for key in kwargs:
+        if not key.isidentifier():
+            raise DataError(f"--chat-template-kwargs key {key[:40]!r} is not a template variable name")
+        if key in _RESERVED:
+            raise DataError(f"--chat-template-kwargs may not set {key!r}, which the commands give the template "
+                            "themselves")
+    return kwargs
+
+
 @dataclasses.dataclass
 class ChatTemplate:
     """A checkpoint's chat template with its tokenizer (a ``tokenizers.Tokenizer``)."""
@@ -192,6 +220,7 @@ class ChatTemplate:
     tokenizer: Any
     variables: dict[str, Any]  # the special tokens, as template variables
     eos_id: int | None = None
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # parse_template_kwargs'
 
     def __post_init__(self) -> None:
         import jinja2
@@ -204,7 +233,7 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_dir(cls, tokenizer_dir: str | os.PathLike, template_file: str | os.PathLike | None = None,
-                           eos_token: str | None = None) -> ChatTemplate:
+                           eos_token: str | None = None, kwargs: dict[str, Any] | None = None) -> ChatTemplate:
         from pstar_jax.data.tokenizer import load_tokenizer
         tokenizer_dir = Path(tokenizer_dir)
         if tokenizer_dir.is_file():
@@ -214,7 +243,7 @@ class ChatTemplate:
         config = _read_json(config_path) if config_path.is_file() else {}
         source, where = template_text(tokenizer_dir, config, template_file)
         variables = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_NAMES if config.get(k)}
-        return cls(source, where, encoder.tokenizer, variables, encoder.eos_id)
+        return cls(source, where, encoder.tokenizer, variables, encoder.eos_id, dict(kwargs or {}))
 
     @property
     def sha256(self) -> str:
@@ -223,7 +252,7 @@ class ChatTemplate:
     def _render(self, conversation: Conversation, add_generation_prompt: bool,
                 spans: list[tuple[int, int]] | None = None) -> str:
         import jinja2
-        kwargs = dict(self.variables, messages=conversation, tools=None, documents=None,
+        kwargs = dict(self.variables, **self.kwargs, messages=conversation, tools=None, documents=None,
                       add_generation_prompt=add_generation_prompt)
         try:
             with _time_limit(RENDER_LIMIT_S):
