@@ -266,7 +266,8 @@ def test_qwen3_trains_each_assistant_turn_in_the_text_the_model_writes_it_in(dir
     ids, labels = template.encode_with_mask(CONVERSATIONS[0])  # one assistant turn: one example
     assert ids.tolist() == _hf_ids(reference, CONVERSATIONS[0])
     assert _runs(template, ids, labels) == ["<think>\n\n</think>\n\nParis is the capital.<|im_end|>\n"]
-    for conversation, turns in ((CONVERSATIONS[2], ["<think>\n\n</think>\n\nünïcode 123", "<think>\n\n</think>\n\nthe lazy dog"]),
+    empty = "<think>\n\n</think>\n\n"
+    for conversation, turns in ((CONVERSATIONS[2], [empty + "ünïcode 123", empty + "the lazy dog"]),
                                 (QWEN3_REASONING, ["<think>\nthe lazy dog\n</think>\n\nünïcode 123",
                                                    "<think>\nhello world\n</think>\n\nthe quick brown fox"])):
         examples = template.encode_batch_with_mask(template.prepare(conversation))
@@ -307,8 +308,8 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(dir
     assert _runs(template, ids, labels) == ["Paris is the capital.<|im_end|>\n"]
     examples = template.encode_batch_with_mask(template.prepare(CONVERSATIONS[2]))
     assert [_runs(template, i, m) for i, m in examples] == [["ünïcode 123<|im_end|>\n"], ["the lazy dog<|im_end|>\n"]]
-    for text, words in (("{", "is not JSON"), ("[1]", "must be a JSON object"), ('{"messages": []}', "may not set 'messages'"),
-                        ('{"a b": 1}', "is not a template variable name")):
+    for text, words in (("{", "is not JSON"), ("[1]", "must be a JSON object"),
+                        ('{"messages": []}', "may not set 'messages'"), ('{"a b": 1}', "is not a template variable name")):
         with pytest.raises(DataError, match=words) as err:
             parse_template_kwargs(text)
         assert "\n" not in str(err.value)

@@ -180,7 +180,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
         if self.base_quant and self.disk_memory:
             raise ConfigError("EngineConfig.base_quant keeps the quantized base in device and host memory (the disk "
-                              "tier reads a bf16 base's own files): drop EngineConfig.disk_memory or base_quant")
+                              "tier reads a bf16 base's own files): drop EngineConfig.disk_memory or "
+                              "EngineConfig.base_quant")
         if self.frozen_cache is not None and not (isinstance(self.frozen_cache, str) and self.frozen_cache.strip()):
             raise ConfigError("EngineConfig.frozen_cache must name a directory")
         if self.frozen_cache and not self.disk_memory:
