@@ -103,7 +103,7 @@ def test_a_quantization_without_a_frozen_base_or_beside_a_disk_is_one_line():
     assert "no block kernel is frozen" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="must be one of nf4, int8"):
         EngineConfig(base_quant="nf3")
-    with pytest.raises(ConfigError, match="drop EngineConfig.disk_memory or base_quant"):
+    with pytest.raises(ConfigError, match="drop EngineConfig.disk_memory or EngineConfig.base_quant"):
         EngineConfig(base_quant="nf4", disk_memory=10**9)
 
 
