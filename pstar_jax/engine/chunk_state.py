@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pstar_jax.engine.chunks import ChunkLayout, slot_value, unpack
+from pstar_jax.engine.chunks import QUANT_KINDS, ChunkLayout, slot_value, unpack
 from pstar_jax.engine.memory import Space
 from pstar_jax.engine.zero import to_numpy
 
@@ -104,7 +104,7 @@ class ChunkState:
                 self.store.disk.cancel()
                 value = np.empty(self.layout.numel_of(c), self.layout.dtype_of(c, self.param_dtype))
                 self.store.disk.source.read_into(c, value)
-            quantized = value.dtype == np.uint8
+            quantized = self.layout.kinds[c] in QUANT_KINDS
             return value.astype(np.float32) if kind == "master" and not quantized else value
         return to_numpy(self.store.peek((_FLUSHED_KEYS[kind], c)))
 
