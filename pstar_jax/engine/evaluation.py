@@ -17,6 +17,7 @@ import numpy as np
 
 from pstar_jax.data.batch import Batch, as_batch, check_batches
 from pstar_jax.engine.memory import Space
+from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.zero import replicated_value
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
@@ -50,6 +51,7 @@ class Evaluation:
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
         _, scale = self.fns.count(self._put_counts(micro_batches))
         moments, losses, x, batch = plan.moments, [], None, None
+        pacer = Pacer()
         for t, moment in enumerate(moments):
             if not moment.prefetch:
                 self._act(self._in_slots(moment), moment.capacity_bytes)
@@ -61,8 +63,10 @@ class Evaluation:
                     x = batch.tokens
                 if moment.phase == "fwd":
                     x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
+                    pacer.mark(x)
                 else:
                     losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
+                    pacer.mark(losses[-1])
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back

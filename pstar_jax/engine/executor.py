@@ -73,6 +73,7 @@ from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
 from pstar_jax.plan.schedule import Access, staged_after
+from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
 if TYPE_CHECKING:  # a type only: planning builds engines, the engine never calls into it
@@ -251,14 +252,15 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         staging = staged_after(accesses)
         self.store.limit(moments[0].capacity_bytes)
         self._stage(accesses[u].index for u in staging.get(-1, ()))
+        pacer = Pacer()
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
             with jax.profiler.TraceAnnotation(f"pstar {access.phase} {access.index}"):  # named in --profile traces
                 if access.phase == "adam":
-                    self._adam(access.index, clip)
+                    pacer.mark(self._adam(access.index, clip))
                 else:
-                    self._run(access, run, micro_batches)
+                    pacer.mark(self._run(access, run, micro_batches), donated=access.phase != "fwd")
                     for key in access.to_host:  # a final grad bound for host Adam
                         self.store.evict(key)
             if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
@@ -310,11 +312,12 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         if clip is None:
             return
         self.store.limit(None)
+        pacer = Pacer()
         for c in self.trained_chunks:
             space = self._update_space(c)
             if space is Space.DEVICE:  # the grad (and streamed state) come down
                 self._make_room(c, self.chunk_bytes(c) + self.plan.opt_state_bytes[c] * self.plan.opt_streamed[c])
-            self._adam(c, clip)
+            pacer.mark(self._adam(c, clip))
             self.store.put(("slot", c), self.store.take(("param", c), space))
         self._place_slots(self.plan)
 
@@ -351,10 +354,11 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         for key in moment.fetch:
             self.store.get(key, Space.DEVICE)
 
-    def _run(self, a: Access, run: "_StepState", micro_batches) -> None:
+    def _run(self, a: Access, run: "_StepState", micro_batches) -> Any:
+        """The access's stage; returns what it produced (for the pacer), None where nothing ran."""
         i = a.index
         if not a.needs:  # a backward below the lowest trainable stage: no gradient is wanted
-            return
+            return None
         params = tuple(self.store.get(("param", c), Space.DEVICE) for c in self.bound[i].chunks)
         key = ("act", i, a.micro)  # the stage's input, when it is not the batch's tokens
         if a.phase == "fwd":
@@ -366,7 +370,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
-            return
+            return run.x
         grads = self._grads(i)
         if a.phase == "head":
             self.store.put(key, run.x)
@@ -383,6 +387,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             self.store.put(("slot", c), grad)
             if last and ("param", c) in a.drops:
                 run.sumsq.append(sum_of_squares(grad))  # final: count it for the global norm
+        return run.g, grads
 
     def _measure_moment(self, run: "_StepState") -> None:
         jax.block_until_ready((run.x, run.g))  # sync: first step only, to read the allocator

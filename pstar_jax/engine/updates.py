@@ -53,10 +53,10 @@ class ChunkUpdates:
             except Exception:  # noqa: BLE001 - the results are discarded either way
                 pass
 
-    def _adam(self, c: int, clip: jax.Array | None) -> None:
+    def _adam(self, c: int, clip: jax.Array | None) -> jax.Array:
         """Chunk c's update from the grad in its slot, or the result of the one begun after the
         last step; with ``clip`` None nothing is pending (the slot holds params): the same moves,
-        and the params are cast from the master again."""
+        and the params are cast from the master again. Returns the new params."""
         home, space = self.opt_space[c], self._update_space(c)
         if c in self._begun:
             master, state, params = self._begun.pop(c).result()
@@ -77,6 +77,7 @@ class ChunkUpdates:
             self._staged.discard(c)
             self.store.reserve(-self.plan.opt_state_bytes[c])
         self.store.put(("param", c), params)
+        return params
 
 
 __all__ = ["ChunkUpdates"]
