@@ -56,3 +56,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.rpartition("tests/")[2] in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+
+
+# CI's record of the tests that ended (.ci/run): a native crash (an abort inside XLA or another
+# library) ends pytest before it can report anything, so each test's start and end go to the file
+# PSTAR_TEST_PROGRESS names, flushed at once; .ci/run then names the test that was running and, with
+# PSTAR_TEST_RESUME set, runs once more every test that had not ended.
+_PROGRESS = os.environ.get("PSTAR_TEST_PROGRESS")
+
+
+def _ended_tests() -> set[str]:
+    with open(_PROGRESS) as f:
+        return {line.split(" ", 2)[2].rstrip("\n") for line in f if line.startswith("end ")}
+
+
+def pytest_collection_finish(session):
+    if _PROGRESS and os.environ.get("PSTAR_TEST_RESUME"):
+        ended = _ended_tests()
+        kept = [item for item in session.items if item.nodeid not in ended]
+        session.config.hook.pytest_deselected(items=[item for item in session.items if item.nodeid in ended])
+        session.items[:] = kept
+
+
+def _note(line: str) -> None:
+    with open(_PROGRESS, "a") as f:
+        f.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _PROGRESS:
+        _note(f"start {nodeid}")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _PROGRESS:
+        _note(f"end {'failed' if nodeid in _FAILED else 'ok'} {nodeid}")
+
+
+_FAILED: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    if _PROGRESS and report.failed:
+        _FAILED.add(report.nodeid)
