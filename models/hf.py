@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: config.json <-> our model configs, and the tensor name map.
 
 ``check_hf_shapes(config, shapes)`` checks its sizes against the weights' headers first;
-``build_from_hf(config)`` reads a config.json dict (model_type gpt2, llama, qwen2, mistral, qwen3) into
+``build_from_hf(config)`` reads a config.json dict (model_type gpt2 or one of llama_config.FAMILIES) into
 a staged model, refusing what our models do not implement; ``hf_config(model)`` writes one that
 transformers' from_pretrained loads; ``hf_tensors(model)`` names, for each of our parameters,
 the HF tensor holding it and how to convert it. No file I/O here: the checkpoint reader and
@@ -18,19 +18,14 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
 from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
+from pstar_models.llama_config import MOE_FAMILIES
+from pstar_models.hf_fields import HF_DEFAULTS, refuse_unless, require
+from pstar_models.hf_moe import EXPERT_KEYS, check_experts, expert_fields, experts, moe_tensor
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig,
-# Qwen2Config, MistralConfig, Qwen3Config). Left out or null, head_dim means hidden_size /
-# num_attention_heads and num_key_value_heads num_attention_heads, unless a left-out key has a value here.
-_HF_DEFAULTS = {
-    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
-    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
-    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
-}
+                  "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 class HFTensor(NamedTuple):
@@ -38,21 +33,6 @@ class HFTensor(NamedTuple):
     name: str
     transpose: bool  # torch Linear weights are [out, in], our kernels [in, out]
     truncate_rows: bool  # GPT-2's wpe: the checkpoint may hold more positions than seq_len (an export puts them back)
-
-
-def _require(config: Mapping[str, Any], key: str) -> int:
-    """A size the model needs: present, a positive whole number."""
-    value = config.get(key)
-    if value is None:
-        raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.json's {key} is {value!r}; it must be a positive whole number")
-    return value
-
-
-def _refuse_unless(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json asks for {what}, which pstar_jax's models do not implement")
 
 
 def _with_overrides(cls: type, derived: dict[str, Any], overrides: Mapping[str, Any],
@@ -73,23 +53,23 @@ def _with_overrides(cls: type, derived: dict[str, Any], overrides: Mapping[str, 
 
 
 def _gpt2_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> GPTConfig:
-    d = _require(config, "n_embd")
+    d = require(config, "n_embd")
     n_inner = config.get("n_inner") or 4 * d
     act = config.get("activation_function", "gelu_new")
-    _refuse_unless(act in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (only gelu_new)")
+    refuse_unless(act in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} (only gelu_new)")
     eps = config.get("layer_norm_epsilon", 1e-5)
-    _refuse_unless(eps == LN_EPS, f"layer_norm_epsilon {eps} (only {LN_EPS})")
-    _refuse_unless(config.get("scale_attn_weights", True), "scale_attn_weights false")
-    _refuse_unless(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
-    _refuse_unless(not config.get("add_cross_attention", False), "add_cross_attention")
-    _refuse_unless(n_inner % d == 0, f"n_inner {n_inner}, not a multiple of n_embd {d}")
+    refuse_unless(eps == LN_EPS, f"layer_norm_epsilon {eps} (only {LN_EPS})")
+    refuse_unless(config.get("scale_attn_weights", True), "scale_attn_weights false")
+    refuse_unless(not config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx")
+    refuse_unless(not config.get("add_cross_attention", False), "add_cross_attention")
+    refuse_unless(n_inner % d == 0, f"n_inner {n_inner}, not a multiple of n_embd {d}")
     n_positions = config.get("n_positions", 1024)
     seq_len = overrides.get("seq_len") or n_positions
     if seq_len > n_positions:
         raise ValueError(f"seq_len={seq_len} exceeds the checkpoint's learned positions "
                          f"(n_positions={n_positions}); choose seq_len <= {n_positions}")
-    derived = dict(vocab_size=_require(config, "vocab_size"), d_model=d, n_layer=_require(config, "n_layer"),
-                   n_head=_require(config, "n_head"), seq_len=seq_len,
+    derived = dict(vocab_size=require(config, "vocab_size"), d_model=d, n_layer=require(config, "n_layer"),
+                   n_head=require(config, "n_head"), seq_len=seq_len,
                    tie_embeddings=config.get("tie_word_embeddings", True), mlp_ratio=n_inner // d)
     return _with_overrides(GPTConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "n_embd", "n_layer": "n_layer", "n_head": "n_head",
@@ -109,18 +89,18 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         raise ValueError(f"config.json's {key} is {params!r}, not an object of RoPE settings")
     if params and all(isinstance(v, dict) for v in params.values()):  # one dict per layer type
         distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
-        _refuse_unless(len(distinct) == 1, f"a different {key} per layer type ({', '.join(params)})")
+        refuse_unless(len(distinct) == 1, f"a different {key} per layer type ({', '.join(params)})")
         params = next(iter(params.values()))
     theta = params.get("rope_theta")
     theta = config.get("rope_theta", 10000.0) if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ValueError(f"config.json's rope_theta is {theta!r}; it must be a positive number")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    _refuse_unless(partial in (None, 1, 1.0), f"partial_rotary_factor {partial} (only 1.0, RoPE on the whole head)")
+    refuse_unless(partial in (None, 1, 1.0), f"partial_rotary_factor {partial} (only 1.0, RoPE on the whole head)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
-    _refuse_unless(kind == "llama3", f"{key} rope_type {kind!r} (only 'default' and 'llama3')")
+    refuse_unless(kind == "llama3", f"{key} rope_type {kind!r} (only 'default' and 'llama3')")
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
     if missing:
         raise ValueError(f"config.json's {key} (rope_type 'llama3') has no {missing[0]!r}")
@@ -147,6 +127,10 @@ def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int
                              f"models do not implement (known: {', '.join(LAYER_TYPES)})")
     if family == "mistral":
         return config.get("sliding_window", 4096)
+    if family == "mixtral":
+        return config.get("sliding_window")
+    if family == "qwen3_moe":  # its sliding_window applies to every layer once use_sliding_window is set
+        return config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
     if family in ("qwen2", "qwen3") and config.get("use_sliding_window", False):
         types = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
@@ -158,22 +142,22 @@ def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int
 def _head_sizes(config: Mapping[str, Any], family: str) -> tuple[Any, Any]:
     """(head_dim as given, None where it is left to hidden_size / num_attention_heads; the key/value
     heads) as transformers reads them from ``config``."""
-    defaults = _HF_DEFAULTS[family]
+    defaults = HF_DEFAULTS[family]
     n_kv_head = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
     return config.get("head_dim", defaults.get("head_dim")), n_kv_head or config.get("num_attention_heads")
 
 
 def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
     family = config["model_type"]
-    defaults = _HF_DEFAULTS[family]
+    defaults = HF_DEFAULTS[family]
     act = config.get("hidden_act", "silu")
-    _refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
-    if family in ("llama", "qwen3"):
-        _refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
-        _refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
-    _refuse_unless(config.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor below 1")
-    n_head, n_layer = _require(config, "num_attention_heads"), _require(config, "num_hidden_layers")
-    d_model = _require(config, "hidden_size")
+    refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
+    if family in ("llama", "qwen3", "qwen3_moe"):
+        refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
+        refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
+    refuse_unless(config.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor below 1")
+    n_head, n_layer = require(config, "num_attention_heads"), require(config, "num_hidden_layers")
+    d_model = require(config, "hidden_size")
     head_dim, n_kv_head = _head_sizes(config, family)
     if head_dim is not None and isinstance(d_model, int) and isinstance(n_head, int) and head_dim * n_head == d_model:
         head_dim = None  # transformers writes the derived value; ours means the same by None
@@ -185,20 +169,23 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         raise ValueError(f"config.json's sliding_window={window} would take effect at seq_len={seq_len}, and "
                          f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
     derived = dict(
-        vocab_size=_require(config, "vocab_size"), d_model=d_model, n_layer=n_layer,
+        vocab_size=require(config, "vocab_size"), d_model=d_model, n_layer=n_layer,
         n_head=n_head, n_kv_head=n_kv_head,
-        d_ff=_require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
+        d_ff=require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=None if max_positions == seq_len else max_positions, family=family)
+        qk_norm=family in ("qwen3", "qwen3_moe"), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=None if max_positions == seq_len else max_positions, family=family,
+        **experts(config, family))
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
         "head_dim": "head_dim", "rope_theta": "rope_theta (or rope_parameters)",
         "rope_scaling": "rope_scaling (or rope_parameters)",
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
-        "qkv_bias": "model_type", "qk_norm": "model_type"})
+        "qkv_bias": "model_type", "qk_norm": "model_type", "n_experts": EXPERT_KEYS.get(family, "num_experts"),
+        "n_experts_per_tok": "num_experts_per_tok", "d_ff_expert": "moe_intermediate_size",
+        "norm_topk_prob": "norm_topk_prob"})
 
 
 def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **overrides: Any) -> StagedGPT | StagedLlama:
@@ -207,7 +194,7 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
     GPT-2, min(max_position_embeddings, 4096) for the Llama family), any other must agree.
     ``lora`` adds adapters (models/lora.py) that the checkpoint does not hold."""
     model_type = config.get("model_type")
-    _refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
+    refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
     if model_type in FAMILIES:
@@ -218,7 +205,8 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
 # Keys whose place depends on the transformers version that wrote the file.
 _LAYOUT_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
 # Training settings, not the model: an export keeps the source's (we train without dropout).
-_SOURCE_WINS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range", "use_cache")
+_SOURCE_WINS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range", "use_cache",
+                "router_aux_loss_coef")
 
 
 def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -274,11 +262,12 @@ def _hf_config(model: Any, torch_dtype: str) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     elif c.family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
-    elif c.family == "qwen3":  # head_dim always: a config.json without one means 128, not d_model / n_head
+    elif c.family in ("qwen3", "qwen3_moe"):  # head_dim always: qwen3 without one means 128, not d_model / n_head
         out.update(head_dim=c.d_head, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=c.n_layer)
     else:
         out.update(sliding_window=None)
+    out.update(expert_fields(c))
     return out
 
 
@@ -341,23 +330,25 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
     n_layer_key = "n_layer" if gpt else "num_hidden_layers"
     layer_name = re.compile(rf"^(?:{block}|{block.split('.', 1)[1]})\.(\d+)\.")  # with the prefix or without
     layers = {int(m.group(1)) for n in shapes if (m := layer_name.match(n))}
-    n_layer = _require(config, n_layer_key)
+    n_layer = require(config, n_layer_key)
     if layers and n_layer != len(layers):
         raise ValueError(f"config.json's {n_layer_key}={n_layer} disagrees with the weights, which hold "
                          f"{len(layers)} layers; set {n_layer_key} to {len(layers)} or use the weights this "
                          "config.json belongs to")
     if gpt:
-        d = _require(config, "n_embd")
-        agree("vocab_size", _require(config, "vocab_size"), "transformer.wte.weight", 0, "rows")
+        d = require(config, "n_embd")
+        agree("vocab_size", require(config, "vocab_size"), "transformer.wte.weight", 0, "rows")
         agree("n_embd", d, "transformer.wte.weight", 1, "columns")
         agree("n_positions", config.get("n_positions", 1024), "transformer.wpe.weight", 0, "rows")
         if config.get("n_inner") is not None:
             agree("n_inner", config["n_inner"], "transformer.h.0.mlp.c_fc.weight", 1, "columns")
         return
-    d, n_head = _require(config, "hidden_size"), _require(config, "num_attention_heads")
-    agree("vocab_size", _require(config, "vocab_size"), "model.embed_tokens.weight", 0, "rows")
+    d, n_head = require(config, "hidden_size"), require(config, "num_attention_heads")
+    agree("vocab_size", require(config, "vocab_size"), "model.embed_tokens.weight", 0, "rows")
     agree("hidden_size", d, "model.embed_tokens.weight", 1, "columns")
-    agree("intermediate_size", _require(config, "intermediate_size"), "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    agree("intermediate_size", require(config, "intermediate_size"), "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    if model_type in MOE_FAMILIES:
+        check_experts(config, model_type, shapes, agree)
     given, n_kv_head = _head_sizes(config, model_type)
     explicit = given is not None  # else it follows hidden_size / num_attention_heads
     head_dim = given or d // n_head
@@ -384,7 +375,10 @@ def hf_tensor(family: str, name: str) -> HFTensor:
                           else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))
     if name.startswith("blocks.") and name.count(".") >= 2:
         _, i, rest = name.split(".", 2)
-        if i.isdigit() and rest in block:
+        moe = moe_tensor(family, rest) if family in MOE_FAMILIES else None
+        if i.isdigit() and moe is not None:
+            return HFTensor(f"{prefix}.{i}.{moe}", True, False)
+        if i.isdigit() and rest in block and not (family in MOE_FAMILIES and rest.startswith("mlp.")):
             return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
     elif name in top:
         return top[name]

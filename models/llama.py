@@ -35,6 +35,7 @@ from flax import nnx
 from pstar_models.llama_config import (DEFAULT_SEQ_LEN, FAMILIES, PRESETS, Llama3RopeScaling, LlamaConfig,  # noqa: F401
                                        _llama3, preset, projections)  # (the family's names, here too)
 from pstar_models.lora import init_adapter, is_adapter, position_seeds, project
+from pstar_models.moe import SparseMoE
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                tiled_modules, visible_TxS, write_cache)
 from pstar_jax.model.attention import causal_attention
@@ -239,7 +240,8 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config, _residual_std(config), rngs=rngs, tiling=tiling)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MLP(config, _residual_std(config), rngs=rngs, tiling=tiling)
+        ffn = SparseMoE if config.n_experts else MLP
+        self.mlp = ffn(config, _residual_std(config), rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
@@ -367,18 +369,20 @@ class StagedLlama(NNXStaged):
             return jnp.zeros(shape, jnp.float32)
         if leaf == "scale":
             return jnp.ones(shape, jnp.float32)
-        residual = name.endswith(("attn.o.kernel", "mlp.down.kernel"))
+        residual = name.endswith(("attn.o.kernel", "down.kernel"))
         std = _residual_std(self.config) if residual else 0.02
         key = jax.random.fold_in(jax.random.key(seed), self._index[name])
         return std * jax.random.normal(key, shape, jnp.float32)
 
     def flops_per_token(self) -> float:
-        """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters (all but the
-        embedding table, unless it doubles as the tied head); the second term is attention's two
-        L x L matmuls, halved for the causal mask."""
+        """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
+        (all but the embedding table, unless it doubles as the tied head, and but the experts it
+        was not routed to); the second term is attention's two L x L matmuls, halved for the
+        causal mask."""
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
-        return 6.0 * (self.n_params() - lookup) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+        idle = c.n_layer * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
+        return 6.0 * (self.n_params() - lookup - idle) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:

@@ -1,5 +1,6 @@
-"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense) and its presets, as plain
-frozen dataclasses: what a model of the family is, before any array exists."""
+"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense, and the mixtures of
+experts Qwen3-MoE and Mixtral) and its presets, as plain frozen dataclasses: what a model of the
+family is, before any array exists."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Mapping
 
 from pstar_models.lora import LoraSpec, check_spec
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")  # the HF model_type a config exports as
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")  # the HF model_type a config exports as
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # every block's MLP a mixture of experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,14 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3's RMSNorm over each head's q and k (width head_dim), before RoPE
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None  # the context written to config.json; None: seq_len
-    family: str = "llama"  # llama, qwen2, mistral or qwen3: the HF model_type it exports as
+    family: str = "llama"  # one of FAMILIES: the HF model_type it exports as
+    # Mixture of experts (MOE_FAMILIES): every block's MLP is n_experts SwiGLU experts of width
+    # d_ff_expert (None: d_ff), each token routed to n_experts_per_tok of them by a softmax over
+    # a bias-free router, the top weights renormalised to sum 1 when norm_topk_prob (Mixtral always).
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    d_ff_expert: int | None = None
+    norm_topk_prob: bool = True
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
@@ -77,9 +86,24 @@ class LlamaConfig:
         if self.qkv_bias != (self.family == "qwen2"):
             raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
                              "q/k/v biases exist exactly in qwen2")
-        if self.qk_norm != (self.family == "qwen3"):
+        if self.qk_norm != (self.family in ("qwen3", "qwen3_moe")):
             raise ValueError(f"LlamaConfig.qk_norm={self.qk_norm} does not fit family {self.family!r}: "
-                             "q/k norms exist exactly in qwen3")
+                             "q/k norms exist exactly in qwen3 and qwen3_moe")
+        for field in ("n_experts", "n_experts_per_tok"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LlamaConfig.{field} must be a whole number >= 0, got {value!r}")
+        if (self.n_experts > 0) != (self.family in MOE_FAMILIES):
+            raise ValueError(f"LlamaConfig.n_experts={self.n_experts} does not fit family {self.family!r}: "
+                             f"experts exist exactly in {' and '.join(MOE_FAMILIES)}")
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"LlamaConfig.n_experts_per_tok={self.n_experts_per_tok} must be between 1 and "
+                             f"n_experts={self.n_experts}")
+        if self.d_ff_expert is not None and (not isinstance(self.d_ff_expert, int) or self.d_ff_expert <= 0):
+            raise ValueError(f"LlamaConfig.d_ff_expert must be a positive integer or None, got {self.d_ff_expert!r}")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("LlamaConfig.norm_topk_prob=False does not fit family 'mixtral', which always "
+                             "renormalises its top-k routing weights")
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
         check_spec(self.lora, projections(self), self.family)
@@ -88,12 +112,20 @@ class LlamaConfig:
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
 
+    @property
+    def expert_width(self) -> int:
+        """An expert's hidden width (moe_intermediate_size; Mixtral's intermediate_size)."""
+        return self.d_ff_expert if self.d_ff_expert is not None else self.d_ff
+
 
 def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """Every projection of a block (LoRA's possible targets): path -> (in, out) features."""
+    """Every projection of a block that LoRA may target: path -> (in, out) features. A mixture of
+    experts' router and experts are not targets (yet): its blocks offer attention's projections."""
     D, F, HK, NK = config.d_model, config.d_ff, config.n_head * config.d_head, config.n_kv_head * config.d_head
-    return {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D),
-            "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
+    attention = {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D)}
+    if config.n_experts:
+        return attention
+    return {**attention, "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
 
 
 def _llama3(factor: float) -> Llama3RopeScaling:

@@ -1,0 +1,42 @@
+"""Reading config.json fields as transformers does: its defaults for keys a file leaves out, and
+one-line refusals of sizes that are missing or not whole numbers and of settings our models do
+not implement. Shared by models/hf.py (the families) and models/hf_moe.py (their experts)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig,
+# Qwen2Config, MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig). Left out or null, head_dim means hidden_size /
+# num_attention_heads and num_key_value_heads num_attention_heads, unless a left-out key has a value here.
+HF_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
+    "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                "num_local_experts": 8, "num_experts_per_tok": 2},
+}
+
+
+def require(config: Mapping[str, Any], key: str) -> int:
+    """A size the model needs: present, a positive whole number."""
+    value = config.get(key)
+    if value is None:
+        raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json's {key} is {value!r}; it must be a positive whole number")
+    return value
+
+
+def refuse_unless(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"config.json asks for {what}, which pstar_jax's models do not implement")
+
+
+def count(config: Mapping[str, Any], key: str, family: str) -> int:
+    """A count with transformers' default where config.json leaves it out; else as ``require``."""
+    value = config.get(key, HF_DEFAULTS[family].get(key))
+    return require({**config, key: value}, key)

@@ -1,0 +1,87 @@
+"""Mixtures of experts in Hugging Face checkpoints (qwen3_moe, mixtral): the experts' config.json
+fields read into a LlamaConfig and written back, their tensor names, and the check of their count
+and width against the weights' shapes. The layers themselves are models/moe.py's."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+from pstar_models.hf_fields import HF_DEFAULTS, count, refuse_unless
+from pstar_models.llama_config import MOE_FAMILIES, LlamaConfig
+
+EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}  # the experts' count per layer
+
+
+def experts(config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a LlamaConfig (none for a dense family), refusing in one
+    line what transformers would compute differently from our blocks."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if config.get("output_router_logits", False):
+        raise ValueError("config.json's output_router_logits is true, so transformers would add the router's "
+                         "load-balancing loss, which pstar_jax does not compute yet; set it to false (the "
+                         "published checkpoints' value) to train on the language-model loss alone")
+    n_experts = count(config, EXPERT_KEYS[family], family)
+    k = count(config, "num_experts_per_tok", family)
+    if k > n_experts:
+        raise ValueError(f"config.json's num_experts_per_tok={k} exceeds {EXPERT_KEYS[family]}={n_experts}; "
+                         "a token cannot choose more experts than a layer has")
+    if family == "mixtral":
+        jitter = config.get("router_jitter_noise") or 0
+        refuse_unless(jitter == 0, f"router_jitter_noise {jitter} (random noise on the router's input in "
+                                    "training; only 0, the published checkpoints' value)")
+        return dict(n_experts=n_experts, n_experts_per_tok=k)
+    only = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    refuse_unless(not only, f"mlp_only_layers {only} (dense MLP layers among the experts' layers; pstar_jax's "
+                             "qwen3_moe blocks all hold experts)")
+    refuse_unless(step == 1, f"decoder_sparse_step {step} (experts in every {step}th layer only; pstar_jax's "
+                              "qwen3_moe blocks all hold experts)")
+    return dict(n_experts=n_experts, n_experts_per_tok=k, d_ff_expert=count(config, "moe_intermediate_size", family),
+                norm_topk_prob=bool(config.get("norm_topk_prob", HF_DEFAULTS[family]["norm_topk_prob"])))
+
+
+# A mixture of experts' tensors (models/moe.py): ours -> (qwen3_moe's, mixtral's) name in the layer.
+_EXPERT_MATRICES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)\.kernel$")
+
+
+def moe_tensor(family: str, rest: str) -> str | None:
+    """The HF name, inside a layer, of a block tensor of a mixture of experts (None: not one)."""
+    moe = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    if rest == "mlp.router.kernel":
+        return f"{moe}.gate.weight"
+    m = _EXPERT_NAME.match(rest)
+    if m is None:
+        return None
+    return f"{moe}.experts.{int(m.group(1))}.{_EXPERT_MATRICES[m.group(2)][family == 'mixtral']}.weight"
+
+
+def check_experts(config: Mapping[str, Any], family: str, shapes: Mapping[str, Sequence[int]], agree: Any) -> None:
+    """The expert count and width of config.json against layer 0's tensors."""
+    moe, key = ("mlp" if family == "qwen3_moe" else "block_sparse_moe"), EXPERT_KEYS[family]
+    n_experts = count(config, key, family)
+    expert = re.compile(rf"^(?:model\.)?layers\.0\.{moe}\.experts\.(\d+)\.")
+    found = {int(m.group(1)) for n in shapes if (m := expert.match(n))}
+    if found and found != set(range(n_experts)):
+        gaps = "" if found == set(range(len(found))) else f" (numbered {min(found)} to {max(found)}, with gaps)"
+        raise ValueError(f"config.json's {key}={n_experts} disagrees with the weights, whose layer 0 holds "
+                         f"{len(found)} experts{gaps}; set {key} to {len(found)} or use the weights this "
+                         "config.json belongs to")
+    agree(key, n_experts, f"model.layers.0.{moe}.gate.weight", 0, "router rows")
+    width = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
+    first = f"model.layers.0.{moe}.experts.0.{'gate_proj' if family == 'qwen3_moe' else 'w1'}.weight"
+    agree(width, count(config, width, family), first, 0, "rows")
+
+
+def expert_fields(c: LlamaConfig) -> dict[str, Any]:
+    """The experts' keys of an exported config.json (none for a dense family)."""
+    if c.family == "qwen3_moe":
+        return dict(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok,
+                    moe_intermediate_size=c.expert_width, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+                    mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.001)
+    if c.family == "mixtral":
+        return dict(num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, router_jitter_noise=0.0,
+                    output_router_logits=False, router_aux_loss_coef=0.001)
+    return {}

@@ -1,0 +1,140 @@
+"""Mixtures of experts (issue 32, part 2): Qwen3-MoE and Mixtral checkpoints give transformers'
+logits for the same weights (fp32), our exports load in transformers unchanged, the grouped
+matmul equals a dense one-hot reference, the experts land in chunks of their own, and configs
+transformers would train differently are refused in one line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pstar_models import build_from_hf, hf_config, hf_tensors
+from pstar_models.hf import check_hf_shapes
+from pstar_models.moe import grouped_swiglu, route
+from test_hf_models import (SEQ_LEN, test_export_loads_in_transformers_with_the_same_logits,
+                            test_hf_weights_give_hf_logits)
+
+# 4 experts, 2 per token, head_dim 12 beside a width-32 model (Qwen3-MoE reads head_dim as given).
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=109, hidden_size=32, intermediate_size=56,
+                 moe_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=12, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=64,
+                 tie_word_embeddings=False, output_router_logits=False, router_aux_loss_coef=0.001)
+MIXTRAL = dict(model_type="mixtral", vocab_size=107, hidden_size=36, intermediate_size=28, num_hidden_layers=2,
+               num_attention_heads=6, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+               rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=64, sliding_window=None,
+               tie_word_embeddings=False, output_router_logits=False, router_aux_loss_coef=0.02,
+               router_jitter_noise=0.0)
+CHECKPOINTS = {
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_moe_unnormalised": {**QWEN3_MOE, "norm_topk_prob": False, "num_experts_per_tok": 3},  # the class default
+    "qwen3_moe_tied": {**QWEN3_MOE, "tie_word_embeddings": True},
+    "mixtral": MIXTRAL,
+}
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("config", CHECKPOINTS.values(), ids=CHECKPOINTS.keys())
+def test_moe_checkpoints_give_transformers_logits_and_loss(config):
+    test_hf_weights_give_hf_logits(config)
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_exports_load_in_transformers_with_the_same_logits(name, tmp_path):
+    source = CHECKPOINTS[name]
+    config = build_from_hf(source, seq_len=SEQ_LEN).config
+    test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source)
+
+
+def test_grouped_experts_equal_a_dense_one_hot_reference_with_an_expert_left_out():
+    """ragged_dot over tokens sorted by expert against every expert on every token, masked; an
+    expert no token chose gets exactly zero gradient, the others the reference's."""
+    N, D, I, E, k = 24, 8, 6, 5, 2
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (N, D))
+    gate, up = jax.random.normal(keys[1], (E, D, I)), jax.random.normal(keys[2], (E, D, I))
+    down = jax.random.normal(keys[3], (E, I, D))
+    logits = jax.random.normal(keys[4], (N, E)).at[:, 3].set(-30.0)  # expert 3: never chosen
+
+    def grouped(x, gate, up, down):
+        w, e = route(logits, k, True, x.dtype)
+        return jnp.sum(grouped_swiglu(x, e, gate, up, down) * w[..., None], axis=1)
+
+    def dense(x, gate, up, down):
+        w, e = route(logits, k, True, x.dtype)
+        every = jnp.einsum("edi,nd->nei", up, x) * jax.nn.silu(jnp.einsum("edi,nd->nei", gate, x))
+        y_NxExD = jnp.einsum("nei,eid->ned", every, down)
+        mix_NxE = jnp.sum(jax.nn.one_hot(e, E) * w[..., None], axis=1)
+        return jnp.einsum("ned,ne->nd", y_NxExD, mix_NxE)
+
+    args = (x, gate, up, down)
+    scale = float(jnp.abs(dense(*args)).max())
+    np.testing.assert_allclose(grouped(*args), dense(*args), rtol=0, atol=1e-5 * scale)
+    probe = jax.random.normal(jax.random.key(1), (N, D))
+    g_ours = jax.grad(lambda *a: jnp.sum(grouped(*a) * probe), argnums=(0, 1, 2, 3))(*args)
+    g_ref = jax.grad(lambda *a: jnp.sum(dense(*a) * probe), argnums=(0, 1, 2, 3))(*args)
+    for ours, ref in zip(g_ours, g_ref):
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
+    for g in g_ours[1:]:
+        g = np.asarray(g)
+        assert not np.any(g[3]) and np.all(np.any(g[[0, 1, 2, 4]] != 0, axis=(1, 2)))
+
+
+def test_moe_tensors_have_the_hub_names_and_configs_round_trip():
+    qwen = build_from_hf(QWEN3_MOE, seq_len=SEQ_LEN)
+    names = hf_tensors(qwen)
+    assert names["blocks.1.mlp.router.kernel"] == ("model.layers.1.mlp.gate.weight", True, False)
+    assert names["blocks.0.mlp.experts.3.down.kernel"] == ("model.layers.0.mlp.experts.3.down_proj.weight", True, False)
+    mixtral = build_from_hf(MIXTRAL, seq_len=SEQ_LEN)
+    names = hf_tensors(mixtral)
+    assert names["blocks.0.mlp.router.kernel"] == ("model.layers.0.block_sparse_moe.gate.weight", True, False)
+    assert names["blocks.1.mlp.experts.2.up.kernel"] == (
+        "model.layers.1.block_sparse_moe.experts.2.w3.weight", True, False)
+    assert len({t.name for t in names.values()}) == len(names) == len(mixtral.param_shapes())
+    for source, model in ((QWEN3_MOE, qwen), (MIXTRAL, mixtral)):
+        exported = hf_config(model, torch_dtype="float32", source=source)
+        assert json.loads(json.dumps(exported)) == exported
+        assert build_from_hf(exported, seq_len=SEQ_LEN).config == model.config
+        assert {k: exported[k] for k in source} == source  # every field the source wrote, kept
+    c = qwen.config
+    assert (c.n_experts, c.n_experts_per_tok, c.expert_width, c.norm_topk_prob, c.d_head) == (4, 2, 20, True, 12)
+    # A token meets k of E experts: the FLOPs count 2 of 4 experts' weights per layer.
+    idle = c.n_layer * 2 * 3 * c.d_model * c.expert_width
+    dense_flops = 6.0 * (qwen.n_params() - c.vocab_size * c.d_model) + 6.0 * c.n_layer * c.seq_len * c.n_head * 12
+    assert qwen.flops_per_token() == dense_flops - 6.0 * idle
+
+
+@pytest.mark.parametrize("config,match", [
+    ({**QWEN3_MOE, "output_router_logits": True}, "output_router_logits is true"),
+    ({**QWEN3_MOE, "mlp_only_layers": [1]}, r"mlp_only_layers \[1\]"),
+    ({**QWEN3_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+    ({**QWEN3_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4"),
+    ({**QWEN3_MOE, "num_experts": 0}, "num_experts is 0"),
+    ({**MIXTRAL, "router_jitter_noise": 0.01}, "router_jitter_noise 0.01"),
+    ({**MIXTRAL, "num_local_experts": 2.5}, "num_local_experts is 2.5"),
+])
+def test_moe_configs_transformers_would_train_differently_are_one_line(config, match):
+    with pytest.raises(ValueError, match=match) as err:
+        build_from_hf(config, seq_len=SEQ_LEN)
+    assert "\n" not in str(err.value)
+
+
+def test_an_expert_count_the_tensors_contradict_is_one_line():
+    def shapes(n_experts, width=20, moe="mlp", mat="gate_proj", config=QWEN3_MOE):
+        d = config["hidden_size"]
+        out = {"model.embed_tokens.weight": (config["vocab_size"], d), f"model.layers.0.{moe}.gate.weight": (n_experts, d)}
+        out.update({f"model.layers.{i}.{moe}.experts.{e}.{mat}.weight": (width, d)
+                    for i in range(2) for e in range(n_experts)})
+        return out
+    check_hf_shapes(QWEN3_MOE, shapes(4))
+    with pytest.raises(ValueError, match="num_experts=4 disagrees with the weights, whose layer 0 holds 8 experts; "
+                                         "set num_experts to 8") as err:
+        check_hf_shapes(QWEN3_MOE, shapes(8))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="moe_intermediate_size=20 disagrees with the weights"):
+        check_hf_shapes(QWEN3_MOE, shapes(4, width=24))
+    with pytest.raises(ValueError, match="num_local_experts=4 disagrees with the weights, whose layer 0 holds 3"):
+        check_hf_shapes(MIXTRAL, shapes(3, 28, "block_sparse_moe", "w1", MIXTRAL))
