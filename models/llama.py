@@ -374,6 +374,11 @@ class StagedLlama(NNXStaged):
         key = jax.random.fold_in(jax.random.key(seed), self._index[name])
         return std * jax.random.normal(key, shape, jnp.float32)
 
+    def chunk_group(self, name: str) -> str:
+        """"experts" for a mixture of experts' expert weights, which keep to chunks of their own (the
+        router stays with attention's tensors); "" for every other tensor."""
+        return "experts" if ".mlp.experts." in name else ""
+
     def flops_per_token(self) -> float:
         """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
         (all but the embedding table, unless it doubles as the tied head, and but the experts it

@@ -156,6 +156,10 @@ _r = dataclasses.replace
 # and 1.7B (and the others again) in pytorch/torchtune torchtune/models/qwen3/_model_builders.py,
 # "the default parameter values from huggingface.co/Qwen/Qwen3-*" (the instruct checkpoints, 40960
 # positions; the -Base ones have 32768). Sizes checked by keras-team/keras-hub's qwen3_presets.py.
+# Qwen3-30B-A3B, Qwen3-235B-A22B (every layer sparse, norm_topk_prob true, the published 40960
+# positions) and Mixtral-8x7B-v0.1: their config.json fields as quoted by several projects' tests
+# (vLLM, Megatron-Bridge, NVIDIA's conversion tests) and agreeing; their parameter counts (30.5B,
+# 235B, 46.7B) are tests/test_moe.py's.
 PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "llama-tiny": LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=96,
                               seq_len=64, rope_scaling=_llama3(8.0)),
@@ -177,6 +181,13 @@ PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "qwen3-8b": _QWEN3,
     "qwen3-14b": _r(_QWEN3, d_model=5120, n_layer=40, n_head=40, d_ff=17408),
     "qwen3-32b": _r(_QWEN3, d_model=5120, n_layer=64, n_head=64, d_ff=25600, head_dim=128),
+    "qwen3-30b-a3b": _r(_QWEN3, d_model=2048, n_layer=48, n_head=32, n_kv_head=4, d_ff=6144, head_dim=128,
+                        family="qwen3_moe", n_experts=128, n_experts_per_tok=8, d_ff_expert=768),
+    "qwen3-235b-a22b": _r(_QWEN3, d_model=4096, n_layer=94, n_head=64, n_kv_head=4, d_ff=12288, head_dim=128,
+                          family="qwen3_moe", n_experts=128, n_experts_per_tok=8, d_ff_expert=1536),
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
+                                seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
+                                max_position_embeddings=32768, family="mixtral", n_experts=8, n_experts_per_tok=2),
     "mistral-7b": LlamaConfig(vocab_size=32768, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
                               seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
                               max_position_embeddings=32768, family="mistral"),

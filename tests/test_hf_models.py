@@ -76,6 +76,20 @@ def hf_logits(hf_model, tokens):
         return hf_model(torch.from_numpy(tokens).long()).logits.numpy()
 
 
+def saved_state(hf_model):
+    """The tensors ``save_pretrained`` writes, as numpy: the hub's layout, which transformers 5.x
+    keeps in its files while fusing a mixture of experts' weights in memory."""
+    import tempfile
+    from pathlib import Path
+    from safetensors.numpy import load_file
+    with tempfile.TemporaryDirectory() as d:
+        hf_model.save_pretrained(d)
+        state = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            state.update(load_file(f))
+        return state
+
+
 def to_pstar(model, state_dict):
     """Our parameters from an HF state dict, through hf_tensors."""
     shapes, params = model.param_shapes(), {}
@@ -101,7 +115,7 @@ def assert_logits_match(ours, theirs):
 def test_hf_weights_give_hf_logits(config):
     hf_model = hf_reference(config)
     model = build_from_hf(config, seq_len=SEQ_LEN)
-    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    state = saved_state(hf_model)
     params = to_pstar(model, state)
     used = {t.name for t in hf_tensors(model).values()}
     assert used == {k for k in state if not (k == "lm_head.weight" and model.config.tie_embeddings)}

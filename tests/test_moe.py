@@ -138,3 +138,47 @@ def test_an_expert_count_the_tensors_contradict_is_one_line():
         check_hf_shapes(QWEN3_MOE, shapes(4, width=24))
     with pytest.raises(ValueError, match="num_local_experts=4 disagrees with the weights, whose layer 0 holds 3"):
         check_hf_shapes(MIXTRAL, shapes(3, 28, "block_sparse_moe", "w1", MIXTRAL))
+
+
+def test_moe_presets_have_the_published_parameter_counts():
+    """Qwen3-30B-A3B 30.5B, Qwen3-235B-A22B 235B, Mixtral-8x7B 46.7B: every tensor counted from the
+    published shapes; the FLOPs count the k routed experts a token meets."""
+    from pstar_models.llama import StagedLlama, preset
+    published = {"qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560, "mixtral-8x7b": 46_702_792_704}
+    for name, count in published.items():
+        model = StagedLlama(preset(name))
+        c = model.config
+        assert model.n_params() == count, name
+        active = count - c.n_layer * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
+        lookup = c.vocab_size * c.d_model
+        assert model.flops_per_token() == 6.0 * (active - lookup) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+
+
+def test_experts_keep_to_chunks_of_their_own_and_the_plan_reports_their_share():
+    """No chunk holds an expert's weights beside attention's or the router's; pstar-plan's report
+    names the experts' chunks and their share of model data."""
+    from pstar_jax.engine.chunks import build_layout
+    from pstar_jax.model.staged import chunk_group, chunk_groups
+    model = build_from_hf(MIXTRAL, seq_len=SEQ_LEN)
+    shapes = model.param_shapes()
+    layout = build_layout(shapes, model.decays, {"trainable": 2500}, group=lambda n: chunk_group(model, n))
+    by_chunk = {}
+    for s in layout.slots:
+        by_chunk.setdefault(s.chunk, set()).add(".mlp.experts." in s.name)
+    assert all(len(kinds) == 1 for kinds in by_chunk.values())
+    experts = chunk_groups(model, layout.slots)["experts"]
+    assert set(experts) == {c for c, kinds in by_chunk.items() if True in kinds} and len(experts) >= 2
+    mixed = build_layout(shapes, model.decays, {"trainable": 2500})  # without groups the experts share chunks
+    assert any(len({".mlp.experts." in s.name for s in mixed.slots if s.chunk == c}) == 2
+               for c in range(mixed.n_chunks))
+    from jax.sharding import Mesh
+    import pstar_jax as ps
+    from pstar_jax.plan.machine import H200
+    report = ps.plan_report(model, ps.EngineConfig(device_memory=2**30), 2, Mesh(np.array(jax.devices()[:1]), ("data",)),
+                            H200, 2**30)
+    chunks = report.groups["experts"]
+    expert_params = sum(s.n_params for s in report.planned.layout.slots if ".mlp.experts." in s.name)
+    assert expert_params == 2 * 4 * 3 * 36 * 28 and report.group_bytes("experts") >= 14 * expert_params  # bf16 + state
+    assert report.to_json()["chunk_groups"]["experts"] == {"n_chunks": len(chunks), "bytes": report.group_bytes("experts")}
+    line = next(line for line in report.lines() if line.startswith("experts: "))
+    assert f"{len(chunks)} chunks of their own" in line and "once per pass" in line

@@ -14,7 +14,10 @@ every list covers the same tensors. Rules, as in PatrickStar:
   * a chunk holds trainable tensors or frozen ones, never both (``trainable(name)``): a frozen
     chunk has only its compute-dtype params (2 bytes per parameter in bf16), no grad, master or
     optimizer state. Each kind fills its own open chunk in model order, so a stage's tensors of
-    one kind still sit in consecutive chunks of that kind.
+    one kind still sit in consecutive chunks of that kind;
+  * a model may keep a group of its tensors apart (``group(name)``, a mixture of experts' expert
+    weights): within a kind, tensors of different groups never share a chunk, so the plan can
+    place and report the experts' chunks apart from attention's.
 """
 
 from __future__ import annotations
@@ -190,7 +193,8 @@ def _decay_first(names: Sequence[str], decays: Callable[[str], bool]) -> list[st
 
 def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                  chunk_numel: int | Mapping[str, int], align: int = 64, trainable: Callable[[str], bool] | None = None,
-                 multiple: int = 1, quant: Callable[[str], str] | None = None) -> ChunkLayout:
+                 multiple: int = 1, quant: Callable[[str], str] | None = None,
+                 group: Callable[[str], str] | None = None) -> ChunkLayout:
     """Greedy placement in model order, trainable and frozen tensors (``trainable``, default: all
     trainable) in chunks of their own kind. ``chunk_numel`` is one size for every kind (an int, as
     ``--chunk-size`` gives: a tensor larger than it is a ConfigError) or a size per kind (a mapping
@@ -198,7 +202,8 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
     size gets a chunk of its own, its size rounded up to ``align * multiple`` (shardable over
     ``multiple`` devices), and the kind's next tensor opens a new chunk, so each kind's chunks
     still follow model order. ``quant(name)`` names the quantization ("nf4", "int8") of a frozen
-    kernel stored quantized, in chunks of that kind, or "" (kept in the compute dtype)."""
+    kernel stored quantized, in chunks of that kind, or "" (kept in the compute dtype).
+    ``group(name)`` (default: one group) keeps tensors of different groups in different chunks."""
     kind_of, stored = tensor_kinds(shapes, trainable, quant)
     if isinstance(chunk_numel, Mapping):
         sizes = dict(chunk_numel)
@@ -212,8 +217,8 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
     groups: list[list[str]] = []
     kinds: list[str] = []  # per chunk
     numels: list[int] = []  # per chunk
-    # kind -> (the chunk it fills now, the running ends of its decayed and non-decayed parts)
-    open_chunk: dict[str, tuple[int, int, int]] = {}
+    # (kind, group) -> (the chunk it fills now, the running ends of its decayed and non-decayed parts)
+    open_chunk: dict[tuple[str, str], tuple[int, int, int]] = {}
     # Fit is judged on the chunk as it will be laid out (decayed first), not in model order:
     # reordering changes the alignment gaps. The non-decayed part starts aligned, so its span does
     # not depend on the decayed part's: two running ends give the extent of the chunk plus one
@@ -223,14 +228,14 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
         kind, numel, decayed = kind_of[name], stored[name], decays(name)
         if kind not in sizes:
             raise ValueError(f"no chunk size for {kind} tensors (such as {name}); sizes given: {sorted(sizes)}")
-        size = sizes[kind]
+        size, key = sizes[kind], (kind, group(name) if group else "")
         if numel > size:  # (sizes per kind only) alone, in a chunk of exactly its size
             groups.append([name])
             kinds.append(kind)
             numels.append(_round_up(numel, align * multiple))
-            open_chunk.pop(kind, None)
+            open_chunk.pop(key, None)
             continue
-        c, decayed_end, plain_end = open_chunk.get(kind, (-1, 0, 0))
+        c, decayed_end, plain_end = open_chunk.get(key, (-1, 0, 0))
         d_end = _round_up(decayed_end, align) + numel if decayed else decayed_end
         p_end = plain_end if decayed else _round_up(plain_end, align) + numel
         extent = _round_up(d_end, align) + p_end if p_end else d_end
@@ -241,7 +246,7 @@ def build_layout(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
             numels.append(size)
             d_end, p_end = (numel, 0) if decayed else (0, numel)
         groups[c].append(name)
-        open_chunk[kind] = (c, d_end, p_end)
+        open_chunk[key] = (c, d_end, p_end)
     slots = []
     for chunk, names in enumerate(groups):
         offset = 0  # decayed tensors first (stable), so a chunk's decay mask is a prefix
@@ -336,7 +341,8 @@ def slot_value(slot: TensorSlot, chunk: np.ndarray, dtype: Any = np.float32) -> 
 def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool],
                       multiple: int = 1, align: int = 64, max_candidates: int = 512,
                       trainable: Callable[[str], bool] | None = None,
-                      quant: Callable[[str], str] | None = None) -> dict[str, int]:
+                      quant: Callable[[str], str] | None = None,
+                      group: Callable[[str], str] | None = None) -> dict[str, int]:
     """Per kind present ("trainable", "frozen", a quantization), the chunk size whose layout of that kind's tensors
     wastes the fewest elements (build_layout with these sizes).
 
@@ -362,12 +368,12 @@ def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str
             seen[tuple(shape)] = seen.get(tuple(shape), 0) + 1
         repeated = [stored[n] for n, s in mine.items() if seen[tuple(s)] > 1]
         low = max(repeated) if len(by_kind) > 1 and repeated else max(stored[n] for n in mine)
-        out[kind] = _least_waste(mine, decays, low, kind, multiple, align, max_candidates)
+        out[kind] = _least_waste(mine, decays, low, kind, multiple, align, max_candidates, group)
     return out
 
 
 def _least_waste(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bool], low_numel: int, kind: str,
-                 multiple: int, align: int, max_candidates: int) -> int:
+                 multiple: int, align: int, max_candidates: int, group: Callable[[str], str] | None) -> int:
     """auto_chunk_numels' search over the tensors of one kind."""
     names = list(shapes)
     trainable, quant = (lambda name: kind == "trainable"), (lambda name: kind if kind in QUANT_KINDS else "")
@@ -389,7 +395,7 @@ def _least_waste(shapes: Mapping[str, Sequence[int]], decays: Callable[[str], bo
         step = len(ordered) / max_candidates
         ordered = sorted({ordered[int(i * step)] for i in range(max_candidates)} | {low})
     return min(ordered, key=lambda n: (build_layout(shapes, decays, {kind: n}, align, trainable,
-                                                    multiple, quant).padded_numel, n))
+                                                    multiple, quant, group).padded_numel, n))
 
 
 def outgrown(shapes: Mapping[str, Sequence[int]], chunk_numel: int | Mapping[str, int],

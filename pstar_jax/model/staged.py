@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,22 @@ def decays(model: StagedModel, name: str) -> bool:
     if hasattr(model, "decays"):
         return bool(model.decays(name))
     return len(model.param_shapes()[name]) >= 2
+
+
+def chunk_group(model: StagedModel, name: str) -> str:
+    """The group whose chunks a tensor keeps to (engine/chunks.build_layout): the model's choice
+    (a mixture of experts keeps its experts' weights apart), else one group for every tensor."""
+    return str(model.chunk_group(name)) if hasattr(model, "chunk_group") else ""
+
+
+def chunk_groups(model: StagedModel, slots: Iterable[Any]) -> dict[str, tuple[int, ...]]:
+    """The model's chunk groups other than the default one, each with its chunks (from a layout's
+    slots, which name their tensor and chunk)."""
+    out: dict[str, set[int]] = {}
+    for s in slots:
+        if group := chunk_group(model, s.name):
+            out.setdefault(group, set()).add(s.chunk)
+    return {g: tuple(sorted(c)) for g, c in out.items()}
 
 
 def n_params(model: StagedModel) -> int:

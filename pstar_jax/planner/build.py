@@ -26,7 +26,7 @@ from pstar_jax.model.freeze import Frozen, frozen_names, parse_patterns, trainab
 from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine
 from pstar_jax.engine.memory import Placement, available_host_bytes, device_total_bytes, host_budget_bytes
-from pstar_jax.model.staged import StagedModel, decays, validate_stages
+from pstar_jax.model.staged import StagedModel, chunk_group, decays, validate_stages
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan.forward import plan_forward
 from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_step
@@ -218,7 +218,7 @@ def chunk_sizes(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
     if cfg.chunk_numel is not None:
         return -(-cfg.chunk_numel // W) * W
     return auto_chunk_numels(model.param_shapes(), functools.partial(decays, model), multiple=W, trainable=trainable,
-                             quant=quant)
+                             quant=quant, group=functools.partial(chunk_group, model))
 
 
 def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Callable[[str], bool] | None = None,
@@ -226,7 +226,8 @@ def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Cal
     """``model``'s chunk layout with ``sizes`` (default: ``chunk_sizes``'), shardable over the mesh."""
     sizes = chunk_sizes(cfg, model, mesh, trainable) if sizes is None else sizes
     return build_layout(model.param_shapes(), functools.partial(decays, model), sizes, trainable=trainable,
-                        multiple=mesh.devices.size, quant=quant_rule(cfg.base_quant, model.param_shapes(), trainable))
+                        multiple=mesh.devices.size, quant=quant_rule(cfg.base_quant, model.param_shapes(), trainable),
+                        group=functools.partial(chunk_group, model))
 
 
 def resolve_engine_config(cfg: EngineConfig, model: StagedModel, mesh: Mesh,

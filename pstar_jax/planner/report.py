@@ -22,7 +22,7 @@ from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.chunks import outgrown
 from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine, describe
-from pstar_jax.model.staged import StagedModel, decays, flops_per_token, n_params
+from pstar_jax.model.staged import StagedModel, chunk_group, chunk_groups, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, chunk_sizes, layout_for, plan_model, resolve_engine_config
 from pstar_jax.planner.fit import any_fits
 from pstar_jax.planner.search import (MAX_SEARCH_CHUNKS, MAX_SEARCH_SEQ_LEN, SEQ_LEN_GRANULE, SEQ_LEN_TOLERANCE, Largest,
@@ -57,6 +57,7 @@ class PlanReport:
     n_trainable: int | None = None  # trained params (None: all of them)
     chunk_size_forced: bool = False  # EngineConfig.chunk_numel (--chunk-size) set every kind's size
     disk_bytes: int = 0  # local disk for frozen chunks, per device (EngineConfig.disk_memory)
+    groups: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # chunk_group -> its chunks
 
     @property
     def bytes_per_param(self) -> tuple[int, int]:
@@ -105,6 +106,8 @@ class PlanReport:
                "model_data_bytes": self.model_data_bytes, **self._chunks_json(), "plan": self.plan.to_json()}
         if self.disk_bytes:
             out.update(disk_bytes=self.disk_bytes, disk_read_bytes_per_s=self.machine.disk_read_bytes_per_s)
+        if self.groups:
+            out["chunk_groups"] = {g: {"n_chunks": len(c), "bytes": self.group_bytes(g)} for g, c in self.groups.items()}
         for name in ("depth", "batch"):
             if getattr(self, name) is not None:
                 out[f"largest_{name}"] = dataclasses.asdict(getattr(self, name))
@@ -139,6 +142,20 @@ class PlanReport:
         first = {kind: kinds.index(kind) for kind in set(kinds)}
         return {kind: n * round(sum(shape.bytes_per_element(first[kind])))
                 for kind, n in self.planned.layout.waste_numels().items()}
+
+    def group_bytes(self, group: str) -> int:
+        """The model data (params and their optimizer state) in ``group``'s chunks, padding included."""
+        shape, numels = self.planned.shape, self.planned.layout.numels
+        return sum(round(sum(shape.bytes_per_element(c)) * numels[c]) for c in self.groups[group])
+
+    def _groups_lines(self) -> list[str]:
+        """A line per chunk group (a mixture of experts' "experts"): its chunks and share of model data."""
+        total = sum(self.group_bytes(g) for g in self.groups) + sum(
+            round(sum(self.planned.shape.bytes_per_element(c)) * n) for c, n in enumerate(self.planned.layout.numels)
+            if not any(c in chunks for chunks in self.groups.values()))
+        return [f"{group}: {len(chunks)} chunks of their own, {format_bytes(self.group_bytes(group))} of model data "
+                f"({100 * self.group_bytes(group) / total:.1f}%); a stage fetches them once per pass, whichever "
+                "experts its tokens choose" for group, chunks in self.groups.items()]
 
     def _own_tensors(self) -> list[str]:
         layout = self.planned.layout
@@ -180,7 +197,7 @@ class PlanReport:
                "device(s)",
                f"model {self.label}: {self.n_params:,} params ({self._data_words()}), batch "
                f"{self.batch_size}x{self.seq_len} in {self.micro_batches} micro-batch(es), {self.precision}",
-               self._chunks_line()]
+               self._chunks_line(), *self._groups_lines()]
         if plan.fits:
             n, on_device, streamed = self.planned.shape.n_trainable, sum(plan.opt_on_device), sum(plan.opt_streamed)
             frozen = layout.n_chunks - n
@@ -288,7 +305,8 @@ def plan_report(model: StagedModel, config: EngineConfig, batch_size: int, mesh:
                         flops_per_token(model, planned.layout.frozen_names),  # frozen: no weight grads
                         width=f"d_model {cfg.d_model}" if hasattr(cfg, "d_model") else "this width",
                         n_trainable=trained, chunk_size_forced=isinstance(sizes, int),
-                        disk_bytes=(config.disk_memory or 0) if machine.disk_read_bytes_per_s else 0)
+                        disk_bytes=(config.disk_memory or 0) if machine.disk_read_bytes_per_s else 0,
+                        groups=chunk_groups(model, planned.layout.slots))
     if search:
         if model_at is not None and getattr(cfg, "n_layer", None):
             report.depth = largest_depth(model, model_at, planned, resolved, mesh, machine, host_bytes, make_tx,
@@ -412,8 +430,8 @@ def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,
         while True:  # packing wastes some of each chunk: grow until the count is within the cap
             larger = -(-larger // (64 * W)) * 64 * W
             if build_layout(model.param_shapes(), decay, larger, trainable=trainable,
-                            quant=quant_rule(config.base_quant, model.param_shapes(), trainable)
-                            ).n_chunks <= MAX_PLAN_CHUNKS:
+                            quant=quant_rule(config.base_quant, model.param_shapes(), trainable),
+                            group=functools.partial(chunk_group, model)).n_chunks <= MAX_PLAN_CHUNKS:
                 break
             larger = larger * 9 // 8
         sizes = layout.chunk_numels

@@ -30,7 +30,7 @@ from pstar_jax.engine.stages import bind
 from pstar_jax.model.freeze import frozen_names, parse_patterns, trainable as make_trainable
 from pstar_jax.model.lora import frozen_for_lora
 from pstar_jax.model.quant_bytes import quant_rule
-from pstar_jax.model.staged import StagedModel, decays, n_params
+from pstar_jax.model.staged import StagedModel, chunk_group, decays, n_params
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan
 from pstar_jax.plan.schedule import StepShape, lowest_trained_stage, scale_batch, working_moments
@@ -248,7 +248,8 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
             trains = trainable_for(deeper, cfg, lora, strict=False)
             layout = build_layout(deeper.param_shapes(), functools.partial(decays, deeper), sizes, trainable=trains,
                                   multiple=placement.n_devices,
-                                  quant=quant_rule(cfg.base_quant, deeper.param_shapes(), trains))
+                                  quant=quant_rule(cfg.base_quant, deeper.param_shapes(), trains),
+                                  group=functools.partial(chunk_group, deeper))
             bound = [bind(stage, layout, i) for i, stage in enumerate(deeper.stages(cfg.compute_dtype))]
             traced_at[n_layer] = trace_step(bound, planned.fns, placement, layout.numels, cfg.compute_dtype,
                                             *planned.batch_shape, optimizer.chunk_state_bytes(layout),
