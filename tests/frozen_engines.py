@@ -21,19 +21,20 @@ def mesh(W=1):
     return Mesh(np.array(jax.devices()[:W]), ("data",))
 
 
-def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4):
+def chunked(m, frozen, budget="tight", precision="fp32", micro_batches=1, W=1, batch=4, seq=64, optim=OPTIM,
+            chunk=CHUNK, init_params=None):
     """budget "tight": room beside the busiest moment's working memory for one chunk more than a
     stage reads, so chunks move every step (the tiny model's working memory dwarfs its chunks)."""
-    cfg = EngineConfig(chunk_numel=CHUNK, device_memory=None if budget == "tight" else budget, precision=precision,
+    cfg = EngineConfig(chunk_numel=chunk, device_memory=None if budget == "tight" else budget, precision=precision,
                        micro_batches=micro_batches)
-    engine = chunked_engine(m, cfg, default_tx(OPTIM), mesh(W), (batch, 64), H200, clip_norm=OPTIM.clip_norm,
-                            trainable=trainable(frozen))
+    engine = chunked_engine(m, cfg, default_tx(optim), mesh(W), (batch, seq), H200, clip_norm=optim.clip_norm,
+                            trainable=trainable(frozen), init_params=init_params)
     if budget != "tight":
         return engine
-    shape = engine.plan_for((batch, 64)).shape
+    shape = engine.plan_for((batch, seq)).shape
     reads = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks)
     budget = shape.busiest_non_model_bytes + 2 * reads + max(shape.chunk_bytes)
-    return chunked(m, frozen, budget, precision, micro_batches, W, batch)
+    return chunked(m, frozen, budget, precision, micro_batches, W, batch, seq, optim, chunk, init_params)
 
 
 def hf_lora_llama(tmp_path, d_ff, seq=64, rank=4):

@@ -250,12 +250,12 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
-        self.store.limit(moments[0].capacity_bytes)
-        self._stage(accesses[u].index for u in staging.get(-1, ()))
         pacer = Pacer()
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
                 self._act(moment, moment.capacity_bytes)
+            if t == 0:  # state sent down at the step's start: the plan counts it beside the first moment's chunks,
+                self._stage(accesses[u].index for u in staging.get(-1, ()))  # so after that moment's evictions
             with jax.profiler.TraceAnnotation(f"pstar {access.phase} {access.index}"):  # named in --profile traces
                 if access.phase == "adam":
                     pacer.mark(self._adam(access.index, clip))
