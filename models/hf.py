@@ -20,7 +20,7 @@ from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_models.llama_config import MOE_FAMILIES
 from pstar_models.hf_fields import HF_DEFAULTS, refuse_unless, require
-from pstar_models.hf_moe import EXPERT_KEYS, check_experts, expert_fields, experts, moe_tensor
+from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -183,7 +183,7 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         "head_dim": "head_dim", "rope_theta": "rope_theta (or rope_parameters)",
         "rope_scaling": "rope_scaling (or rope_parameters)",
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
-        "qkv_bias": "model_type", "qk_norm": "model_type", "n_experts": EXPERT_KEYS.get(family, "num_experts"),
+        "qkv_bias": "model_type", "qk_norm": "model_type", "n_experts": expert_key(config, family),
         "n_experts_per_tok": "num_experts_per_tok", "d_ff_expert": "moe_intermediate_size",
         "norm_topk_prob": "norm_topk_prob"})
 

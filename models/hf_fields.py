@@ -15,7 +15,8 @@ HF_DEFAULTS = {
     "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "num_key_value_heads": 4,
-                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
+                  "num_experts": 128, "num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False},  # (num_local_experts: 5.x's name for num_experts)
     "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
 }

@@ -13,6 +13,19 @@ from pstar_models.llama_config import MOE_FAMILIES, LlamaConfig
 EXPERT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}  # the experts' count per layer
 
 
+def expert_key(config: Mapping[str, Any], family: str) -> str:
+    """The key config.json counts a layer's experts under: transformers 4.x writes qwen3_moe's as
+    num_experts, 5.x as num_local_experts (Mixtral's name, which its Qwen3MoeConfig maps
+    num_experts to); either is read, and both given must agree."""
+    if family != "qwen3_moe" or "num_local_experts" not in config:
+        return EXPERT_KEYS.get(family, "num_experts")
+    if "num_experts" in config and config["num_experts"] != config["num_local_experts"]:
+        raise ValueError(f"config.json's num_experts={config['num_experts']!r} and num_local_experts="
+                         f"{config['num_local_experts']!r} disagree (transformers 4.x writes the first, 5.x the "
+                         "second); keep the one the weights have")
+    return "num_local_experts" if "num_experts" not in config else "num_experts"
+
+
 def experts(config: Mapping[str, Any], family: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a LlamaConfig (none for a dense family), refusing in one
     line what transformers would compute differently from our blocks."""
@@ -22,10 +35,11 @@ def experts(config: Mapping[str, Any], family: str) -> dict[str, Any]:
         raise ValueError("config.json's output_router_logits is true, so transformers would add the router's "
                          "load-balancing loss, which pstar_jax does not compute yet; set it to false (the "
                          "published checkpoints' value) to train on the language-model loss alone")
-    n_experts = count(config, EXPERT_KEYS[family], family)
+    key = expert_key(config, family)
+    n_experts = count(config, key, family)
     k = count(config, "num_experts_per_tok", family)
     if k > n_experts:
-        raise ValueError(f"config.json's num_experts_per_tok={k} exceeds {EXPERT_KEYS[family]}={n_experts}; "
+        raise ValueError(f"config.json's num_experts_per_tok={k} exceeds {key}={n_experts}; "
                          "a token cannot choose more experts than a layer has")
     if family == "mixtral":
         jitter = config.get("router_jitter_noise") or 0
@@ -60,7 +74,7 @@ def moe_tensor(family: str, rest: str) -> str | None:
 
 def check_experts(config: Mapping[str, Any], family: str, shapes: Mapping[str, Sequence[int]], agree: Any) -> None:
     """The expert count and width of config.json against layer 0's tensors."""
-    moe, key = ("mlp" if family == "qwen3_moe" else "block_sparse_moe"), EXPERT_KEYS[family]
+    moe, key = ("mlp" if family == "qwen3_moe" else "block_sparse_moe"), expert_key(config, family)
     n_experts = count(config, key, family)
     expert = re.compile(rf"^(?:model\.)?layers\.0\.{moe}\.experts\.(\d+)\.")
     found = {int(m.group(1)) for n in shapes if (m := expert.match(n))}

@@ -13,8 +13,8 @@ import pytest
 from pstar_models import build_from_hf, hf_config, hf_tensors
 from pstar_models.hf import check_hf_shapes
 from pstar_models.moe import grouped_swiglu, route
-from test_hf_models import (SEQ_LEN, test_export_loads_in_transformers_with_the_same_logits,
-                            test_hf_weights_give_hf_logits)
+import test_hf_models as hf_models  # (a module: its test functions imported by name would be collected here too)
+from test_hf_models import SEQ_LEN
 
 # 4 experts, 2 per token, head_dim 12 beside a width-32 model (Qwen3-MoE reads head_dim as given).
 QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=109, hidden_size=32, intermediate_size=56,
@@ -38,7 +38,7 @@ CHECKPOINTS = {
 @pytest.mark.hf_reference
 @pytest.mark.parametrize("config", CHECKPOINTS.values(), ids=CHECKPOINTS.keys())
 def test_moe_checkpoints_give_transformers_logits_and_loss(config):
-    test_hf_weights_give_hf_logits(config)
+    hf_models.test_hf_weights_give_hf_logits(config)
 
 
 @pytest.mark.hf_reference
@@ -46,7 +46,7 @@ def test_moe_checkpoints_give_transformers_logits_and_loss(config):
 def test_moe_exports_load_in_transformers_with_the_same_logits(name, tmp_path):
     source = CHECKPOINTS[name]
     config = build_from_hf(source, seq_len=SEQ_LEN).config
-    test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source)
+    hf_models.test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source)
 
 
 def test_grouped_experts_equal_a_dense_one_hot_reference_with_an_expert_left_out():
@@ -115,11 +115,22 @@ def test_moe_tensors_have_the_hub_names_and_configs_round_trip():
     ({**QWEN3_MOE, "num_experts": 0}, "num_experts is 0"),
     ({**MIXTRAL, "router_jitter_noise": 0.01}, "router_jitter_noise 0.01"),
     ({**MIXTRAL, "num_local_experts": 2.5}, "num_local_experts is 2.5"),
+    ({**QWEN3_MOE, "num_local_experts": 8}, "num_experts=4 and num_local_experts=8 disagree"),
 ])
 def test_moe_configs_transformers_would_train_differently_are_one_line(config, match):
     with pytest.raises(ValueError, match=match) as err:
         build_from_hf(config, seq_len=SEQ_LEN)
     assert "\n" not in str(err.value)
+
+
+def test_qwen3_moe_expert_count_is_read_under_either_transformers_name():
+    """transformers 5.x writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts."""
+    v5 = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert build_from_hf(v5, seq_len=SEQ_LEN).config == build_from_hf(QWEN3_MOE, seq_len=SEQ_LEN).config
+    assert build_from_hf({**QWEN3_MOE, "num_local_experts": 4}, seq_len=SEQ_LEN).config.n_experts == 4
+    with pytest.raises(ValueError, match="num_local_experts=4 disagrees with the weights, whose layer 0 holds 8"):
+        check_hf_shapes(v5, {f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight": (20, 32)
+                             for i in range(2) for e in range(8)})
 
 
 def test_an_expert_count_the_tensors_contradict_is_one_line():
@@ -275,3 +286,29 @@ def test_a_quantized_base_with_experts_is_one_line_before_anything_is_built(tool
     assert "blocks.0.mlp.experts." in err[0] and "drop --base-quant" in err[0]
     run = tmp_path / "run"
     assert not run.exists() or [p.name for p in run.iterdir()] == [".pstar-run.lock"]  # no checkpoint begun
+
+
+def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_path, capsys):
+    """pstar-train --lora-rank on a Mixtral checkpoint: the adapter (attention's projections, the
+    experts frozen) and the merged model are written; both once ended in a KeyError."""
+    from safetensors.numpy import load_file
+    from pstar_jax.cli.train import main as train_main
+    from test_hf import write_family_checkpoint
+    src = tmp_path / "mixtral"
+    source = write_family_checkpoint(str(src), build_from_hf(MIXTRAL, seq_len=SEQ_LEN))
+    np.random.default_rng(0).integers(0, 107, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "2",
+                       "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
+                       "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
+                       "--export-dtype", "fp32"])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".self_attn." in k for k in adapter)
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(merged) == set(source)
+    expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    np.testing.assert_array_equal(merged[expert], source[expert])  # frozen: the source's own values
+    assert not np.array_equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                              source["model.layers.0.self_attn.q_proj.weight"])

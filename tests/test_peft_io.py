@@ -21,6 +21,7 @@ from pstar_jax.io.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, 
                                write_adapter)
 from pstar_models import build_from_hf, hf_tensors
 from test_hf_models import CHECKPOINTS, SEQ_LEN, hf_logits, hf_reference, module_of, tokens_BxL
+from test_moe import MIXTRAL, QWEN3_MOE
 
 EPS32 = float(np.finfo(np.float32).eps)
 # family, HF config, LoRA settings: all projections or some (GPT-2's attention c_proj alone, which
@@ -37,6 +38,11 @@ CASES = {
                     tuple(f"blocks.{i}.attn.{x}_norm" for i in range(2) for x in "qk")),
     "qwen3_untied_head": ("qwen3", CHECKPOINTS["qwen3_untied"], dict(rank=2, alpha=3.0, rslora=True,
                                                                      targets=("mlp.*", "attn.o")), ("head",)),
+    # Mixtures of experts: LoRA on attention's projections (the experts and router stay frozen).
+    "qwen3_moe": ("qwen3_moe", QWEN3_MOE, dict(rank=4, alpha=8.0, rslora=False, targets=PROJECTIONS["qwen3_moe"]),
+                  ()),
+    "mixtral_head": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=True, targets=("attn.q", "attn.v")),
+                     ("head",)),
     "gpt2": ("gpt2", CHECKPOINTS["gpt2"], dict(rank=4, alpha=4.0, rslora=False,
                                                targets=("attn.qkv", "attn.proj", "mlp.fc")), ()),
     "gpt2_all": ("gpt2", CHECKPOINTS["gpt2_untied"], dict(rank=2, alpha=6.0, rslora=False,

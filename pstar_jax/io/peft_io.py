@@ -38,13 +38,14 @@ from pstar_models.hf import SUPPORTED, hf_tensor
 PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora.lora_a", ".lora.lora_b"
 _PEFT_A, _PEFT_B = ".lora_A.weight", ".lora_B.weight"
-_EMBEDDING = {"gpt2": "wte.embedding", "llama": "embed.embedding", "qwen2": "embed.embedding",
-              "mistral": "embed.embedding", "qwen3": "embed.embedding"}
+_EMBEDDING = {"gpt2": "wte.embedding", **{family: "embed.embedding" for family in SUPPORTED if family != "gpt2"}}
 _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding the head is tied to
 # The projections LoRA may wrap, by family (block-relative module paths, in the models' order).
-_LLAMA = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+_ATTENTION = ("attn.q", "attn.k", "attn.v", "attn.o")
+_LLAMA = (*_ATTENTION, "mlp.gate", "mlp.up", "mlp.down")
+# A mixture of experts' blocks offer attention's projections (models/llama_config.projections).
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
-               "mistral": _LLAMA, "qwen3": _LLAMA}
+               "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _ATTENTION, "mixtral": _ATTENTION}
 
 
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
