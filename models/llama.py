@@ -379,6 +379,11 @@ class StagedLlama(NNXStaged):
         router stays with attention's tensors); "" for every other tensor."""
         return "experts" if ".mlp.experts." in name else ""
 
+    def flop_share(self, name: str) -> float:
+        """The share of tokens whose FLOPs a tensor takes part in: k/E for an expert's weights, else 1."""
+        c = self.config
+        return c.n_experts_per_tok / c.n_experts if self.chunk_group(name) == "experts" else 1.0
+
     def flops_per_token(self) -> float:
         """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
         (all but the embedding table, unless it doubles as the tied head, and but the experts it

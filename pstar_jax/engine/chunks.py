@@ -342,7 +342,7 @@ def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str
                       multiple: int = 1, align: int = 64, max_candidates: int = 512,
                       trainable: Callable[[str], bool] | None = None,
                       quant: Callable[[str], str] | None = None,
-                      group: Callable[[str], str] | None = None) -> dict[str, int]:
+                      group: Callable[[str], str] | None = None, max_chunks: int | None = None) -> dict[str, int]:
     """Per kind present ("trainable", "frozen", a quantization), the chunk size whose layout of that kind's tensors
     wastes the fewest elements (build_layout with these sizes).
 
@@ -355,7 +355,11 @@ def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str
     the sizes of layouts before kinds had sizes of their own). With both kinds it is the kind's
     largest tensor whose shape occurs at least twice (a block's), else its largest: a larger
     singleton, such as an embedding or a head, gets a chunk of its own instead of setting the
-    size of all the others."""
+    size of all the others.
+
+    ``max_chunks``: where the kinds' least-waste sizes give more chunks in all, the kind with the
+    most chunks searches again from the size that brings the total within it (a mixture of
+    experts' thousands of small expert kernels, say), and so on while the total is over."""
     kind_of, stored = tensor_kinds(shapes, trainable, quant)
     by_kind: dict[str, dict[str, Sequence[int]]] = {}
     for name, shape in shapes.items():
@@ -369,6 +373,20 @@ def auto_chunk_numels(shapes: Mapping[str, Sequence[int]], decays: Callable[[str
         repeated = [stored[n] for n, s in mine.items() if seen[tuple(s)] > 1]
         low = max(repeated) if len(by_kind) > 1 and repeated else max(stored[n] for n in mine)
         out[kind] = _least_waste(mine, decays, low, kind, multiple, align, max_candidates, group)
+    if max_chunks is None:
+        return out
+
+    def count(kind: str) -> int:
+        return build_layout(by_kind[kind], decays, {kind: out[kind]}, align, trainable, multiple, quant, group).n_chunks
+    counts = {kind: count(kind) for kind in out}
+    for kind in sorted(out, key=counts.get, reverse=True):
+        if sum(counts.values()) <= max_chunks:
+            break
+        room = max(1, max_chunks - (sum(counts.values()) - counts[kind]))
+        low = -(-sum(stored[n] for n in by_kind[kind]) // room)
+        out[kind] = _least_waste(by_kind[kind], decays, max(low, out[kind]), kind, multiple, align, max_candidates,
+                                 group)
+        counts[kind] = count(kind)
     return out
 
 

@@ -93,15 +93,18 @@ def flops_per_token(model: StagedModel, frozen: Collection[str] = ()) -> float:
 
     A ``frozen`` tensor needs no weight gradient: 4 FLOPs per parameter (forward 2, input
     gradient 2), so 2 per parameter less for every frozen tensor a later stage reads (a tensor
-    only the first stage reads is a lookup, which no count includes). A LoRA adapter trains:
-    its 6 cover its forward, its weight gradient and the input gradient through it."""
+    only the first stage reads is a lookup, which no count includes), times the share of tokens
+    that meet it (the model's ``flop_share(name)``, else 1: a mixture of experts' expert sees k/E
+    of them). A LoRA adapter trains: its 6 cover its forward, its weight gradient and the input
+    gradient through it."""
     if hasattr(model, "flops_per_token") and not frozen:
         return float(model.flops_per_token())
     shapes = model.param_shapes()
     later = {n for s in list(model.stages(jnp.float32))[1:] for n in s.param_names}
     total = float(model.flops_per_token()) if hasattr(model, "flops_per_token") else \
         6.0 * sum(math.prod(shapes[n]) for n in later)
-    return total - 2.0 * sum(math.prod(shapes[n]) for n in later & set(frozen))
+    share = getattr(model, "flop_share", lambda name: 1.0)
+    return total - 2.0 * sum(share(n) * math.prod(shapes[n]) for n in later & set(frozen))
 
 
 def init_params(model: StagedModel, seed: int) -> dict[str, jax.Array]:

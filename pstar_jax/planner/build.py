@@ -208,6 +208,12 @@ def default_mesh(data_parallel: int | None = None) -> Mesh:
     return data_mesh(data_parallel)
 
 
+# Automatic chunk sizes keep a model to about this many chunks: planning time grows with the count
+# (pstar-plan refuses past planner/report.MAX_PLAN_CHUNKS, twice this), and the least-waste sizes of
+# a mixture of experts' small expert kernels gave Qwen3-30B-A3B's frozen base 2,732 chunks.
+AUTO_MAX_CHUNKS = 1024
+
+
 def chunk_sizes(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
                 trainable: Callable[[str], bool] | None = None) -> int | dict[str, int]:
     """The chunk sizes a layout of ``model`` gets: ``EngineConfig.chunk_numel`` for every kind
@@ -218,7 +224,7 @@ def chunk_sizes(cfg: EngineConfig, model: StagedModel, mesh: Mesh,
     if cfg.chunk_numel is not None:
         return -(-cfg.chunk_numel // W) * W
     return auto_chunk_numels(model.param_shapes(), functools.partial(decays, model), multiple=W, trainable=trainable,
-                             quant=quant, group=functools.partial(chunk_group, model))
+                             quant=quant, group=functools.partial(chunk_group, model), max_chunks=AUTO_MAX_CHUNKS)
 
 
 def layout_for(model: StagedModel, cfg: EngineConfig, mesh: Mesh, trainable: Callable[[str], bool] | None = None,
