@@ -312,3 +312,20 @@ def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_pa
     np.testing.assert_array_equal(merged[expert], source[expert])  # frozen: the source's own values
     assert not np.array_equal(merged["model.layers.0.self_attn.q_proj.weight"],
                               source["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("n_tokens,k,n_experts", [(1024, 2, 8), (2048, 8, 128)])
+def test_grouped_experts_compile_to_about_the_routed_pairs_flops(n_tokens, k, n_experts):
+    """What XLA compiles (the trace's count, pstar_jax.model.flops) is at most 1.5x the routed
+    pairs' own matmul FLOPs plus the tiles' rounding, never the E/k times of a dense expansion
+    (jax.lax.ragged_dot's on the CPU)."""
+    from pstar_jax.model.flops import call_flops
+    D, I = 64, 32
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (n_tokens, D))
+    gate, up = jax.random.normal(keys[1], (n_experts, D, I)), jax.random.normal(keys[2], (n_experts, D, I))
+    down = jax.random.normal(keys[3], (n_experts, I, D))
+    _, chosen = route(jax.random.normal(keys[4], (n_tokens, n_experts)), k, True, x.dtype)
+    _, flops = call_flops(jax.jit(lambda *a: grouped_swiglu(x, chosen, *a)), gate, up, down)
+    pairs = 3 * 2 * n_tokens * k * D * I
+    assert pairs <= flops <= 1.6 * pairs
