@@ -329,3 +329,23 @@ def test_grouped_experts_compile_to_about_the_routed_pairs_flops(n_tokens, k, n_
     _, flops = call_flops(jax.jit(lambda *a: grouped_swiglu(x, chosen, *a)), gate, up, down)
     pairs = 3 * 2 * n_tokens * k * D * I
     assert pairs <= flops <= 1.6 * pairs
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
+def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does():
+    """Routing is per token, so each device routes its own rows: the sharded step equals one
+    device's (fp32, two micro-batches, chunks moving)."""
+    from frozen_engines import chunked
+    from pstar_jax.config import OptimConfig
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=4, weight_decay=0.1, clip_norm=1.0)
+    model = build_from_hf(MIXTRAL, seq_len=8)
+    one, eight = (chunked(model, frozenset(), batch=8, seq=8, optim=optim, chunk=None, micro_batches=2, W=W)
+                  for W in (1, 8))
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        seq = rng.integers(0, MIXTRAL["vocab_size"], (2, 8, 9)).astype(np.int32)
+        batches = [(s[:, :-1], s[:, 1:]) for s in seq]
+        a, b = one.step(batches), eight.step(batches)
+        np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5)
+    for name, value in one.params().items():
+        np.testing.assert_allclose(eight.params()[name], value, rtol=0, atol=1e-5, err_msg=name)
