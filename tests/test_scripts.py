@@ -144,6 +144,16 @@ def test_bench_long_seq_ops_prints_one_row_per_length():
     assert len(rows) == 2 and all(len(row) == 9 for row in rows), r.stdout
 
 
+def test_bench_moe_prints_the_three_ways_for_each_expert_count():
+    r = script("bench_moe.py", "--tokens", "128", "--experts", "4,8", "--d-model", "32", "--width", "16",
+               "--repeats", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["4"], ["8"])]
+    assert len(rows) == 6 and all(float(row[-3]) >= 1.0 for row in rows), r.stdout
+    tiled = [float(row[-3]) for row in rows if "tiled" in row]
+    assert len(tiled) == 2 and max(tiled) < 1.7  # the models' grouped matmul stays near the pairs' FLOPs
+
+
 def test_bench_compare_says_the_largest_size_tried_bounds_the_ratio(tmp_path, capsys):
     """When pstar trains even the largest size tried, its ratio to the best baseline is a lower
     bound: the table, the printout and the plot say so; the plots are written from the points."""
