@@ -143,19 +143,21 @@ class PlanReport:
         return {kind: n * round(sum(shape.bytes_per_element(first[kind])))
                 for kind, n in self.planned.layout.waste_numels().items()}
 
-    def group_bytes(self, group: str) -> int:
-        """The model data (params and their optimizer state) in ``group``'s chunks, padding included."""
+    def _chunk_data_bytes(self, chunks) -> int:
+        """The model data (params and their optimizer state) in ``chunks``, padding included."""
         shape, numels = self.planned.shape, self.planned.layout.numels
-        return sum(round(sum(shape.bytes_per_element(c)) * numels[c]) for c in self.groups[group])
+        return sum(round(sum(shape.bytes_per_element(c)) * numels[c]) for c in chunks)
+
+    def group_bytes(self, group: str) -> int:
+        """The model data in ``group``'s chunks."""
+        return self._chunk_data_bytes(self.groups[group])
 
     def _groups_lines(self) -> list[str]:
         """A line per chunk group (a mixture of experts' "experts"): its chunks and share of model data."""
-        total = sum(self.group_bytes(g) for g in self.groups) + sum(
-            round(sum(self.planned.shape.bytes_per_element(c)) * n) for c, n in enumerate(self.planned.layout.numels)
-            if not any(c in chunks for chunks in self.groups.values()))
-        return [f"{group}: {len(chunks)} chunks of their own, {format_bytes(self.group_bytes(group))} of model data "
-                f"({100 * self.group_bytes(group) / total:.1f}%); a stage fetches them once per pass, whichever "
-                "experts its tokens choose" for group, chunks in self.groups.items()]
+        total = self._chunk_data_bytes(range(self.planned.layout.n_chunks))
+        return [f"{group}: {len(chunks)} chunks of their own, {format_bytes(mine)} of model data "
+                f"({100 * mine / total:.1f}%); a stage fetches them once per pass, whichever experts its tokens choose"
+                for group, chunks in self.groups.items() for mine in [self.group_bytes(group)]]
 
     def _own_tensors(self) -> list[str]:
         layout = self.planned.layout
