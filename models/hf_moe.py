@@ -52,8 +52,11 @@ def experts(config: Mapping[str, Any], family: str) -> dict[str, Any]:
                              "qwen3_moe blocks all hold experts)")
     refuse_unless(step == 1, f"decoder_sparse_step {step} (experts in every {step}th layer only; pstar_jax's "
                               "qwen3_moe blocks all hold experts)")
+    normalise = config.get("norm_topk_prob", HF_DEFAULTS[family]["norm_topk_prob"])
+    if not isinstance(normalise, bool):
+        raise ValueError(f"config.json's norm_topk_prob is {normalise!r}; it must be true or false")
     return dict(n_experts=n_experts, n_experts_per_tok=k, d_ff_expert=count(config, "moe_intermediate_size", family),
-                norm_topk_prob=bool(config.get("norm_topk_prob", HF_DEFAULTS[family]["norm_topk_prob"])))
+                norm_topk_prob=normalise)
 
 
 # A mixture of experts' tensors (models/moe.py): ours -> (qwen3_moe's, mixtral's) name in the layer.

@@ -116,6 +116,7 @@ def test_moe_tensors_have_the_hub_names_and_configs_round_trip():
     ({**MIXTRAL, "router_jitter_noise": 0.01}, "router_jitter_noise 0.01"),
     ({**MIXTRAL, "num_local_experts": 2.5}, "num_local_experts is 2.5"),
     ({**QWEN3_MOE, "num_local_experts": 8}, "num_experts=4 and num_local_experts=8 disagree"),
+    ({**QWEN3_MOE, "norm_topk_prob": "yes"}, "norm_topk_prob is 'yes'; it must be true or false"),
 ])
 def test_moe_configs_transformers_would_train_differently_are_one_line(config, match):
     with pytest.raises(ValueError, match=match) as err:
