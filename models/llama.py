@@ -386,12 +386,12 @@ class StagedLlama(NNXStaged):
 
     def flops_per_token(self) -> float:
         """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
-        (all but the embedding table, unless it doubles as the tied head, and but the experts it
-        was not routed to); the second term is attention's two L x L matmuls, halved for the
+        (all but the embedding table, unless it doubles as the tied head, and but the experts, with
+        their adapters, it was not routed to); the second term is attention's two L x L matmuls, halved for the
         causal mask."""
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
-        idle = c.n_layer * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
+        idle = sum(math.prod(shape) * (1.0 - self.flop_share(name)) for name, shape in self.param_shapes().items())
         return 6.0 * (self.n_params() - lookup - idle) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
 
 

@@ -107,6 +107,11 @@ class LlamaConfig:
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
         check_spec(self.lora, projections(self), self.family)
+        for m in ("gate", "up", "down") if self.lora is not None and self.n_experts else ():
+            adapted = sum(self.lora.targets_path(f"mlp.experts.{e}.{m}") for e in range(self.n_experts))
+            if 0 < adapted < self.n_experts:
+                raise ValueError(f"LoRA targets adapt {adapted} of the {self.n_experts} experts' {m} matrices; "
+                                 f"adapt all of them (mlp.experts.*.{m}) or none")
 
     @property
     def d_head(self) -> int:
@@ -120,11 +125,14 @@ class LlamaConfig:
 
 def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
     """Every projection of a block that LoRA may target: path -> (in, out) features. A mixture of
-    experts' router and experts are not targets (yet): its blocks offer attention's projections."""
+    experts offers every expert's three matrices (``mlp.experts.{e}.gate``); its router is no
+    target (an adapter there would move the routing, and peft users leave it out)."""
     D, F, HK, NK = config.d_model, config.d_ff, config.n_head * config.d_head, config.n_kv_head * config.d_head
     attention = {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D)}
     if config.n_experts:
-        return attention
+        I = config.expert_width
+        return {**attention, **{f"mlp.experts.{e}.{m}": shape for e in range(config.n_experts)
+                                for m, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}}
     return {**attention, "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
 
 

@@ -122,9 +122,10 @@ def position_seeds(dropout_seed_B: jax.Array, length: int) -> jax.Array:
     return mix_seeds(seed_BxL, jnp.broadcast_to(jnp.arange(length, dtype=jnp.uint32)[None], seed_BxL.shape))
 
 
-def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int, rate: float) -> jax.Array:
+def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int | jax.Array, rate: float) -> jax.Array:
     """Inverted dropout of x (kept values scaled by 1 / (1 - rate), as torch's), each position's
-    mask drawn by jax.random from its seed mixed with ``salt`` (the projection's)."""
+    mask drawn by jax.random from its seed mixed with ``salt`` (the projection's; [B, T] where the
+    positions belong to different projections, as a mixture of experts' sorted pairs do)."""
     B, T, D = x_BxTxD.shape
     seeds = mix_seeds(seeds_BxT, jnp.full(seeds_BxT.shape, salt, jnp.uint32)).reshape(-1)
     keep = jax.vmap(lambda s: jax.random.bernoulli(jax.random.key(s), 1.0 - rate, (D,)))(seeds).reshape(B, T, D)

@@ -38,7 +38,10 @@ from flax import nnx
 
 from pstar_models.gpt import _linear, tiled_mlp
 from pstar_models.llama_config import LlamaConfig
+from pstar_models.lora import LoraLinear, LoraSpec, dropout
 from pstar_jax.model.tiling import TileBudget
+
+MATRICES = ("gate", "up", "down")
 
 
 def route(logits_NxE: jax.Array, k: int, normalise: bool, dtype: jax.typing.DTypeLike) -> tuple[jax.Array, jax.Array]:
@@ -93,27 +96,61 @@ def grouped_matmul(xs_PxD: jax.Array, w_ExDxI: jax.Array, tiles: Tiles) -> jax.A
     return y_TxRxI.reshape(tiles.n_tiles * tiles.rows, -1)[tiles.dest]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertAdapters:
+    """One matrix's LoRA adapters over all experts, stacked: a_ExDxR, b_ExRxI, peft's scale, the
+    dropout rate and each expert's salt (its projection path's, as LoraLinear draws it)."""
+    a_ExDxR: jax.Array
+    b_ExRxI: jax.Array
+    scale: float
+    rate: float
+    salts_E: jax.Array
+
+
+def _adapted(xs_PxD: jax.Array, y_PxI: jax.Array, adapters: ExpertAdapters | None, tiles: Tiles,
+             expert_P: jax.Array, seeds_P: jax.Array | None) -> jax.Array:
+    """``y`` plus each pair's expert's adapter branch, as LoraLinear adds it: scale * (dropout(x) @
+    a) @ b in the operands' promoted dtype (nnx.LoRA's), cast to y's; the two matmuls grouped too."""
+    if adapters is None:
+        return y_PxI
+    if seeds_P is not None and adapters.rate > 0:  # the masks the expert's own LoraLinear draws for the token
+        xs_PxD = dropout(xs_PxD[None], seeds_P[None], adapters.salts_E[expert_P][None], adapters.rate)[0]
+    dtype = jnp.result_type(xs_PxD, adapters.a_ExDxR, adapters.b_ExRxI)
+    low_PxR = grouped_matmul(xs_PxD.astype(dtype), adapters.a_ExDxR.astype(dtype), tiles)
+    return y_PxI + (adapters.scale * grouped_matmul(low_PxR, adapters.b_ExRxI.astype(dtype), tiles)).astype(y_PxI.dtype)
+
+
 def grouped_swiglu(x_NxD: jax.Array, experts_NxK: jax.Array, gate_ExDxI: jax.Array, up_ExDxI: jax.Array,
-                   down_ExIxD: jax.Array) -> jax.Array:
-    """Each (token, choice) pair through its expert's SwiGLU: [N, k, D], in the choices' order."""
+                   down_ExIxD: jax.Array, adapters: dict[str, ExpertAdapters] | None = None,
+                   seeds_N: jax.Array | None = None) -> jax.Array:
+    """Each (token, choice) pair through its expert's SwiGLU: [N, k, D], in the choices' order.
+    ``adapters`` (by matrix name) add LoRA branches; ``seeds_N`` (each token's dropout seed) draws
+    their dropout masks, per pair and expert."""
     N, k = experts_NxK.shape
     E = gate_ExDxI.shape[0]
+    adapters = adapters or {}
     flat = experts_NxK.reshape(N * k)
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert, tokens in order inside
     tiles = tiles_for(jnp.bincount(flat, length=E), N * k)
+    expert_P = flat[order]
+    seeds_P = None if seeds_N is None else seeds_N[order // k]
     xs = x_NxD[order // k]
-    h = jax.nn.silu(grouped_matmul(xs, gate_ExDxI, tiles)) * grouped_matmul(xs, up_ExDxI, tiles)
-    ys = grouped_matmul(h, down_ExIxD, tiles)
+
+    def matmul(x_PxD: jax.Array, w: jax.Array, name: str) -> jax.Array:
+        return _adapted(x_PxD, grouped_matmul(x_PxD, w, tiles), adapters.get(name), tiles, expert_P, seeds_P)
+    h = jax.nn.silu(matmul(xs, gate_ExDxI, "gate")) * matmul(xs, up_ExDxI, "up")
+    ys = matmul(h, down_ExIxD, "down")
     return ys[jnp.argsort(order)].reshape(N, k, -1)
 
 
 class Expert(nnx.Module):
     """One SwiGLU expert's weights (its forward is the grouped one of ``SparseMoE``)."""
 
-    def __init__(self, d_model: int, width: int, down_std: float, *, rngs: nnx.Rngs):
-        self.gate = _linear(d_model, width, rngs, bias=False)
-        self.up = _linear(d_model, width, rngs, bias=False)
-        self.down = _linear(width, d_model, rngs, down_std, bias=False)
+    def __init__(self, d_model: int, width: int, down_std: float, *, rngs: nnx.Rngs, lora: LoraSpec | None = None,
+                 path: str = ""):
+        self.gate = _linear(d_model, width, rngs, bias=False, lora=lora, path=f"{path}.gate")
+        self.up = _linear(d_model, width, rngs, bias=False, lora=lora, path=f"{path}.up")
+        self.down = _linear(width, d_model, rngs, down_std, bias=False, lora=lora, path=f"{path}.down")
 
 
 class SparseMoE(nnx.Module):
@@ -123,20 +160,32 @@ class SparseMoE(nnx.Module):
     def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.n_experts_per_tok, self.normalise, self.tiling = config.n_experts_per_tok, config.norm_topk_prob, tiling
         self.router = _linear(config.d_model, config.n_experts, rngs, bias=False)
-        self.experts = nnx.List([Expert(config.d_model, config.expert_width, down_std, rngs=rngs)
-                                 for _ in range(config.n_experts)])
+        self.experts = nnx.List([Expert(config.d_model, config.expert_width, down_std, rngs=rngs, lora=config.lora,
+                                        path=f"mlp.experts.{e}") for e in range(config.n_experts)])
         # The hidden activations per token, for sizing the block's tiles: k experts' widths.
         self.d_ff = config.n_experts_per_tok * config.expert_width
 
     def stacked(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The experts' gate, up and down kernels as [E, D, I], [E, D, I], [E, I, D]."""
-        return tuple(jnp.stack([getattr(e, m).kernel[...] for e in self.experts]) for m in ("gate", "up", "down"))
+        return tuple(jnp.stack([getattr(e, m).kernel[...] for e in self.experts]) for m in MATRICES)
+
+    def adapters(self) -> dict[str, ExpertAdapters]:
+        """The experts' LoRA adapters by matrix (LlamaConfig allows all experts of a matrix or none)."""
+        out = {}
+        for m in MATRICES:
+            layers = [getattr(e, m) for e in self.experts]
+            if isinstance(layers[0], LoraLinear):
+                out[m] = ExpertAdapters(jnp.stack([l.lora.lora_a[...] for l in layers]),
+                                        jnp.stack([l.lora.lora_b[...] for l in layers]), layers[0].lora_scale,
+                                        layers[0].lora_dropout, jnp.asarray([l.lora_salt for l in layers], jnp.uint32))
+        return out
 
     def plain(self, x_BxTxD: jax.Array, dropout_seeds_BxT: jax.Array | None = None) -> jax.Array:
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D)
         weights_NxK, experts_NxK = route(self.router(x_NxD), self.n_experts_per_tok, self.normalise, x_NxD.dtype)
-        y_NxKxD = grouped_swiglu(x_NxD, experts_NxK, *self.stacked())
+        seeds_N = None if dropout_seeds_BxT is None else dropout_seeds_BxT.reshape(B * T)
+        y_NxKxD = grouped_swiglu(x_NxD, experts_NxK, *self.stacked(), self.adapters(), seeds_N)
         return jnp.sum(y_NxKxD * weights_NxK[..., None], axis=1).reshape(B, T, D)
 
     def __call__(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:

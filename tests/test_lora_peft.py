@@ -19,6 +19,7 @@ from pstar_jax.model.staged import compose_loss
 from pstar_models import build_from_hf, hf_tensors
 from pstar_models.lora import LoraSpec
 from test_hf_models import CHECKPOINTS, SEQ_LEN, hf_reference, to_pstar, tokens_BxL
+from test_moe import MIXTRAL, QWEN3_MOE
 
 EPS32 = float(np.finfo(np.float32).eps)
 # checkpoint, LoRA settings, base modules trained in full (our names; peft's modules_to_save suffixes)
@@ -27,6 +28,9 @@ CASES = {
     "qwen3_norms": ("qwen3_tied", dict(rank=4, alpha=8.0), {"blocks.*.attn.q_norm": "q_norm",
                                                            "blocks.*.attn.k_norm": "k_norm"}),
     "qwen3_rslora_head": ("qwen3_untied", dict(rank=3, alpha=5.0, rslora=True), {"head": "lm_head"}),
+    # every expert's three matrices beside attention's projections (routing picks which train)
+    "qwen3_moe": (QWEN3_MOE, dict(rank=4, alpha=8.0), {}),
+    "mixtral": (MIXTRAL, dict(rank=2, alpha=4.0, rslora=True), {}),
 }
 
 
@@ -72,13 +76,20 @@ def fp32_drift(fp32, fp64):
     return max(float(np.abs(np.asarray(fp32[n], np.float64) - fp64[n]).max() / np.abs(fp64[n]).max()) for n in fp64)
 
 
+# Our fp32 gradients' own spread from run to run, relative to a tensor's largest entry: up to 234
+# eps measured on the llama case (a gradient sums B*L*D products much larger than itself, and XLA's
+# CPU matmuls split those sums over threads differently from run to run), as is torch's drift (its
+# 77 to 128 eps varied from run to run too). A wrong gradient is off by the entries' own size.
+OWN_SPREAD = 512 * EPS32
+
+
 def assert_within(ours, fp64, drift, what):
-    """``ours`` (fp32) within twice torch's fp32 drift (16 eps at least) of the float64 reference,
-    at the values' scale."""
+    """``ours`` (fp32) within twice torch's fp32 drift (OWN_SPREAD at least) of the float64
+    reference, at the values' scale."""
     ours, fp64 = np.asarray(ours, np.float64), np.asarray(fp64, np.float64)
     scale = float(np.abs(fp64).max())
     assert scale > 0, f"{what} has no gradient"
-    np.testing.assert_allclose(ours, fp64, rtol=0, atol=max(2 * drift, 16 * EPS32) * scale, err_msg=what)
+    np.testing.assert_allclose(ours, fp64, rtol=0, atol=max(2 * drift, OWN_SPREAD) * scale, err_msg=what)
 
 
 @pytest.mark.hf_reference
@@ -87,8 +98,14 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     checkpoint, settings, saved = case
-    config = CHECKPOINTS[checkpoint]
+    config = CHECKPOINTS[checkpoint] if isinstance(checkpoint, str) else checkpoint
     model = build_from_hf(config, seq_len=SEQ_LEN, lora=LoraSpec(**settings))
+    if model.config.n_experts:
+        import transformers
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            pytest.skip("transformers 5.x fuses the experts into 3-D tensors whose peft adapters are named apart "
+                        "from ours; on 5.x tests/test_peft_io.py checks that peft loads our expert adapters")
+        torch.manual_seed(0)  # a routing near-tie would flip between fp32 and fp64: seeded weights without one
     hf_model = hf_reference(config)
     base = to_pstar(model, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()})
     trained = set(model.param_shapes()) - frozen_for_lora(
@@ -97,7 +114,7 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     assert set(values) == trained
 
     projections = PROJECTIONS[model.config.family]
-    targets = sorted({hf_tensors(model)[f"blocks.0.{p}.kernel"].name.split(".")[-2] for p in projections})
+    targets = sorted({hf_tensors(model)[f"blocks.0.{p.replace('*', '0')}.kernel"].name.split(".")[-2] for p in projections})
     lora_config = peft.LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"],
                                   use_rslora=settings.get("rslora", False), target_modules=targets,
                                   modules_to_save=list(saved.values()) or None, lora_dropout=0.0,

@@ -3,6 +3,7 @@ logits for the same weights (fp32), our exports load in transformers unchanged, 
 matmul equals a dense one-hot reference, the experts land in chunks of their own, and configs
 transformers would train differently are refused in one line."""
 
+import dataclasses
 import json
 
 import jax
@@ -15,6 +16,8 @@ from pstar_models.hf import check_hf_shapes
 from pstar_models.moe import grouped_swiglu, route
 import test_hf_models as hf_models  # (a module: its test functions imported by name would be collected here too)
 from test_hf_models import SEQ_LEN
+
+EPS32 = float(np.finfo(np.float32).eps)
 
 # 4 experts, 2 per token, head_dim 12 beside a width-32 model (Qwen3-MoE reads head_dim as given).
 QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=109, hidden_size=32, intermediate_size=56,
@@ -290,8 +293,9 @@ def test_a_quantized_base_with_experts_is_one_line_before_anything_is_built(tool
 
 
 def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_path, capsys):
-    """pstar-train --lora-rank on a Mixtral checkpoint: the adapter (attention's projections, the
-    experts frozen) and the merged model are written; both once ended in a KeyError."""
+    """pstar-train --lora-rank on a Mixtral checkpoint: the adapter (every projection, each expert's
+    three matrices included; the router frozen) and the merged model are written (both once ended
+    in a KeyError); the experts' adapters trained and merged, the router kept as it was."""
     from safetensors.numpy import load_file
     from pstar_jax.cli.train import main as train_main
     from test_hf import write_family_checkpoint
@@ -304,15 +308,17 @@ def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_pa
                        "--export-dtype", "fp32"])
     assert code == 0, capsys.readouterr().err
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert adapter and all(".self_attn." in k for k in adapter)
+    n_experts, n_layer = MIXTRAL["num_local_experts"], MIXTRAL["num_hidden_layers"]
+    assert len(adapter) == 2 * n_layer * (4 + 3 * n_experts)
+    assert not any(".gate." in k for k in adapter)  # the router
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert set(merged) == set(source)
-    expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
-    np.testing.assert_array_equal(merged[expert], source[expert])  # frozen: the source's own values
-    assert not np.array_equal(merged["model.layers.0.self_attn.q_proj.weight"],
-                              source["model.layers.0.self_attn.q_proj.weight"])
+    router = "model.layers.1.block_sparse_moe.gate.weight"
+    np.testing.assert_array_equal(merged[router], source[router])  # frozen: the source's own values
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.block_sparse_moe.experts.2.w3.weight"):
+        assert not np.array_equal(merged[name], source[name]), name
 
 
 @pytest.mark.parametrize("n_tokens,k,n_experts", [(1024, 2, 8), (2048, 8, 128)])
@@ -350,3 +356,41 @@ def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does():
         np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5)
     for name, value in one.params().items():
         np.testing.assert_allclose(eight.params()[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.4])
+def test_expert_adapters_add_what_each_experts_own_lora_linear_adds(rate):
+    """LoRA on every expert's three matrices: the grouped branch equals, token by token, the routed
+    experts' own LoraLinear SwiGLU (dropout masks included, drawn from the token's seed and the
+    projection's path), weighted as the router says; with lora_b zero it adds exactly nothing."""
+    from flax import nnx
+    from pstar_models.llama_config import LlamaConfig
+    from pstar_models.lora import LoraSpec, project
+    from pstar_models.moe import SparseMoE
+    from pstar_jax.model.tiling import TileBudget
+    config = LlamaConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2, n_kv_head=1, d_ff=8, seq_len=8,
+                         family="mixtral", n_experts=4, n_experts_per_tok=2,
+                         lora=LoraSpec(rank=3, alpha=6.0, dropout=rate))
+    moe = SparseMoE(config, 0.02, rngs=nnx.Rngs(0), tiling=TileBudget())
+    x_BxTxD = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    seeds_BxT = jax.random.bits(jax.random.key(2), (2, 5), jnp.uint32)
+    without = moe.plain(x_BxTxD, seeds_BxT)
+    rng = np.random.default_rng(3)
+    for expert in moe.experts:
+        for m in ("gate", "up", "down"):
+            b = getattr(expert, m).lora.lora_b
+            b[...] = jnp.asarray(rng.standard_normal(b[...].shape), jnp.float32)
+    ours = np.asarray(moe.plain(x_BxTxD, seeds_BxT))
+
+    x_NxD, seeds_N = x_BxTxD.reshape(10, 16), seeds_BxT.reshape(10)
+    weights_NxK, experts_NxK = route(moe.router(x_NxD), 2, True, x_NxD.dtype)
+    every_expert = []  # each expert's LoraLinear SwiGLU over every token: [E, N, D]
+    for e in moe.experts:
+        h = jax.nn.silu(project(e.gate, x_NxD[None], seeds_N[None])) * project(e.up, x_NxD[None], seeds_N[None])
+        every_expert.append(project(e.down, h, seeds_N[None])[0])
+    chosen_NxKxD = jnp.stack(every_expert)[experts_NxK, jnp.arange(10)[:, None]]
+    want = np.asarray(jnp.sum(weights_NxK[..., None] * chosen_NxKxD, axis=1))
+    np.testing.assert_allclose(ours.reshape(10, 16), want, rtol=0, atol=32 * EPS32 * float(np.abs(want).max()))
+    assert np.abs(ours - np.asarray(without)).max() > 0.1  # the adapters matter; with lora_b zero:
+    np.testing.assert_array_equal(np.asarray(without), np.asarray(
+        SparseMoE(dataclasses.replace(config, lora=None), 0.02, rngs=nnx.Rngs(0), tiling=TileBudget()).plain(x_BxTxD)))

@@ -17,8 +17,8 @@ from hf_configs import V4
 from pstar_jax.config import ConfigError
 from pstar_jax.io.hf import HFCheckpoint, read_hf_config
 from pstar_jax.io.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PROJECTIONS, AdapterError, from_peft, lora_scale,
-                               merge_adapter, merged_stream, merged_tensors, model_family, read_adapter, to_peft,
-                               write_adapter)
+                               merge_adapter, merged_stream, merged_tensors, model_family, projection_of, read_adapter,
+                               to_peft, write_adapter)
 from pstar_models import build_from_hf, hf_tensors
 from test_hf_models import CHECKPOINTS, SEQ_LEN, hf_logits, hf_reference, module_of, tokens_BxL
 from test_moe import MIXTRAL, QWEN3_MOE
@@ -38,9 +38,12 @@ CASES = {
                     tuple(f"blocks.{i}.attn.{x}_norm" for i in range(2) for x in "qk")),
     "qwen3_untied_head": ("qwen3", CHECKPOINTS["qwen3_untied"], dict(rank=2, alpha=3.0, rslora=True,
                                                                      targets=("mlp.*", "attn.o")), ("head",)),
-    # Mixtures of experts: LoRA on attention's projections (the experts and router stay frozen).
+    # Mixtures of experts: every projection, each expert's three matrices included (the router stays
+    # frozen); Mixtral's experts' gate and up (w1, w3) beside attention's o.
     "qwen3_moe": ("qwen3_moe", QWEN3_MOE, dict(rank=4, alpha=8.0, rslora=False, targets=PROJECTIONS["qwen3_moe"]),
                   ()),
+    "mixtral_experts": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=False,
+                                                 targets=("attn.o", "mlp.experts.*.gate", "mlp.experts.*.up")), ()),
     "mixtral_head": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=True, targets=("attn.q", "attn.v")),
                      ("head",)),
     "gpt2": ("gpt2", CHECKPOINTS["gpt2"], dict(rank=4, alpha=4.0, rslora=False,
@@ -58,7 +61,7 @@ def random_adapters(param_shapes, family, rank, targets, seed=0):
     for name, shape in param_shapes.items():
         module = name.removesuffix(".kernel")
         path = module.split(".", 2)[-1]
-        if name.startswith("blocks.") and name.endswith(".kernel") and path in PROJECTIONS[family] and \
+        if name.startswith("blocks.") and name.endswith(".kernel") and projection_of(path) in PROJECTIONS[family] and \
                 any(fnmatch.fnmatchcase(path, t) for t in targets):
             d_in, d_out = shape
             out[module + ".lora.lora_a"] = (rng.uniform(-1, 1, (d_in, rank)) / np.sqrt(d_in)).astype(np.float32)
@@ -124,7 +127,12 @@ def test_peft_loads_our_adapter_with_our_merged_logits(tmp_path, case):
     adapters = random_adapters(model.param_shapes(), family, lora["rank"], lora["targets"])
     full = saved_in_full(params, modules)
     out = str(tmp_path / "adapter")
-    files = write_adapter(out, {**adapters, **full}, dropout=0.05, family=family, base_model_name_or_path=base_dir,
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5 and any(".experts." in n for n in adapters):
+        pytest.skip("peft 0.21 over transformers 5.x fuses the experts and drops per-expert adapters with a warning "
+                    "('rank_pattern keys did not match any targeted module'); transformers 4.x loads them")
+    dropout = 0.0 if model.config.n_experts else 0.05
+    files = write_adapter(out, {**adapters, **full}, dropout=dropout, family=family, base_model_name_or_path=base_dir,
                           modules_to_save=modules, tie_embeddings=model.config.tie_embeddings, **lora)
     assert files == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
@@ -133,7 +141,6 @@ def test_peft_loads_our_adapter_with_our_merged_logits(tmp_path, case):
     # copy that peft itself writes beside a saved tied embedding (and loads cleanly on 4.x) is
     # reported unexpected there, for peft's own adapters as well; the logits below still check that
     # the saved embedding serves as the head.
-    import transformers
     v5_tied = model.config.tie_embeddings and "embed" in modules and int(transformers.__version__.split(".")[0]) >= 5
     ignored = {"base_model.model.lm_head.weight"} if v5_tied else set()
     assert not result.missing_keys and set(result.unexpected_keys) == ignored, result

@@ -24,7 +24,8 @@ from pstar_jax.io.peft_io import PROJECTIONS, lora_scale, merged_stream, model_f
 def _projections(family: str, targets: Iterable[str]) -> tuple[str, ...]:
     """The family's projections that ``targets`` (paths or globs; none: all) name, in model order."""
     targets = tuple(targets)
-    return tuple(p for p in PROJECTIONS[family] if not targets or any(fnmatch.fnmatchcase(p, t) for t in targets))
+    return tuple(p for p in PROJECTIONS[family]
+                 if not targets or any(fnmatch.fnmatchcase(p.replace("*", "0"), t) for t in targets))
 
 
 def adopt_adapter(config: RunConfig, base_model: Any) -> tuple[RunConfig, dict[str, np.ndarray]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -43,9 +44,30 @@ _TIED_HEAD = PREFIX + "lm_head.weight"  # peft saves it beside a saved embedding
 # The projections LoRA may wrap, by family (block-relative module paths, in the models' order).
 _ATTENTION = ("attn.q", "attn.k", "attn.v", "attn.o")
 _LLAMA = (*_ATTENTION, "mlp.gate", "mlp.up", "mlp.down")
-# A mixture of experts' blocks offer attention's projections (models/llama_config.projections).
+# A mixture of experts' blocks offer attention's projections and every expert's three matrices, each
+# matrix one projection here whatever the expert ("*": models/llama_config.projections lists them).
+_EXPERTS = ("mlp.experts.*.gate", "mlp.experts.*.up", "mlp.experts.*.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
-               "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _ATTENTION, "mixtral": _ATTENTION}
+               "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": (*_ATTENTION, *_EXPERTS),
+               "mixtral": (*_ATTENTION, *_EXPERTS)}
+_EXPERT_INDEX = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
+
+
+def projection_of(path: str) -> str:
+    """The PROJECTIONS entry of a block-relative module path: an expert's index becomes '*'."""
+    return _EXPERT_INDEX.sub("*", path)
+
+
+def _instances(family: str, param_shapes: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
+    """Each projection -> our module paths of it in the model (``blocks.{i}.<path>``, every expert)."""
+    out: dict[str, list[str]] = {p: [] for p in PROJECTIONS[family]}
+    for name in param_shapes:
+        module = name.removesuffix(".kernel")
+        if name.endswith(".kernel") and module.startswith("blocks.") and not is_adapter(name):
+            path = projection_of(module.split(".", 2)[-1])
+            if path in out:
+                out[path].append(module)
+    return out
 
 
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
@@ -107,10 +129,11 @@ def model_family(model: object) -> str:
 def _projection(family: str, module: str) -> tuple[int, str]:
     """(block index, block-relative path) of a module path ``blocks.{i}.<path>`` LoRA may wrap."""
     parts = module.split(".", 2)
-    if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit() or parts[2] not in PROJECTIONS[family]:
+    if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit() or \
+            projection_of(parts[2]) not in PROJECTIONS[family]:
         raise ConfigError(f"{module} is not a projection LoRA can wrap in a {family} model; those are "
                           f"blocks.N.{{{','.join(PROJECTIONS[family])}}}")
-    return int(parts[1]), parts[2]
+    return int(parts[1]), projection_of(parts[2])
 
 
 def _hf_module(family: str, module: str) -> str:
@@ -170,7 +193,7 @@ def _peft_names(family: str, param_shapes: Mapping[str, Sequence[int]],
         if is_adapter(name):
             continue
         module = name.removesuffix(".kernel")
-        if name.endswith(".kernel") and module.split(".", 2)[-1] in PROJECTIONS[family] and \
+        if name.endswith(".kernel") and projection_of(module.split(".", 2)[-1]) in PROJECTIONS[family] and \
                 module.startswith("blocks."):
             hf = PREFIX + _hf_module(family, module)
             out[hf + _PEFT_A] = (module + LORA_A, (shape[0], rank), True)
@@ -208,8 +231,10 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
                     modules_to_save: Sequence[str]) -> list[str]:
     """The block-relative projections the adapters cover, after checking that they pair up, have
     ``rank``, cover the same blocks and are what ``targets`` (paths or glob patterns) name, and that
-    every other tensor lies under ``modules_to_save``."""
+    every other tensor lies under ``modules_to_save``. A mixture of experts' matrix is one projection
+    whose adapters must cover the same experts in every block they cover."""
     blocks: dict[str, set[int]] = {}
+    experts: dict[tuple[str, int], set[str]] = {}
     for name, value in tensors.items():
         if not is_adapter(name):
             if not any(name == m or name.startswith(m + ".") for m in modules_to_save):
@@ -225,13 +250,18 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
             raise ConfigError(f"adapter tensor {name} has shape {shape}, not rank {rank}")
         i, path = _projection(family, module)
         blocks.setdefault(path, set()).add(i)
+        if path != module.split(".", 2)[-1]:
+            experts.setdefault((path, i), set()).add(module.split(".", 2)[-1])
     if not blocks:
         raise ConfigError("the export got no adapter tensors (names ending in .lora.lora_a / .lora.lora_b)")
     first = next(iter(blocks.values()))
     if any(b != first for b in blocks.values()) or first != set(range(len(first))):
         raise ConfigError("the adapters do not cover the same blocks 0..N-1 in every projection "
                           f"({ {p: sorted(b) for p, b in blocks.items()} }); peft's format names one set of modules")
-    named = {p for p in PROJECTIONS[family] if any(fnmatch.fnmatchcase(p, t) for t in targets)}
+    if len({len(e) for e in experts.values()}) > 1:
+        raise ConfigError("the experts' adapters do not cover the same experts in every block and matrix "
+                          f"({ {f'blocks.{i}.{p}': len(e) for (p, i), e in experts.items()} }); adapt every expert")
+    named = {p for p in PROJECTIONS[family] if any(fnmatch.fnmatchcase(p.replace("*", "0"), t) for t in targets)}
     if named != set(blocks):
         raise ConfigError(f"the targets ({', '.join(targets)}) name {sorted(named)} but the adapters cover "
                           f"{sorted(blocks)}; pass the targets the adapters were trained with")
@@ -270,7 +300,8 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
     embedding = PREFIX + hf_tensor(family, _EMBEDDING[family]).name
     if tie_embeddings and embedding in peft_tensors:  # as peft writes it (ensure_weight_tying)
         peft_tensors[_TIED_HEAD] = peft_tensors[embedding].copy()
-    block_modules = {p: _hf_module(family, f"blocks.0.{p}").split(".", 3)[-1] for p in PROJECTIONS[family]}
+    block_modules = {p: _hf_module(family, f"blocks.0.{p.replace('*', '0')}").split(".", 3)[-1]
+                     for p in PROJECTIONS[family]}
     config = adapter_config(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora,
                             target_modules=target_modules(projections, block_modules), modules_to_save=saved_modules,
                             fan_in_fan_out=family == "gpt2", tie_embeddings=tie_embeddings,
@@ -297,8 +328,8 @@ def read_adapter(directory: str, family: str,
     config = read_config(directory)
     path = os.path.join(directory, ADAPTER_CONFIG)
     rank, alpha, dropout, rslora = lora_settings(config, path)
-    n_block = len({n.split(".")[1] for n in param_shapes if n.startswith("blocks.")})
-    hf = {p: [_hf_module(family, f"blocks.{i}.{p}") for i in range(n_block)] for p in PROJECTIONS[family]}
+    instances = _instances(family, param_shapes)
+    hf = {p: [_hf_module(family, m) for m in modules] for p, modules in instances.items() if modules}
     wrapped = targeted(config, path, hf, family)
     weights = os.path.join(directory, ADAPTER_WEIGHTS)
     try:
@@ -327,9 +358,8 @@ def read_adapter(directory: str, family: str,
     except AdapterError as err:
         raise AdapterError(f"{weights}: {err}") from None
     covered = {m.rsplit(".lora.", 1)[0] for m in tensors if is_adapter(m)}
-    for p in PROJECTIONS[family]:
-        for i in range(n_block):
-            module = f"blocks.{i}.{p}"
+    for p, modules in instances.items():
+        for module in modules:
             if p in wrapped and not {module + LORA_A, module + LORA_B} <= set(tensors):
                 raise AdapterError(f"{weights} lacks the adapter of {PREFIX}{_hf_module(family, module)}, which "
                                    f"{ADAPTER_CONFIG} targets; the download is incomplete")
