@@ -96,10 +96,10 @@ def file_pairs(path):
 def trl_pairs(records, tokenizer_path, max_prompt_length=None, max_completion_length=None):
     """TRL's own processing of a data set: DPOTrainer._prepare_dataset (maybe_extract_prompt,
     maybe_apply_chat_template, tokenize_row) with a transformers tokenizer."""
-    pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
-    from trl.trainer.dpo_trainer import DPOTrainer
+    # trl 0.27.2 (the test extra's) imports on transformers 4.57; on 5.x its trainer module does not
+    DPOTrainer = pytest.importorskip("trl.trainer.dpo_trainer", reason="trl's DPOTrainer does not import here").DPOTrainer
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path))
     trainer = SimpleNamespace(tokenize_row=DPOTrainer.tokenize_row, is_vision_model=False)
     args = SimpleNamespace(dataset_num_proc=None, tools=None, max_prompt_length=max_prompt_length,
