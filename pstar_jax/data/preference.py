@@ -207,10 +207,11 @@ def encode_pairs(pairs: Iterable[tuple[Pair, str]], tokenizer: Any, eos_id: int,
     """The sequences of the pairs that fit ``row_len`` positions, prompt + chosen then prompt +
     rejected for each, labelled on the completions (``tokenizer`` a ``tokenizers.Tokenizer``)."""
     bad, counts = bad if bad is not None else BadLines(), counts if counts is not None else Counts()
-    sequences: list[tuple[np.ndarray, np.ndarray]] = []
+    tokens, labels, lengths = [], [], []  # flat per batch: a few bytes a token for millions of pairs
     for batch in _batches(pairs, template, bad):
         texts = [t for texts, _, _ in batch for t in texts]
         encoded = [np.asarray(e.ids, np.uint32) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        kept: list[np.ndarray] = []
         for i, (_, conversational, where) in enumerate(batch):
             prompt, chosen, rejected = encoded[3 * i:3 * i + 3]
             if not conversational:  # TRL appends the EOS id to a text completion, always
@@ -230,11 +231,13 @@ def encode_pairs(pairs: Iterable[tuple[Pair, str]], tokenizer: Any, eos_id: int,
                 prompt, chosen, rejected = prompt[len(prompt) - max_prompt:], chosen[:max_completion], \
                     rejected[:max_completion]
                 counts.truncated += 1
-            for completion in (chosen, rejected):
-                sequences.append((np.concatenate([prompt, completion]),
-                                  np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])))
+            kept += [prompt, chosen, prompt, rejected]
+        if kept:
+            tokens.append(np.concatenate(kept))
+            labels.append(np.concatenate([np.full(len(part), i % 2, np.uint8) for i, part in enumerate(kept)]))
+            lengths.append(np.add.reduceat([len(part) for part in kept], np.arange(0, len(kept), 2)))
     counts.skipped = bad.count
-    return packing.Examples.from_pairs(sequences)
+    return packing.Examples.concatenate(tokens, labels, lengths)
 
 
 def place_pairs(lengths: np.ndarray, row_len: int, seed: int) -> tuple[np.ndarray, np.ndarray, int]:

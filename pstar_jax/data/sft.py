@@ -87,8 +87,7 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
             labels.append(np.concatenate(kept_labels))
             lengths.append(np.asarray([len(i) for i in kept_ids], np.int64))
     counts.skipped = bad.count
-    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)  # noqa: E731
-    return packing.Examples(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
+    return packing.Examples.concatenate(tokens, labels, lengths)
 
 
 def _nothing_trained(where: str, template: ChatTemplate, train_on_prompt: bool, n_tokens: int) -> str:
