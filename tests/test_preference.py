@@ -28,7 +28,7 @@ FORMATS = {
     "standard": [
         {"prompt": "What is the capital of France?", "chosen": " Paris is the capital.", "rejected": " the lazy dog"},
         {"prompt": "def f(x):", "chosen": "\n    return x * 2\n", "rejected": " pass"},
-        {"prompt": "héllo", "chosen": " ünïcode ✓ 123<|im_end|>", "rejected": " world"},  # ends in EOS text already
+        {"prompt": "héllo", "chosen": " ünïcode ✓ 123<|im_end|>", "rejected": " world"},  # TRL appends EOS even so
     ],
     "conversational": [
         {"prompt": [user("What is the capital of France?")], "chosen": [assistant("Paris is the capital.")],
@@ -99,7 +99,8 @@ def trl_pairs(records, tokenizer_path, max_prompt_length=None, max_completion_le
     datasets = pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
     # trl 0.27.2 (the test extra's) imports on transformers 4.57; on 5.x its trainer module does not
-    DPOTrainer = pytest.importorskip("trl.trainer.dpo_trainer", reason="trl's DPOTrainer does not import here").DPOTrainer
+    trainer_module = pytest.importorskip("trl.trainer.dpo_trainer", reason="trl's DPOTrainer does not import here")
+    DPOTrainer = trainer_module.DPOTrainer
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path))
     trainer = SimpleNamespace(tokenize_row=DPOTrainer.tokenize_row, is_vision_model=False)
     args = SimpleNamespace(dataset_num_proc=None, tools=None, max_prompt_length=max_prompt_length,
@@ -195,7 +196,8 @@ BAD = [
     ("no common prompt", {"chosen": "b", "rejected": "c"}, "share no beginning"),
     ("mixed kinds", {"prompt": "a", "chosen": "b", "rejected": [assistant("c")]}, "of different kinds"),
     ("prompt ends with the assistant", {"prompt": [user("a"), assistant("b")], "chosen": [assistant("c")],
-                                        "rejected": [assistant("d")]}, "has a prompt whose last turn is the assistant's"),
+                                        "rejected": [assistant("d")]},
+     "has a prompt whose last turn is the assistant's"),
     ("unknown role", {"prompt": [{"role": "robot", "content": "a"}], "chosen": [assistant("c")],
                       "rejected": [assistant("d")]}, "prompt[0] has the unknown role 'robot'"),
     ("tools", {"prompt": "a", "chosen": "b", "rejected": "c", "tools": [{"name": "f"}]}, "has a 'tools' field"),

@@ -64,7 +64,8 @@ class Examples:
     @classmethod
     def concatenate(cls, tokens: list[np.ndarray], labels: list[np.ndarray], lengths: list[np.ndarray]) -> Examples:
         """The examples of batches, each given as flat tokens, labels and lengths."""
-        cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)  # noqa: E731
+        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
         return cls(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from pstar_jax.config.errors import DataError
 from pstar_jax.data import packing
 from pstar_jax.data.chat import ROLES, BadExample, BadLines, Conversation, _check_text, _turns, jsonl_records
-from pstar_jax.data.sft import BATCH_EXAMPLES, check_request, write_examples
+from pstar_jax.data.sft import BATCH_EXAMPLES, Counts, check_request, write_examples  # (Counts: pairs here)
 from pstar_jax.data.template import ChatTemplate
 
 Text = str | Conversation
@@ -52,14 +52,6 @@ class Pair:
     @property
     def conversational(self) -> bool:
         return isinstance(self.chosen, list)
-
-
-@dataclasses.dataclass
-class Counts:
-    read: int = 0
-    skipped: int = 0
-    truncated: int = 0
-    dropped: int = 0
 
 
 def extract_prompt(chosen: Text, rejected: Text) -> Pair:
