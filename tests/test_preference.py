@@ -36,6 +36,9 @@ FORMATS = {
         {"prompt": [{"role": "system", "content": "You are a helpful assistant."}, user("hello world"),
                     assistant("hello!"), user("def f(x):\n    return x * 2\n")],
          "chosen": [assistant("  It doubles x ✓.  ")], "rejected": [assistant("quick brown fox")]},
+        # a prompt ending with the assistant's turn: TRL continues it (continue_final_message)
+        {"prompt": [user("What is the capital of France?"), assistant("The capital is")],
+         "chosen": [assistant(" Paris.")], "rejected": [assistant(" London.")]},
     ],
     "conversational-implicit": [
         {"chosen": [user("héllo"), assistant("ünïcode 123")], "rejected": [user("héllo"), assistant("the dog")]},
@@ -195,9 +198,8 @@ BAD = [
     ("empty prompt", {"prompt": "", "chosen": "b", "rejected": "c"}, "has an empty prompt"),
     ("no common prompt", {"chosen": "b", "rejected": "c"}, "share no beginning"),
     ("mixed kinds", {"prompt": "a", "chosen": "b", "rejected": [assistant("c")]}, "of different kinds"),
-    ("prompt ends with the assistant", {"prompt": [user("a"), assistant("b")], "chosen": [assistant("c")],
-                                        "rejected": [assistant("d")]},
-     "has a prompt whose last turn is the assistant's"),
+    ("prompt ends with the system", {"prompt": [{"role": "system", "content": "a"}], "chosen": [assistant("c")],
+                                     "rejected": [assistant("d")]}, "has a prompt whose last turn is the system's"),
     ("unknown role", {"prompt": [{"role": "robot", "content": "a"}], "chosen": [assistant("c")],
                       "rejected": [assistant("d")]}, "prompt[0] has the unknown role 'robot'"),
     ("tools", {"prompt": "a", "chosen": "b", "rejected": "c", "tools": [{"name": "f"}]}, "has a 'tools' field"),

@@ -11,7 +11,7 @@ A JSONL line holds one pair, in one of the formats TRL's DPOTrainer (0.27) reads
 
 A pair becomes tokens as TRL's ``_prepare_dataset`` makes them: a conversational one is rendered with
 the checkpoint's chat template (``maybe_apply_chat_template``: the prompt with the generation prompt,
-prompt + chosen and prompt + rejected whole, the completion text the rest after their common
+or continued where it ends with an assistant turn, prompt + chosen and prompt + rejected whole, the completion text the rest after their common
 beginning); prompt, chosen and rejected are then tokenized apart without special tokens
 (``tokenize_row``; a template writes its own BOS), and a standard pair's completions end in the EOS
 id. No BOS is added to a standard pair, as TRL adds none for a decoder.
@@ -110,9 +110,9 @@ def to_pair(record: Any) -> Pair:
         if not value or (isinstance(value, str) and not value.strip()) or \
                 (isinstance(value, list) and any(not m["content"].strip() for m in value)):
             raise BadExample(f"has an empty {name} completion")
-    if pair.conversational and pair.prompt[-1]["role"] != "user":
-        raise BadExample(f"has a prompt whose last turn is the {pair.prompt[-1]['role']}'s; end it with the user's "
-                         f"turn the completions answer")
+    if pair.conversational and pair.prompt[-1]["role"] == "system":  # TRL's ValueError
+        raise BadExample("has a prompt whose last turn is the system's; end it with the user's turn the completions "
+                         "answer")
     return pair
 
 
@@ -152,13 +152,30 @@ def rendered(pair: Pair, template: ChatTemplate | None, where: str) -> tuple[str
     if template is None:
         raise DataError(f"{where} holds messages, and the tokenizer has no chat template to render them; pass "
                         f"--chat-template FILE")
-    prompt = template.render(pair.prompt, add_generation_prompt=True)
+    # TRL continues a prompt's final assistant turn (a prefilled answer), otherwise adds the generation prompt
+    prompt = (_render_continued(template, pair.prompt) if pair.prompt[-1]["role"] == "assistant"
+              else template.render(pair.prompt, add_generation_prompt=True))
     prompt_chosen = template.render(pair.prompt + pair.chosen)
     prompt = _common_prefix(prompt, prompt_chosen)  # TRL's order: chosen is cut after this prompt
     chosen = prompt_chosen[len(prompt):]
     prompt_rejected = template.render(pair.prompt + pair.rejected)
     prompt = _common_prefix(prompt, prompt_rejected)
     return prompt, chosen, prompt_rejected[len(prompt):]
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _render_continued(template: ChatTemplate, conversation: Conversation) -> str:
+    """transformers' ``apply_chat_template(continue_final_message=True)``: the text up to the end of
+    the final message, without what the template closes it with (found by a tag rendered after it)."""
+    final = conversation[-1]["content"]
+    text = template.render(conversation[:-1] + [{**conversation[-1], "content": final + _CONTINUE_TAG}])
+    if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+        raise BadExample(f"ends its prompt with an assistant turn that the chat template {template.name} does not "
+                         f"render whole, so it cannot be continued")
+    at = text.rindex(_CONTINUE_TAG.strip())
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def truncate_pair(prompt_len: int, chosen_len: int, rejected_len: int, row_len: int) -> tuple[int, int]:
