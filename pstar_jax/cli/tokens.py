@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train on every token, not only the assistant's")
     chat.add_argument("--truncate", action="store_true", help="keep the beginning of an example longer than "
                       "a row (default: drop it); with --preference, cut a pair longer than a row as TRL's "
-                      "max_prompt_length and max_completion_length cut: the prompt keeps its last tokens (only as "
-                      "few as whole completions need, at least a quarter of the row), each completion its first")
+                      "max_prompt_length and max_completion_length cut: the prompt keeps its last tokens (cut only as "
+                      "far as whole completions need, and to no less than a quarter of the row), each completion "
+                      "its first")
     chat.add_argument("--on-bad-example", choices=("error", "skip"), default="error",
                       help="a malformed line stops with its file:line (error, the default) or is skipped and counted")
     chat.add_argument("--seed", type=int, default=0, help="packing seed (default: 0)")
