@@ -277,3 +277,13 @@ def test_flags_that_make_no_sense_for_preference_are_one_line(tokenizers_root, t
     assert err.count("\n") == 1 and words in err
     assert tokens_cli.main(["--preference", "-o", str(tmp_path / "p.sft.u16.bin"), str(source)]) == 2
     assert "--preference needs --tokenizer DIR" in capsys.readouterr().err
+
+
+def test_a_template_that_renders_chosen_and_rejected_alike_is_a_bad_line(tokenizers_root, tmp_path):
+    roles_only = tmp_path / "roles.jinja"
+    roles_only.write_text("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}")
+    source = write_jsonl(tmp_path / "c.jsonl", FORMATS["conversational"][:1])
+    with pytest.raises(DataError, match=r"c.jsonl:1 renders chosen and rejected as the same tokens with the chat "
+                                        r"template .*roles.jinja; fix it or pass --on-bad-example skip"):
+        preference.make_preference_file(tmp_path / "c.sft.u16.bin", [source], tokenizers_root / "qwen25", 256,
+                                        chat_template=roles_only)
