@@ -11,10 +11,11 @@ A JSONL line holds one pair, in one of the formats TRL's DPOTrainer (0.27) reads
 
 A pair becomes tokens as TRL's ``_prepare_dataset`` makes them: a conversational one is rendered with
 the checkpoint's chat template (``maybe_apply_chat_template``: the prompt with the generation prompt,
-or continued where it ends with an assistant turn, prompt + chosen and prompt + rejected whole, the completion text the rest after their common
-beginning); prompt, chosen and rejected are then tokenized apart without special tokens
-(``tokenize_row``; a template writes its own BOS), and a standard pair's completions end in the EOS
-id. No BOS is added to a standard pair, as TRL adds none for a decoder.
+or continued where it ends with an assistant turn; prompt + chosen and prompt + rejected whole; each
+completion's text the rest after their common beginning); prompt, chosen and rejected are then
+tokenized apart without special tokens (``tokenize_row``; a template writes its own BOS), and a
+standard pair's completions end in the EOS id. No BOS is added to a standard pair, as TRL adds none
+for a decoder.
 
 In the file a pair is two consecutive segments of one row, chosen first: prompt + chosen, then prompt +
 rejected, labelled 1 exactly on the completion tokens (pstar_jax.data.packing). The row is the pair's
