@@ -41,6 +41,7 @@ _LAZY = {
     "PackedRows": "data.packing", "is_packed_file": "data.packing", "load_packed": "data.packing", "pack": "data.packing",
     "write_packed": "data.packing",
     "make_sft_file": "data.sft",
+    "make_preference_file": "data.preference",
     "frozen_for_lora": "model.lora",
 }
 
@@ -55,7 +56,7 @@ __all__ = [
     "default_tx", "Run", "plan_report", "PlanReport",
     "load_tokens", "default_corpus", "Batches", "DataError", "Batch", "PackedBatches",
     "ChatTemplate", "read_conversations", "make_sft_file", "pack", "PackedRows", "load_packed", "write_packed",
-    "is_packed_file",
+    "is_packed_file", "make_preference_file",
     "CheckpointError", "export_flax", "import_flax",
     "MetricsWriter", "JsonlWriter", "TensorBoardWriter",
     "LoraConfig", "frozen_for_lora",

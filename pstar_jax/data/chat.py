@@ -22,6 +22,9 @@ from pstar_jax.config.errors import DataError
 FORMATS = ("messages", "alpaca", "sharegpt", "prompt-completion")
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+# The longest line read: 64 MiB, some 16M tokens of text, past any context a model trains at. A
+# longer line is a bad line, read a bounded piece at a time (never whole into memory).
+MAX_LINE_BYTES = 1 << 26
 # Variables transformers passes to every template (its special_tokens_map), when the config sets them.
 
 Conversation = list[dict[str, str]]
@@ -136,28 +139,47 @@ class BadLines:
             self.named.append(line)
 
 
-def read_conversations(path: str | os.PathLike, format: str | None = None,
-                       bad: BadLines | None = None) -> Iterator[tuple[Conversation, str]]:
-    """(conversation, "FILE:LINE") for each usable line of a JSONL file; the format is detected from
-    the first valid line unless given. A bad line goes to ``bad`` (default: an error)."""
-    path, bad = Path(path), bad if bad is not None else BadLines()
-    if format is not None and format not in FORMATS:
-        raise DataError(f"unknown chat format {format!r}; choose one of {', '.join(FORMATS)}")
+def jsonl_records(path: str | os.PathLike, bad: BadLines) -> Iterator[tuple[Any, str]]:
+    """(JSON value, "FILE:LINE") for each non-blank line of a JSONL file. The file is untrusted: a line
+    past MAX_LINE_BYTES, one that is not JSON, or one nested deeper than Python's parser recurses
+    goes to ``bad``, never a MemoryError or a traceback."""
+    path = Path(path)
     with io_errors(path, "read"), open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
+        line_no = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            line_no += 1
+            where = f"{path}:{line_no}"
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):  # the rest of it, a bounded piece at a time
+                    line = f.readline(MAX_LINE_BYTES)
+                bad.add(where, f"is over {MAX_LINE_BYTES:,} bytes, longer than any example trains at")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except ValueError as e:
                 bad.add(where, f"is not JSON ({getattr(e, 'msg', e)})")
                 continue
-            if format is None and (format := detect_format(record)) is None:
-                bad.add(where, "has none of the fields messages, conversations, instruction+output, "
-                        "prompt+completion (choose a format with --chat-format)")
+            except RecursionError:  # "[[[[..." a hundred thousand deep
+                bad.add(where, "nests its JSON deeper than any example does")
                 continue
-            try:
-                yield to_conversation(record, format), where
-            except BadExample as e:
-                bad.add(where, str(e))
+            yield record, where
+
+
+def read_conversations(path: str | os.PathLike, format: str | None = None,
+                       bad: BadLines | None = None) -> Iterator[tuple[Conversation, str]]:
+    """(conversation, "FILE:LINE") for each usable line of a JSONL file; the format is detected from
+    the first valid line unless given. A bad line goes to ``bad`` (default: an error)."""
+    bad = bad if bad is not None else BadLines()
+    if format is not None and format not in FORMATS:
+        raise DataError(f"unknown chat format {format!r}; choose one of {', '.join(FORMATS)}")
+    for record, where in jsonl_records(path, bad):
+        if format is None and (format := detect_format(record)) is None:
+            bad.add(where, "has none of the fields messages, conversations, instruction+output, "
+                    "prompt+completion (choose a format with --chat-format)")
+            continue
+        try:
+            yield to_conversation(record, format), where
+        except BadExample as e:
+            bad.add(where, str(e))

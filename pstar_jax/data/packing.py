@@ -58,9 +58,15 @@ class Examples:
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Examples:
         pairs = list(pairs)
-        lengths = np.asarray([len(t) for t, _ in pairs], np.int64)
-        cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
-        return cls(cat([t for t, _ in pairs], np.uint32), cat([l for _, l in pairs], np.uint8), lengths)
+        return cls.concatenate([np.asarray(t) for t, _ in pairs], [np.asarray(l) for _, l in pairs],
+                               [np.asarray([len(t) for t, _ in pairs], np.int64)])
+
+    @classmethod
+    def concatenate(cls, tokens: list[np.ndarray], labels: list[np.ndarray], lengths: list[np.ndarray]) -> Examples:
+        """The examples of batches, each given as flat tokens, labels and lengths."""
+        def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        return cls(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -87,8 +87,7 @@ def encode_examples(conversations: Iterable[tuple[Conversation, str]], template:
             labels.append(np.concatenate(kept_labels))
             lengths.append(np.asarray([len(i) for i in kept_ids], np.int64))
     counts.skipped = bad.count
-    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)  # noqa: E731
-    return packing.Examples(cat(tokens, np.uint32), cat(labels, np.uint8), cat(lengths, np.int64))
+    return packing.Examples.concatenate(tokens, labels, lengths)
 
 
 def _nothing_trained(where: str, template: ChatTemplate, train_on_prompt: bool, n_tokens: int) -> str:
@@ -111,11 +110,35 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
                   chat_template_kwargs: dict | None = None) -> dict:
     """Writes packed SFT file ``out`` from conversation JSONL ``inputs``; returns its sidecar, with
     ``skipped_named`` (the first bad lines) and ``seconds``."""
-    from pstar_jax.data.tokenizer import _check_input, check_not_an_input
     start = time.perf_counter()
     out, inputs = Path(out), [Path(p) for p in inputs]
+    check_request(out, inputs, seq_len, seed, on_bad_example, "conversation JSONL")
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token, chat_template_kwargs)
+    packing.check_packed_destination(out, template.vocab_size, overwrite)  # before the work, not after
+    bad, counts = BadLines(skip=on_bad_example == "skip"), Counts()
+    conversations = (item for path in inputs for item in read_conversations(path, chat_format, bad))
+    examples = encode_examples(conversations, template, seq_len + 1, train_on_prompt=train_on_prompt,
+                               truncate=truncate, bad=bad, counts=counts)
+    if not counts.read:
+        raise DataError(f"the inputs hold no usable conversation ({counts.skipped} skipped), so {out} was not written")
+    if not len(examples.lengths):
+        raise DataError(f"no example fits --seq-len {seq_len} ({counts.read} read, {counts.skipped} skipped, "
+                        f"{counts.dropped} dropped), so {out} was not written; raise --seq-len or pass --truncate")
+    placement = packing.assign_rows(examples.lengths, seq_len + 1, seed)
+    info = write_examples(
+        out, examples, placement, seq_len, template.vocab_size, overwrite, eos_id=template.eos_id,
+        tokenizer=str(Path(tokenizer_dir).resolve()), chat_template=template.name,
+        chat_template_sha256=template.sha256, chat_template_kwargs=template.kwargs, read=counts.read,
+        skipped=counts.skipped, dropped=counts.dropped, truncated=counts.truncated, split=counts.split,
+        train_on_prompt=train_on_prompt, seed=seed, end_of_turn_ids=template.end_of_turn_ids())
+    return {**info, "skipped_named": bad.named, "seconds": time.perf_counter() - start}
+
+
+def check_request(out: Path, inputs: list[Path], seq_len: int, seed: int, on_bad_example: str, what: str) -> None:
+    """The checks of a packed file's arguments, before any work (``what``: the inputs' kind)."""
+    from pstar_jax.data.tokenizer import _check_input, check_not_an_input
     if not inputs:
-        raise DataError("give the conversation JSONL files to read")
+        raise DataError(f"give the {what} files to read")
     if seq_len < 1:
         raise DataError(f"--seq-len must be >= 1, got {seq_len}")
     if seq_len > MAX_SEQ_LEN:
@@ -128,32 +151,21 @@ def make_sft_file(out: str | os.PathLike, inputs: Sequence[str | os.PathLike], t
     for path in inputs:
         _check_input(path)
     check_not_an_input(out, inputs)
-    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir, chat_template, eos_token, chat_template_kwargs)
-    packing.check_packed_destination(out, template.vocab_size, overwrite)  # before the work, not after
-    bad, counts = BadLines(skip=on_bad_example == "skip"), Counts()
-    conversations = (item for path in inputs for item in read_conversations(path, chat_format, bad))
-    examples = encode_examples(conversations, template, seq_len + 1, train_on_prompt=train_on_prompt,
-                               truncate=truncate, bad=bad, counts=counts)
-    if not counts.read:
-        raise DataError(f"the inputs hold no usable conversation ({counts.skipped} skipped), so {out} was not written")
-    if not len(examples.lengths):
-        raise DataError(f"no example fits --seq-len {seq_len} ({counts.read} read, {counts.skipped} skipped, "
-                        f"{counts.dropped} dropped), so {out} was not written; raise --seq-len or pass --truncate")
-    row_of, offset_of, rows = packing.assign_rows(examples.lengths, seq_len + 1, seed)
-    with packing.PackedWriter(out, rows, seq_len, template.vocab_size, overwrite) as writer:
+
+
+def write_examples(out: Path, examples: packing.Examples, placement: tuple[np.ndarray, np.ndarray, int], seq_len: int,
+                   vocab_size: int, overwrite: bool, **info: Any) -> dict:
+    """Writes ``examples`` at ``placement`` (row of each, offset in it, rows) into packed file ``out``;
+    returns its sidecar: the arrays' fields, the example and token counts, and ``info``."""
+    row_of, offset_of, rows = placement
+    with packing.PackedWriter(out, rows, seq_len, vocab_size, overwrite) as writer:
         packing.fill_rows(examples, row_of, offset_of, writer.rows)
         first = np.zeros_like(examples.labels)
         first[examples.starts] = 1  # an example's first token is never a target
-        info = packing.sidecar_info(
-            writer.rows, vocab_size=template.vocab_size, eos_id=template.eos_id,
-            tokenizer=str(Path(tokenizer_dir).resolve()), chat_template=template.name,
-            chat_template_sha256=template.sha256, chat_template_kwargs=template.kwargs, examples=int(len(examples.lengths)),
+        return writer.commit(packing.sidecar_info(
+            writer.rows, vocab_size=vocab_size, examples=int(len(examples.lengths)),
             tokens=int(examples.lengths.sum()), trained_tokens=int(np.count_nonzero(examples.labels & (1 - first))),
-            read=counts.read, skipped=counts.skipped, dropped=counts.dropped, truncated=counts.truncated,
-            split=counts.split,
-            train_on_prompt=train_on_prompt, seed=seed, end_of_turn_ids=template.end_of_turn_ids())
-        info = writer.commit(info)
-    return {**info, "skipped_named": bad.named, "seconds": time.perf_counter() - start}
+            **info))
 
 
 def summary(out: str | os.PathLike, info: dict) -> str:
