@@ -13,7 +13,7 @@ as torch's ``kaiming_uniform_(a=sqrt(5))`` on peft's [rank, in] weight, which is
 
 Targets are module paths relative to a block ('attn.q', 'mlp.down') or glob patterns over them;
 none means every projection of the family (``projections(config)`` in models/gpt.py and
-models/llama.py).
+models/llama.py) but a mixture of experts' experts (``NAMED_ONLY``).
 
 Dropout: a block called with ``dropout_seed`` [B] (its stage's, see pstar_jax.data.batch) derives a
 seed per position (``position_seeds``), and each targeted projection salts it with its path, so
@@ -66,7 +66,22 @@ class LoraSpec:
 
     def targets_path(self, path: str) -> bool:
         """Whether the projection at block-relative ``path`` gets an adapter."""
-        return not self.targets or any(fnmatch.fnmatchcase(path, t) for t in self.targets)
+        if not self.targets:
+            return not named_only(path)
+        return any(fnmatch.fnmatchcase(path, t) for t in self.targets)
+
+
+# Projections an empty target list leaves out, adapted only where a target names them: a mixture
+# of experts' experts. An adapter per expert and matrix multiplies what a block compiles (128
+# experts: 1,152 adapter tensors a block, the MoE's forward and backward compiling 3x longer,
+# measured) and the trained state (Qwen3-30B-A3B at r=16: 0.8B adapter parameters beside
+# attention's 13M); `--lora-targets 'attn.*,mlp.experts.*'` asks for them.
+NAMED_ONLY = ("mlp.experts.*",)
+
+
+def named_only(path: str) -> bool:
+    """Whether the projection at ``path`` gets an adapter only when a target names it."""
+    return any(fnmatch.fnmatchcase(path, p) for p in NAMED_ONLY)
 
 
 def check_spec(spec: LoraSpec | None, projections: dict[str, tuple[int, int]], family: str) -> None:

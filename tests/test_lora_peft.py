@@ -29,8 +29,8 @@ CASES = {
                                                            "blocks.*.attn.k_norm": "k_norm"}),
     "qwen3_rslora_head": ("qwen3_untied", dict(rank=3, alpha=5.0, rslora=True), {"head": "lm_head"}),
     # every expert's three matrices beside attention's projections (routing picks which train)
-    "qwen3_moe": (QWEN3_MOE, dict(rank=4, alpha=8.0), {}),
-    "mixtral": (MIXTRAL, dict(rank=2, alpha=4.0, rslora=True), {}),
+    "qwen3_moe": (QWEN3_MOE, dict(rank=4, alpha=8.0, targets=("attn.*", "mlp.experts.*")), {}),
+    "mixtral": (MIXTRAL, dict(rank=2, alpha=4.0, rslora=True, targets=("attn.*", "mlp.experts.*")), {}),
 }
 
 
@@ -113,7 +113,7 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     values = {**adapter_values(model), **{n: np.asarray(base[n]) for n in trained if n in base}}
     assert set(values) == trained
 
-    projections = PROJECTIONS[model.config.family]
+    projections = [p for p in PROJECTIONS[model.config.family] if model.config.lora.targets_path(p.replace("*", "0"))]
     targets = sorted({hf_tensors(model)[f"blocks.0.{p.replace('*', '0')}.kernel"].name.split(".")[-2] for p in projections})
     lora_config = peft.LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"],
                                   use_rslora=settings.get("rslora", False), target_modules=targets,

@@ -293,9 +293,10 @@ def test_a_quantized_base_with_experts_is_one_line_before_anything_is_built(tool
 
 
 def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_path, capsys):
-    """pstar-train --lora-rank on a Mixtral checkpoint: the adapter (every projection, each expert's
-    three matrices included; the router frozen) and the merged model are written (both once ended
-    in a KeyError); the experts' adapters trained and merged, the router kept as it was."""
+    """pstar-train --lora-rank on a Mixtral checkpoint with --lora-targets naming the experts: the
+    adapter (attention's projections and each expert's three matrices; the router frozen) and the
+    merged model are written (both once ended in a KeyError); the experts' adapters trained and
+    merged, the router kept as it was."""
     from safetensors.numpy import load_file
     from pstar_jax.cli.train import main as train_main
     from test_hf import write_family_checkpoint
@@ -304,6 +305,7 @@ def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_pa
     np.random.default_rng(0).integers(0, 107, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
     code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "2",
                        "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
+                       "--lora-targets", "attn.*,mlp.experts.*",
                        "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
                        "--export-dtype", "fp32"])
     assert code == 0, capsys.readouterr().err
@@ -370,7 +372,7 @@ def test_expert_adapters_add_what_each_experts_own_lora_linear_adds(rate):
     from pstar_jax.model.tiling import TileBudget
     config = LlamaConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2, n_kv_head=1, d_ff=8, seq_len=8,
                          family="mixtral", n_experts=4, n_experts_per_tok=2,
-                         lora=LoraSpec(rank=3, alpha=6.0, dropout=rate))
+                         lora=LoraSpec(rank=3, alpha=6.0, dropout=rate, targets=("mlp.experts.*",)))
     moe = SparseMoE(config, 0.02, rngs=nnx.Rngs(0), tiling=TileBudget())
     x_BxTxD = jax.random.normal(jax.random.key(1), (2, 5, 16))
     seeds_BxT = jax.random.bits(jax.random.key(2), (2, 5), jnp.uint32)
@@ -394,3 +396,15 @@ def test_expert_adapters_add_what_each_experts_own_lora_linear_adds(rate):
     assert np.abs(ours - np.asarray(without)).max() > 0.1  # the adapters matter; with lora_b zero:
     np.testing.assert_array_equal(np.asarray(without), np.asarray(
         SparseMoE(dataclasses.replace(config, lora=None), 0.02, rngs=nnx.Rngs(0), tiling=TileBudget()).plain(x_BxTxD)))
+
+
+def test_lora_leaves_the_experts_frozen_unless_a_target_names_them():
+    """No --lora-targets: attention's projections only (an adapter per expert multiplies compile
+    time and trained state); 'mlp.experts.*' or a matrix of them adds the experts' adapters."""
+    from pstar_models.lora import LoraSpec
+    def adapted(targets):
+        model = build_from_hf(MIXTRAL, seq_len=SEQ_LEN, lora=LoraSpec(rank=2, alpha=4.0, targets=targets))
+        return {n.split(".", 2)[2].rsplit(".lora.", 1)[0] for n in model.param_shapes() if ".lora." in n}
+    assert adapted(()) == {"attn.q", "attn.k", "attn.v", "attn.o"}
+    assert adapted(("mlp.experts.*.down",)) == {f"mlp.experts.{e}.down" for e in range(4)}
+    assert len(adapted(("attn.*", "mlp.experts.*"))) == 4 + 3 * 4

@@ -10,7 +10,6 @@ adapter other than the one the user named.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -18,14 +17,15 @@ import numpy as np
 from pstar_jax.config import ConfigError, RunConfig
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.model.lora import is_adapter, saved_names
+from pstar_models.lora import LoraSpec
 from pstar_jax.io.peft_io import PROJECTIONS, lora_scale, merged_stream, model_family, read_adapter, write_adapter
 
 
 def _projections(family: str, targets: Iterable[str]) -> tuple[str, ...]:
-    """The family's projections that ``targets`` (paths or globs; none: all) name, in model order."""
+    """The family's projections that ``targets`` (paths or globs; none: all but the experts) name, in
+    model order."""
     targets = tuple(targets)
-    return tuple(p for p in PROJECTIONS[family]
-                 if not targets or any(fnmatch.fnmatchcase(p.replace("*", "0"), t) for t in targets))
+    return tuple(p for p in PROJECTIONS[family] if LoraSpec(1, 1.0, targets=targets).targets_path(p.replace("*", "0")))
 
 
 def adopt_adapter(config: RunConfig, base_model: Any) -> tuple[RunConfig, dict[str, np.ndarray]]:
