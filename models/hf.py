@@ -18,14 +18,15 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
 from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
-from pstar_models.llama_config import MOE_FAMILIES
+from pstar_models.llama_config import GEMMA, MOE_FAMILIES
+from pstar_models.hf_gemma import GEMMA_BLOCK, gemma_export, gemma_fields
 from pstar_models.hf_fields import HF_DEFAULTS, refuse_unless, require
 from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", GEMMA: "Gemma3ForCausalLM"}
 
 
 class HFTensor(NamedTuple):
@@ -150,8 +151,9 @@ def _head_sizes(config: Mapping[str, Any], family: str) -> tuple[Any, Any]:
 def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
     family = config["model_type"]
     defaults = HF_DEFAULTS[family]
+    gemma = family == GEMMA
     act = config.get("hidden_act", "silu")
-    refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
+    refuse_unless(gemma or act == "silu", f"hidden_act {act!r} (only silu)")
     if family in ("llama", "qwen3", "qwen3_moe"):
         refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
         refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
@@ -161,10 +163,10 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
     head_dim, n_kv_head = _head_sizes(config, family)
     if head_dim is not None and isinstance(d_model, int) and isinstance(n_head, int) and head_dim * n_head == d_model:
         head_dim = None  # transformers writes the derived value; ours means the same by None
-    rope_theta, rope_scaling = _rope(config)
+    rope_theta, rope_scaling = (None, None) if gemma else _rope(config)
     max_positions = config.get("max_position_embeddings") or defaults["max_position_embeddings"]
     seq_len = overrides.get("seq_len") or min(max_positions, DEFAULT_SEQ_LEN)
-    window = _sliding_window(config, family, n_layer)
+    window = None if gemma else _sliding_window(config, family, n_layer)
     if window is not None and window < seq_len:
         raise ValueError(f"config.json's sliding_window={window} would take effect at seq_len={seq_len}, and "
                          f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
@@ -174,9 +176,12 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         d_ff=require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "qwen3_moe"), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe", GEMMA),
+        tie_embeddings=bool(config.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
         max_position_embeddings=None if max_positions == seq_len else max_positions, family=family,
         **experts(config, family))
+    if gemma:
+        derived.update(gemma_fields(config, n_layer))
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
@@ -185,7 +190,9 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
         "qkv_bias": "model_type", "qk_norm": "model_type", "n_experts": expert_key(config, family),
         "n_experts_per_tok": "num_experts_per_tok", "d_ff_expert": "moe_intermediate_size",
-        "norm_topk_prob": "norm_topk_prob"})
+        "norm_topk_prob": "norm_topk_prob", "layer_types": "layer_types (or sliding_window_pattern)",
+        "sliding_window": "sliding_window", "rope_local_theta": "rope_local_base_freq (or rope_parameters)",
+        "query_pre_attn_scalar": "query_pre_attn_scalar", "final_softcap": "final_logit_softcapping"})
 
 
 def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **overrides: Any) -> StagedGPT | StagedLlama:
@@ -197,6 +204,10 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
     refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
+    if model_type == "gemma3":
+        raise ValueError("config.json model_type 'gemma3' is a multimodal Gemma 3 (text_config beside a vision "
+                         "tower), which pstar_jax does not read yet; use a text-only gemma3_text checkpoint "
+                         "(such as google/gemma-3-1b-pt)")
     if model_type in FAMILIES:
         return StagedLlama(dataclasses.replace(_llama_config(config, overrides), lora=lora))
     raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -225,7 +236,10 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
         del out["n_positions"]  # the source's count (or its default): the writer puts back the rows seq_len cut
         if "n_positions" in source:
             out["n_positions"] = source["n_positions"]
-    if "rope_theta" in ours:
+    if ours["model_type"] == GEMMA:  # its RoPE keys in the source's layout
+        out.pop("rope_local_base_freq", None)
+        out.update(gemma_export(model.config, five="rope_parameters" in source and "rope_theta" not in source))
+    elif "rope_theta" in ours:
         if "rope_parameters" in source and "rope_theta" not in source:  # 5.x
             out["rope_parameters"] = {"rope_theta": ours["rope_theta"],
                                       **(ours["rope_scaling"] or {"rope_type": "default"})}
@@ -262,6 +276,10 @@ def _hf_config(model: Any, torch_dtype: str) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     elif c.family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    elif c.gemma:
+        for key in ("hidden_act", "rope_scaling", "rope_theta"):
+            del out[key]
+        out.update(gemma_export(c, five=False))
     elif c.family in ("qwen3", "qwen3_moe"):  # head_dim always: qwen3 without one means 128, not d_model / n_head
         out.update(head_dim=c.d_head, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=c.n_layer)
@@ -378,6 +396,7 @@ def hf_tensor(family: str, name: str) -> HFTensor:
         moe = moe_tensor(family, rest) if family in MOE_FAMILIES else None
         if i.isdigit() and moe is not None:
             return HFTensor(f"{prefix}.{i}.{moe}", True, False)
+        block = GEMMA_BLOCK if family == GEMMA else block
         if i.isdigit() and rest in block and not (family in MOE_FAMILIES and rest.startswith("mlp.")):
             return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
     elif name in top:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-# transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig,
-# Qwen2Config, MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig). Left out or null, head_dim means hidden_size /
+# transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig, Qwen2Config,
+# MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig, Gemma3TextConfig). Left out or null, head_dim means hidden_size /
 # num_attention_heads and num_key_value_heads num_attention_heads, unless a left-out key has a value here.
 HF_DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
@@ -19,6 +19,8 @@ HF_DEFAULTS = {
                   "norm_topk_prob": False},  # (num_local_experts: 5.x's name for num_experts)
     "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256,
+                    "tie_word_embeddings": True},
 }
 
 

