@@ -213,3 +213,60 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     mine = engine.params()
     for name, value in final.items():
         np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.hf_reference
+def test_a_lora_step_gives_pefts_loss_and_gradients_on_every_projection():
+    """Adapters on q, k, v, o, gate, up, down (peft's q_proj ... down_proj) and the q/k norms
+    trained in full: peft's loss and gradients on transformers' Gemma 3."""
+    import test_lora_peft
+    test_lora_peft.test_a_lora_step_gives_pefts_loss_and_gradients(
+        (GEMMA, dict(rank=4, alpha=8.0), {"blocks.*.attn.q_norm": "q_norm", "blocks.*.attn.k_norm": "k_norm"}))
+
+
+def test_lora_step_zero_is_the_base_model():
+    """peft's initialisation (lora_b zero): the adapted model's loss is the base's, to the bit."""
+    from pstar_jax.model.staged import compose_loss
+    from pstar_models.lora import LoraSpec
+    base = build_from_hf(GEMMA, seq_len=SEQ_LEN)
+    adapted = build_from_hf(GEMMA, seq_len=SEQ_LEN, lora=LoraSpec(rank=4, alpha=8.0))
+    params = adapted.init_params(3)
+    assert {n.rsplit(".", 1)[0].split(".", 2)[2] for n in params if ".lora." in n} == {
+        f"{p}.lora" for p in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")}
+    tokens = jnp.asarray(hf_models.tokens_BxL(113, L=SEQ_LEN + 1))
+    loss = [compose_loss(m.stages(jnp.float32))({n: params[n] for n in m.param_shapes()}, tokens[:, :-1], tokens[:, 1:])
+            for m in (base, adapted)]
+    assert float(loss[0]) == float(loss[1])
+
+
+@pytest.mark.hf_reference
+@pytest.mark.slow
+def test_a_lora_run_exports_an_adapter_peft_loads_onto_the_source(tmp_path, capsys):
+    """pstar-train --lora-rank on a Gemma 3 checkpoint: peft.PeftModel over the source checkpoint
+    with our --export-lora gives the logits of our --export-hf (the merged model) in transformers."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+    from pstar_jax.cli.train import main as train_main
+    from test_hf import write_family_checkpoint
+    src = tmp_path / "gemma"
+    write_family_checkpoint(str(src), build_from_hf(GEMMA, seq_len=SEQ_LEN))
+    np.random.default_rng(0).integers(1, 113, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "3",
+                       "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
+                       "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
+                       "--export-dtype", "fp32"])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    load = dict(attn_implementation="eager", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src, **load),
+                                             tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", **load).eval()
+    tokens = hf_models.tokens_BxL(113)
+    theirs = hf_models.hf_logits(merged, tokens)
+    with torch.no_grad():
+        ours = adapted(torch.from_numpy(tokens).long()).logits.numpy()
+    assert not np.allclose(theirs, hf_models.hf_logits(transformers.AutoModelForCausalLM.from_pretrained(src, **load),
+                                                       tokens))  # the run changed the model
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()))

@@ -87,7 +87,7 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     checkpoint, settings, saved = case
-    config = CHECKPOINTS[checkpoint]
+    config = CHECKPOINTS[checkpoint] if isinstance(checkpoint, str) else checkpoint  # a name, or a config.json
     model = build_from_hf(config, seq_len=SEQ_LEN, lora=LoraSpec(**settings))
     hf_model = hf_reference(config)
     base = to_pstar(model, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()})
