@@ -20,7 +20,7 @@ from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_models.llama_config import GEMMA, MOE_FAMILIES
 from pstar_models.hf_gemma import GEMMA_BLOCK, gemma_export, gemma_fields
-from pstar_models.hf_fields import HF_DEFAULTS, refuse_unless, require
+from pstar_models.hf_fields import HF_DEFAULTS, layer_types, refuse_unless, require
 from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
 
 SUPPORTED = ("gpt2", *FAMILIES)
@@ -112,20 +112,9 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original))
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we read
-
-
 def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int | None:
     """The window of the layers that slide, or None: what transformers would apply."""
-    types = config.get("layer_types")
-    if types is not None:  # each layer's attention, as transformers 4.56+ saves it
-        if not isinstance(types, list) or len(types) != n_layer:
-            raise ValueError(f"config.json layer_types must list one attention type for each of the "
-                             f"{n_layer} layers (num_hidden_layers), got {str(types)[:80]}")
-        unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"config.json layer_types holds {unknown[0]!r}, a kind of layer pstar_jax's {family} "
-                             f"models do not implement (known: {', '.join(LAYER_TYPES)})")
+    layer_types(config, family, n_layer)  # refuses a kind of layer we do not implement
     if family == "mistral":
         return config.get("sliding_window", 4096)
     if family == "mixtral":

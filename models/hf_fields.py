@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pstar_models.llama_config import LAYER_TYPES
+
 # transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig, Qwen2Config,
 # MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig, Gemma3TextConfig). Left out or null, head_dim means hidden_size /
 # num_attention_heads and num_key_value_heads num_attention_heads, unless a left-out key has a value here.
@@ -43,3 +45,19 @@ def count(config: Mapping[str, Any], key: str, family: str) -> int:
     """A count with transformers' default where config.json leaves it out; else as ``require``."""
     value = config.get(key, HF_DEFAULTS[family].get(key))
     return require({**config, key: value}, key)
+
+
+def layer_types(config: Mapping[str, Any], family: str, n_layer: int) -> tuple[str, ...] | None:
+    """config.json's layer_types (each layer's attention, as transformers 4.56+ saves it), checked:
+    one per layer, each one we implement; None where the file has none."""
+    types = config.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != n_layer:
+        raise ValueError(f"config.json layer_types must list one attention type for each of the "
+                         f"{n_layer} layers (num_hidden_layers), got {str(types)[:80]}")
+    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"config.json layer_types holds {unknown[0]!r}, a kind of layer pstar_jax's {family} "
+                         f"models do not implement (known: {', '.join(LAYER_TYPES)})")
+    return tuple(types)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pstar_models.hf_fields import refuse_unless
-from pstar_models.llama_config import LAYER_TYPES, LinearRopeScaling, LlamaConfig
+from pstar_models.hf_fields import layer_types, refuse_unless
+from pstar_models.llama_config import GEMMA, LAYER_TYPES, LinearRopeScaling, LlamaConfig, gemma_layer_types
 
 GEMMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "attn_post_norm.scale": "post_attention_layernorm.weight",
                "mlp_norm.scale": "pre_feedforward_layernorm.weight",
@@ -57,23 +57,16 @@ def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
                 rope_local_theta=_number(config.get("rope_local_base_freq", 1e4), "rope_local_base_freq"))
 
 
-def _layer_types(config: Mapping[str, Any], n_layer: int) -> tuple[str, ...]:
+def _gemma_layer_types(config: Mapping[str, Any], n_layer: int) -> tuple[str, ...]:
     """Each layer's attention: layer_types as 4.56+ save it, else transformers' sliding_window_pattern
     (default 6: every sixth layer global)."""
-    types = config.get("layer_types")
-    if types is None:
-        pattern = config.get("sliding_window_pattern", 6)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
-            raise ValueError(f"config.json's sliding_window_pattern is {pattern!r}; it must be a positive whole number")
-        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer))
-    if not isinstance(types, list) or len(types) != n_layer:
-        raise ValueError(f"config.json layer_types must list one attention type for each of the {n_layer} layers "
-                         f"(num_hidden_layers), got {str(types)[:80]}")
-    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"config.json layer_types holds {unknown[0]!r}, a kind of layer pstar_jax's gemma3_text "
-                         f"models do not implement (known: {', '.join(LAYER_TYPES)})")
-    return tuple(types)
+    types = layer_types(config, GEMMA, n_layer)
+    if types is not None:
+        return types
+    pattern = config.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise ValueError(f"config.json's sliding_window_pattern is {pattern!r}; it must be a positive whole number")
+    return gemma_layer_types(n_layer, pattern)
 
 
 def gemma_fields(config: Mapping[str, Any], n_layer: int) -> dict[str, Any]:
@@ -90,7 +83,7 @@ def gemma_fields(config: Mapping[str, Any], n_layer: int) -> dict[str, Any]:
                          "transformers' Gemma 3 attention never applies (the published configs have null); set it "
                          "to null so that pstar_jax and transformers compute the same model")
     cap = config.get("final_logit_softcapping")
-    return dict(layer_types=_layer_types(config, n_layer), sliding_window=window,
+    return dict(layer_types=_gemma_layer_types(config, n_layer), sliding_window=window,
                 query_pre_attn_scalar=_number(config.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar"),
                 final_softcap=None if cap is None else _number(cap, "final_logit_softcapping"), **_rope(config))
 

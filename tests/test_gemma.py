@@ -58,9 +58,9 @@ def test_packed_rows_give_each_example_its_own_logits_through_the_sliding_window
 @pytest.mark.hf_reference
 @pytest.mark.parametrize("name", ["gemma3", "gemma3_final_softcap"])
 def test_gemma_exports_load_in_transformers_with_the_same_logits(name, tmp_path):
-    source = CHECKPOINTS[name]
-    config = build_from_hf(source, seq_len=SEQ_LEN).config
-    hf_models.test_export_loads_in_transformers_with_the_same_logits(config, tmp_path, source)
+    """Our config.json (following the source's) and weights load in transformers with our logits."""
+    model = build_from_hf(CHECKPOINTS[name], seq_len=SEQ_LEN)
+    hf_models.test_export_loads_in_transformers_with_the_same_logits(model.config, tmp_path, CHECKPOINTS[name])
 
 
 # config.json as transformers 4.57.6's save_pretrained wrote it for a Gemma3ForCausalLM of GEMMA's sizes
@@ -174,24 +174,9 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     matrices only), the window shorter than the batch's rows: equal losses at every step and
     equal params after ten."""
     torch = pytest.importorskip("torch")
-    import optax
-    from frozen_engines import chunked
-    from pstar_jax.config import OptimConfig
-    from test_hf_models import hf_reference, saved_state, to_pstar
-    optim = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
+    from torch_adamw import assert_trained_alike, chunked_and_reference
     B, T, steps = 2, 12, 10
-    hf_model = hf_reference(GEMMA).train()
-    model = build_from_hf(GEMMA, seq_len=T)
-    engine = chunked(model, frozenset(), batch=B, seq=T, optim=optim, chunk=None,
-                     init_params=to_pstar(model, saved_state(hf_model)))
-    params = list(hf_model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)
-    warmup, total = optim.schedule_steps()
-    schedule = optax.warmup_cosine_decay_schedule(0.0, optim.lr, warmup, max(total, warmup + 1),
-                                                  optim.lr * optim.final_lr_fraction)
-    lr_at = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float(schedule(step)) / optim.lr)
+    hf_model, model, engine, opt, lr_at = chunked_and_reference(GEMMA, B, T)
     rng = np.random.default_rng(1)
     ours, theirs = [], []
     for _ in range(steps):
@@ -207,12 +192,7 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
         opt.step()
         lr_at.step()
         theirs.append(float(loss.detach()))
-    assert all(r.h2d_bytes > 0 and r.d2h_bytes > 0 for r in ours)  # the chunks moved every step
-    np.testing.assert_allclose([r.loss for r in ours], theirs, rtol=2e-6)
-    final = to_pstar(model, saved_state(hf_model))
-    mine = engine.params()
-    for name, value in final.items():
-        np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
+    assert_trained_alike(engine, model, hf_model, ours, theirs)
 
 
 @pytest.mark.hf_reference
@@ -247,17 +227,9 @@ def test_a_lora_run_exports_an_adapter_peft_loads_onto_the_source(tmp_path, caps
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     import transformers
-    from pstar_jax.cli.train import main as train_main
-    from test_hf import write_family_checkpoint
-    src = tmp_path / "gemma"
-    write_family_checkpoint(str(src), build_from_hf(GEMMA, seq_len=SEQ_LEN))
-    np.random.default_rng(0).integers(1, 113, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
-    code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "3",
-                       "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
-                       "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
-                       "--export-dtype", "fp32"])
-    assert code == 0, capsys.readouterr().err
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    from test_hf import lora_run_exports
+    _, config = lora_run_exports(tmp_path, GEMMA, capsys, steps=3)
+    src = tmp_path / "src"
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     load = dict(attn_implementation="eager", dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src, **load),
