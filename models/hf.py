@@ -19,7 +19,8 @@ from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
 from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_models.llama_config import GEMMA, MOE_FAMILIES
-from pstar_models.hf_gemma import GEMMA_BLOCK, gemma_export, gemma_fields
+from pstar_models.hf_gemma import (GEMMA_BLOCK, gemma_export, gemma_fields, other_tower, text_tower, tower_names,
+                                    with_text_defaults)
 from pstar_models.hf_fields import HF_DEFAULTS, layer_types, refuse_unless, require
 from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
 
@@ -141,6 +142,8 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
     family = config["model_type"]
     defaults = HF_DEFAULTS[family]
     gemma = family == GEMMA
+    if gemma:
+        config = with_text_defaults(config)
     act = config.get("hidden_act", "silu")
     refuse_unless(gemma or act == "silu", f"hidden_act {act!r} (only silu)")
     if family in ("llama", "qwen3", "qwen3_moe"):
@@ -193,10 +196,9 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
     refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
-    if model_type == "gemma3":
-        raise ValueError("config.json model_type 'gemma3' is a multimodal Gemma 3 (text_config beside a vision "
-                         "tower), which pstar_jax does not read yet; use a text-only gemma3_text checkpoint "
-                         "(such as google/gemma-3-1b-pt)")
+    tower = text_tower(config)  # a multimodal Gemma 3: its text decoder alone
+    if tower is not None:
+        return build_from_hf(tower, lora, **overrides)
     if model_type in FAMILIES:
         return StagedLlama(dataclasses.replace(_llama_config(config, overrides), lora=lora))
     raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -317,9 +319,17 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
 def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> None:
     """Refuse, naming the field, a config.json size that the weights' shapes (from the safetensors
     headers, before anything is allocated) contradict. Tensors absent here are left to the loader."""
+    tower = text_tower(config)
+    if tower is not None:  # the text tower's tensors under the names a gemma3_text checkpoint gives them
+        renamed = {n[len(p):]: s for n, s in shapes.items() for p in ("language_model.", "model.language_model.")
+                   if n.startswith(p)}
+        renamed = {(n if n.startswith(("model.", "lm_head.")) else "model." + n): s for n, s in renamed.items()}
+        return check_hf_shapes(tower, renamed)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
         return
+    if model_type == GEMMA:
+        config = with_text_defaults(config)
 
     def shape(name: str) -> tuple[int, ...] | None:  # GPT-2's own files lack the 'transformer.' prefix
         found = shapes.get(name, shapes.get(name.split(".", 1)[1]))

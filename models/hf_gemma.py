@@ -1,8 +1,14 @@
-"""Gemma 3's text decoder in Hugging Face checkpoints (model_type gemma3_text): its config.json
-fields read into a LlamaConfig and written back, in either transformers' layout (4.x: top-level
-rope_theta, rope_scaling for the global layers and rope_local_base_freq for the sliding ones; 5.x:
-rope_parameters holding one dict per layer type), and its blocks' tensor names (Gemma calls the
-norm after attention post_attention_layernorm, which in Llama is the norm before the MLP)."""
+"""Gemma 3's text decoder in Hugging Face checkpoints (model_type gemma3_text, or the text tower of a
+multimodal gemma3 one): its config.json fields read into a LlamaConfig and written back, in either
+transformers' layout (4.x: top-level rope_theta, rope_scaling for the global layers and
+rope_local_base_freq for the sliding ones; 5.x: rope_parameters holding one dict per layer type),
+Gemma3TextConfig's defaults for the keys a file leaves out (the multimodal checkpoints' text_config
+lists few), and its blocks' tensor names (Gemma calls the norm after attention
+post_attention_layernorm, which in Llama is the norm before the MLP).
+
+A multimodal checkpoint stores the text tower's tensors under language_model.model.* (4.x, and the
+published files) or model.language_model.* (5.x) beside vision_tower.* and multi_modal_projector.*:
+``tower_names`` gives a tensor's spellings there, ``other_tower`` the tensors left unread."""
 
 from __future__ import annotations
 
@@ -10,6 +16,15 @@ from typing import Any, Mapping
 
 from pstar_models.hf_fields import layer_types, refuse_unless
 from pstar_models.llama_config import GEMMA, LAYER_TYPES, LinearRopeScaling, LlamaConfig, gemma_layer_types
+
+# Gemma3TextConfig's defaults (4.57 and 5.x alike) for the keys the model needs.
+TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                 "sliding_window": 4096}
+MULTIMODAL = "gemma3"  # the model_type of a checkpoint whose text tower is a gemma3_text
+_TOWERS = ("language_model.model.", "model.language_model.")  # 4.x's spelling of our "model.", 5.x's
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 GEMMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "attn_post_norm.scale": "post_attention_layernorm.weight",
                "mlp_norm.scale": "pre_feedforward_layernorm.weight",
@@ -103,3 +118,32 @@ def gemma_export(c: LlamaConfig, five: bool) -> dict[str, Any]:
     else:
         out.update(rope_theta=c.rope_theta, rope_scaling=scaling, rope_local_base_freq=local)
     return out
+
+
+def text_tower(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The gemma3_text config.json of a multimodal gemma3 checkpoint's text tower (None: not one)."""
+    if config.get("model_type") != MULTIMODAL:
+        return None
+    text = config.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type", GEMMA) != GEMMA:
+        raise ValueError(f"config.json model_type {MULTIMODAL!r} has no gemma3_text text_config (got "
+                         f"{str(text)[:80]}), so its text tower cannot be found; pass a checkpoint whose "
+                         "config.json has one, or a text-only gemma3_text checkpoint")
+    return {**text, "model_type": GEMMA}
+
+
+def with_text_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with Gemma3TextConfig's defaults for the keys it leaves out (None where it gives null)."""
+    return {**TEXT_DEFAULTS, **config}
+
+
+def tower_names(hf_name: str) -> tuple[str, ...]:
+    """Where a gemma3_text tensor (``model.*``, ``lm_head.weight``) may lie in a multimodal checkpoint."""
+    if hf_name.startswith("model."):
+        return tuple(prefix + hf_name[len("model."):] for prefix in _TOWERS)
+    return (f"language_model.{hf_name}", hf_name)
+
+
+def other_tower(name: str) -> bool:
+    """A multimodal checkpoint's tensor outside the text tower (the vision tower, the projector)."""
+    return name.startswith(_OTHER_TOWERS)

@@ -131,9 +131,64 @@ def test_gemma_configs_we_would_compute_differently_are_one_line(change, match):
     assert "\n" not in str(e.value)
 
 
-def test_a_multimodal_checkpoint_is_one_line():
-    with pytest.raises(ValueError, match="model_type 'gemma3' is a multimodal Gemma 3") as e:
-        build_from_hf({"model_type": "gemma3", "text_config": {**GEMMA}, "vision_config": {}})
+def multimodal_checkpoint(directory, layout):
+    """A tiny Gemma3ForConditionalGeneration saved by transformers (its text tower GEMMA's sizes, the
+    rest of text_config left to the defaults as the published files leave it) in 4.x's layout
+    (language_model.model.*, the published files' too), or renamed to 5.x's (model.language_model.*):
+    (the HF model, the directory)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import load_file, save_file
+    text = {k: v for k, v in GEMMA.items() if k not in ("model_type", "max_position_embeddings", "rms_norm_eps")}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1,
+                                       boi_token_index=110, eoi_token_index=111, image_token_index=112)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf_model.save_pretrained(directory)
+    stored = json.loads((directory / "config.json").read_text())
+    stored["text_config"] = {k: v for k, v in stored["text_config"].items() if k in text or k == "model_type"}
+    (directory / "config.json").write_text(json.dumps(stored))
+    if layout == "v5":
+        tensors = load_file(directory / "model.safetensors")
+        renamed = {("model." + n.replace("language_model.model.", "language_model.", 1)): v for n, v in tensors.items()}
+        save_file(renamed, str(directory / "model.safetensors"))
+    return hf_model.eval(), directory
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_a_multimodal_checkpoints_text_tower_gives_its_text_logits(layout, tmp_path):
+    """--init-from-hf of a multimodal gemma3 checkpoint reads its text tower (the vision tower left
+    unread), whose logits on text equal the multimodal model's; text_config's missing keys take
+    Gemma3TextConfig's defaults, as transformers fills them."""
+    from pstar_jax.io.hf import HFCheckpoint, header_shapes
+    from pstar_models.hf import check_hf_shapes
+    from pstar_models.llama import llama_from_params
+    hf_model, directory = multimodal_checkpoint(tmp_path / "mm", layout)
+    config = json.loads((directory / "config.json").read_text())
+    check_hf_shapes(config, header_shapes(str(directory)))
+    model = build_from_hf(config, seq_len=SEQ_LEN)
+    assert model.config == dataclasses.replace(build_from_hf(GEMMA, seq_len=SEQ_LEN).config,
+                                               max_position_embeddings=131072)
+    with HFCheckpoint(str(directory), hf_tensors(model), model.param_shapes()) as weights:
+        params = {n: jnp.asarray(weights[n]) for n in model.param_shapes()}
+    tokens = hf_models.tokens_BxL(110)  # no image tokens
+    ours = np.asarray(llama_from_params(model.config, params)(jnp.asarray(tokens)))
+    hf_models.assert_logits_match(ours, hf_models.hf_logits(hf_model, tokens))
+    bad = {**config, "text_config": {**config["text_config"], "hidden_size": 48}}
+    with pytest.raises(ValueError, match="hidden_size=48 disagrees with the weights"):
+        check_hf_shapes(bad, header_shapes(str(directory)))
+
+
+@pytest.mark.parametrize("text_config", [None, "gemma", {"model_type": "siglip_vision_model"}])
+def test_a_multimodal_checkpoint_without_a_text_tower_is_one_line(text_config):
+    with pytest.raises(ValueError, match="has no gemma3_text text_config .* so its text tower cannot be found") as e:
+        build_from_hf({"model_type": "gemma3", "text_config": text_config, "vision_config": {}})
     assert "\n" not in str(e.value)
 
 
@@ -242,3 +297,22 @@ def test_a_lora_run_exports_an_adapter_peft_loads_onto_the_source(tmp_path, caps
     assert not np.allclose(theirs, hf_models.hf_logits(transformers.AutoModelForCausalLM.from_pretrained(src, **load),
                                                        tokens))  # the run changed the model
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()))
+
+
+@pytest.mark.hf_reference
+@pytest.mark.slow
+def test_a_run_from_a_multimodal_checkpoint_exports_its_text_tower(tmp_path, capsys):
+    """pstar-train --init-from-hf on a multimodal gemma3 checkpoint, then --export-hf: a gemma3_text
+    checkpoint (Gemma3ForCausalLM) that transformers loads with no tensor missing or left over."""
+    transformers = pytest.importorskip("transformers")
+    from pstar_jax.cli.train import main as train_main
+    _, directory = multimodal_checkpoint(tmp_path / "mm", "v4")
+    np.random.default_rng(0).integers(1, 110, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(directory), "--data", str(tmp_path / "d.u16.bin"), "--steps", "1",
+                       "--batch-size", "8", "--seq-len", "16", "--quiet", "--export-hf", str(tmp_path / "text"),
+                       "--export-dtype", "fp32"])
+    assert code == 0, capsys.readouterr().err
+    exported = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert exported["model_type"] == "gemma3_text" and exported["architectures"] == ["Gemma3ForCausalLM"]
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", output_loading_info=True)
+    assert not any(info.values()), info
