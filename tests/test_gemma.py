@@ -275,7 +275,6 @@ def test_lora_step_zero_is_the_base_model():
 
 
 @pytest.mark.hf_reference
-@pytest.mark.slow
 def test_a_lora_run_exports_an_adapter_peft_loads_onto_the_source(tmp_path, capsys):
     """pstar-train --lora-rank on a Gemma 3 checkpoint: peft.PeftModel over the source checkpoint
     with our --export-lora gives the logits of our --export-hf (the merged model) in transformers."""
@@ -300,7 +299,6 @@ def test_a_lora_run_exports_an_adapter_peft_loads_onto_the_source(tmp_path, caps
 
 
 @pytest.mark.hf_reference
-@pytest.mark.slow
 def test_a_run_from_a_multimodal_checkpoint_exports_its_text_tower(tmp_path, capsys):
     """pstar-train --init-from-hf on a multimodal gemma3 checkpoint, then --export-hf: a gemma3_text
     checkpoint (Gemma3ForCausalLM) that transformers loads with no tensor missing or left over."""
