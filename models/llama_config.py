@@ -188,6 +188,19 @@ class LlamaConfig:
         return self.d_ff_expert if self.d_ff_expert is not None else self.d_ff
 
 
+def config_from_fields(fields: Mapping[str, object]) -> LlamaConfig:
+    """A LlamaConfig from its fields as JSON holds them (dataclasses.asdict's, as a Flax export writes
+    them): the RoPE scaling rebuilt as its class, layer_types as a tuple."""
+    fields = dict(fields)
+    scaling = fields.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = Llama3RopeScaling if "low_freq_factor" in scaling else LinearRopeScaling
+        fields["rope_scaling"] = kind(**scaling)
+    if isinstance(fields.get("layer_types"), list):
+        fields["layer_types"] = tuple(fields["layer_types"])  # type: ignore[arg-type]
+    return LlamaConfig(**fields)  # type: ignore[arg-type]
+
+
 def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
     """Every projection of a block that LoRA may target: path -> (in, out) features. A mixture of
     experts' router and experts are not targets (yet): its blocks offer attention's projections."""

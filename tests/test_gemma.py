@@ -314,3 +314,36 @@ def test_a_run_from_a_multimodal_checkpoint_exports_its_text_tower(tmp_path, cap
     assert exported["model_type"] == "gemma3_text" and exported["architectures"] == ["Gemma3ForCausalLM"]
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", output_loading_info=True)
     assert not any(info.values()), info
+
+
+def test_config_fields_as_a_flax_export_writes_them_give_the_config_back():
+    from pstar_models.llama_config import config_from_fields
+    for name in ("gemma-3-4b", "gemma-3-1b", "llama-3.1-8b"):
+        config = build_model(name).config
+        assert config_from_fields(json.loads(json.dumps(dataclasses.asdict(config)))) == config
+
+
+@pytest.mark.parametrize("tool", ["pstar-train", "pstar-plan"])
+@pytest.mark.parametrize("change,field", [
+    ({"layer_types": ["sliding_attention", "local_attention", "full_attention"]}, "layer_types"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({"model_type": "gemma3", "text_config": None}, "text_config"),
+])
+def test_bad_gemma_configs_are_one_line_from_the_tools_before_anything_is_built(tool, change, field, tmp_path,
+                                                                               capsys):
+    from pstar_jax.cli.plan import main as plan_main
+    from pstar_jax.cli.train import main as train_main
+    from test_hf import write_family_checkpoint
+    src = tmp_path / "gemma"
+    write_family_checkpoint(str(src), build_from_hf(GEMMA, seq_len=SEQ_LEN))
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **change}))
+    if tool == "pstar-train":
+        np.random.default_rng(0).integers(0, 113, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+        code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "1",
+                           "--batch-size", "8", "--seq-len", "16", "--quiet", "--checkpoint-dir", str(tmp_path / "run")])
+    else:
+        code = plan_main(["--init-from-hf", str(src), "--seq-len", "16", "--batch-size", "8", "--no-search"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "Traceback" not in err[0] and field in err[0], err
+    run = tmp_path / "run"
+    assert not run.exists() or [p.name for p in run.iterdir()] == [".pstar-run.lock"]  # no checkpoint begun
