@@ -1,4 +1,5 @@
-"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense), and its split into stages.
+"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral, Qwen3, the mixtures of experts, Gemma 3's
+text decoder), and its split into stages.
 
 The numerics follow Hugging Face transformers, so that HF weights give HF's logits: RMSNorm
 normalises in float32, casts back to the input dtype and then multiplies by its weight; RoPE
@@ -6,12 +7,21 @@ rotates the two halves of each head (``rotate_half``), so HF q/k weights load wi
 transpose; query head h reads key/value head h // (n_head / n_kv_head) (HF's ``repeat_kv``);
 attention scores are scaled after the q.k product and softmaxed in float32. Qwen3 (``qk_norm``)
 RMS-normalises each head of q and k over its width, with weights of its own, before RoPE.
+Gemma 3 (``config.gemma``) is the same decoder with switches rather than a module of its own,
+since it shares everything that costs code (tiled attention and MLP, staging, the KV cache, LoRA,
+the checkpoint names): its norms multiply by 1 + weight in float32 (models/llama_numerics.py),
+its embeddings by sqrt(d_model), its MLP gates with the tanh GELU, its blocks also normalise the
+attention's and the MLP's outputs (``attn_post_norm``, ``mlp_post_norm``), its scores scale by
+query_pre_attn_scalar ** -0.5, and its sliding layers (``config.sliding(i)``) see a window of keys
+and rotate with RoPE of their own base; those blocks differ from the global ones in what they
+compute, not in their tensors, so the staged model compiles one block of each kind.
 
 Module layout (parameter names are a contract with the checkpoint I/O, see models/hf.py):
 ``embed.embedding`` [V,D]; per block ``attn_norm.scale``, ``attn.{q,k,v}.kernel`` (+ ``.bias``
 with ``qkv_bias``), ``attn.o.kernel``, ``attn.{q,k}_norm.scale`` [K] with ``qk_norm``,
 ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
-``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied.
+``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied; Gemma's blocks add
+``attn_post_norm.scale`` and ``mlp_post_norm.scale``.
 
 Decoding with a KV cache (``Llama.init_cache``, ``Llama.decode``) runs the same modules on T new
 tokens at positions pos..pos+T-1 (RoPE angles offset by pos) against a cache of S positions.

@@ -153,10 +153,14 @@ def multimodal_checkpoint(directory, layout):
     stored = json.loads((directory / "config.json").read_text())
     stored["text_config"] = {k: v for k, v in stored["text_config"].items() if k in text or k == "model_type"}
     (directory / "config.json").write_text(json.dumps(stored))
-    if layout == "v5":
-        tensors = load_file(directory / "model.safetensors")
-        renamed = {("model." + n.replace("language_model.model.", "language_model.", 1)): v for n, v in tensors.items()}
-        save_file(renamed, str(directory / "model.safetensors"))
+    towers = ("language_model.model.", "vision_tower.", "multi_modal_projector.")
+    v5 = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
+    source, target = (v5, towers) if layout == "v4" else (towers, v5)  # whichever layout this transformers saved
+
+    def spelled(name):
+        return next((t + name[len(s):] for s, t in zip(source, target) if name.startswith(s)), name)
+    tensors = load_file(directory / "model.safetensors")
+    save_file({spelled(n): v for n, v in tensors.items()}, str(directory / "model.safetensors"))
     return hf_model.eval(), directory
 
 
