@@ -359,14 +359,18 @@ class StagedLlama(NNXStaged):
         return c.n_experts_per_tok / c.n_experts if self.chunk_group(name) == "experts" else 1.0
 
     def flops_per_token(self) -> float:
-        """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
-        (all but the embedding table, unless it doubles as the tied head, and but the experts it
-        was not routed to); the second term is attention's two L x L matmuls, halved for the
-        causal mask."""
+        """6*N + 12*n_head*head_dim*(keys a query attends to, summed over the layers): N counts the
+        matmul parameters a token meets (all but the embedding table, unless it doubles as the tied
+        head, and but the experts it was not routed to); the second term is attention's two
+        matmuls, over L/2 keys on average under the causal mask (6*n_layer*seq_len*n_head*head_dim
+        in all), and over w - w^2/(2L) in a sliding layer whose window w is shorter than L."""
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
         idle = c.n_layer * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
-        return 6.0 * (self.n_params() - lookup - idle) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+        L = c.seq_len
+        windows = [c.sliding_window if c.sliding(i) else None for i in range(c.n_layer)]
+        keys = sum(L / 2 if w is None or w >= L else w - w * w / (2 * L) for w in windows)
+        return 6.0 * (self.n_params() - lookup - idle) + 12.0 * keys * c.n_head * c.d_head
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:

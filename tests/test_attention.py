@@ -175,13 +175,14 @@ def test_sliding_window_equals_a_banded_full_attention_with_segments(window, til
 
 
 def test_sliding_window_memory_grows_linearly_in_length():
-    """The band is built per query tile (B x tile x L), never as an L x L mask."""
+    """The band is built per query tile over the tile + window - 1 keys it reaches, never as an
+    L x L mask: a tile's scores do not grow with L (measured 1.9 MiB at 4096 against 18 MiB causal)."""
     tile_q = 64
     fn = lambda q, k, v, s: causal_attention(q, k, v, s, tile_q=tile_q, window=128, implementation="tiled")  # noqa: E731
     temp = {L: grad_temp_bytes(fn, L) for L in (512, 4096)}
     plain = grad_temp_bytes(lambda q, k, v, s: causal_attention(q, k, v, s, tile_q=tile_q, implementation="tiled"),
                             4096)
     assert temp[4096] <= 16 * temp[512], temp  # ~8x for 8x the length, never ~64x
-    assert temp[4096] <= 1.25 * plain, (temp, plain)  # the band costs about nothing beside the causal mask
+    assert temp[4096] <= plain / 4, (temp, plain)  # the scores cover the window's keys, not all L
     with pytest.raises(ValueError, match="window must be a positive"):
         causal_attention(*make(8)[:3], window=0)

@@ -351,3 +351,13 @@ def test_bad_gemma_configs_are_one_line_from_the_tools_before_anything_is_built(
     assert code != 0 and len(err) == 1 and "Traceback" not in err[0] and field in err[0], err
     run = tmp_path / "run"
     assert not run.exists() or [p.name for p in run.iterdir()] == [".pstar-run.lock"]  # no checkpoint begun
+
+
+def test_sliding_layers_count_the_keys_their_window_reaches():
+    """flops_per_token: a global layer's query attends to L/2 keys on average, a sliding one's to
+    w - w^2/(2L) (window 16 at L = 64: 14); everything else is the same model's."""
+    from pstar_models.llama import StagedLlama
+    model = build_model("gemma-tiny")  # 6 layers, 5 of them sliding
+    c = model.config
+    full = StagedLlama(dataclasses.replace(c, layer_types=None))
+    assert full.flops_per_token() - model.flops_per_token() == 12 * c.n_head * c.d_head * 5 * (32 - 14)

@@ -38,11 +38,12 @@ Implementation = Literal["cudnn", "tiled"]
 
 
 def visible(segments_q_BxT: jax.Array, positions_q_T: jax.Array, segments_k_BxS: jax.Array,
-            window: int | None = None) -> jax.Array:
+            window: int | None = None, first_key: jax.Array | int = 0) -> jax.Array:
     """B x T x S: query at position p sees key j when j <= p and their segments are equal, and
     with a sliding ``window`` only when p - window < j (the window's last keys, itself included:
-    transformers' sliding_window_overlay). Built per query tile, so the band costs no L x L mask."""
-    keys_S = jnp.arange(segments_k_BxS.shape[1])
+    transformers' sliding_window_overlay). The S keys are positions first_key.. (a window's slice
+    of the row). Built per query tile, so the band costs no L x L mask."""
+    keys_S = first_key + jnp.arange(segments_k_BxS.shape[1])
     causal_TxS = keys_S[None, :] <= positions_q_T[:, None]
     if window is not None:
         causal_TxS = causal_TxS & (keys_S[None, :] > positions_q_T[:, None] - window)
@@ -59,9 +60,16 @@ def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float,
           window: int | None) -> jax.Array:
     k_BxLxNxK, v_BxLxNxK, segments_BxL = consts
     q_BxTxNxGxK, segments_q_BxT, positions_T = x
+    first = 0
+    if window is not None:  # only the keys the tile's window reaches: T + window - 1 of them, not L
+        T, L = positions_T.shape[0], k_BxLxNxK.shape[1]
+        size = min(L, T + window - 1)
+        first = jnp.clip(positions_T[0] - window + 1, 0, L - size)
+        k_BxLxNxK, v_BxLxNxK, segments_BxL = (jax.lax.dynamic_slice_in_dim(a, first, size, axis=1)
+                                              for a in (k_BxLxNxK, v_BxLxNxK, segments_BxL))
     scores_BxNxGxTxL = jnp.einsum("btngk,blnk->bngtl", q_BxTxNxGxK, k_BxLxNxK,
                                   preferred_element_type=jnp.float32 if float32_scores else None) * scale
-    mask_BxTxL = visible(segments_q_BxT, positions_T, segments_BxL, window)
+    mask_BxTxL = visible(segments_q_BxT, positions_T, segments_BxL, window, first)
     scores32 = jnp.where(mask_BxTxL[:, None, None], scores_BxNxGxTxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxTxNxGxK.dtype)
     return jnp.einsum("bngtl,blnk->btngk", probs, v_BxLxNxK)
@@ -124,8 +132,9 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     ``float32_scores`` (tiled path): q.k accumulated into float32 and scaled there, the numerics
     of jax.nn.dot_product_attention (models/gpt.py's today) instead of llama's (the product
     rounded to the compute dtype, then scaled, then upcast); the same in fp32. ``window``: each
-    query sees only its ``window`` latest keys (sliding-window layers), a band built per query
-    tile, so memory stays linear in L (cuDNN takes it as local_window_size)."""
+    query sees only its ``window`` latest keys (sliding-window layers): a tile of queries reads
+    the tile + window - 1 keys before it, a band masked within them, so a tile's scores and work
+    do not grow with L (cuDNN takes the window as local_window_size)."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
     if k_BxLxNxK.shape != (B, L, N, K) or v_BxLxNxK.shape != k_BxLxNxK.shape or H % N:
