@@ -1,6 +1,7 @@
 """Reading config.json fields as transformers does: its defaults for keys a file leaves out, and
 one-line refusals of sizes that are missing or not whole numbers and of settings our models do
-not implement. Shared by models/hf.py (the families) and models/hf_moe.py (their experts)."""
+not implement, and each layer's attention (layer_types). Shared by models/hf.py (the families),
+models/hf_moe.py (their experts) and models/hf_gemma.py (Gemma 3's fields)."""
 
 from __future__ import annotations
 

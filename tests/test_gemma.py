@@ -1,7 +1,9 @@
-"""Gemma 3 (issue 32, part 3): gemma3_text checkpoints give transformers' logits and loss for the same
-weights (fp32), packed rows through the sliding window, both transformers versions' configs,
-exports transformers loads unchanged, ten fp32 training steps equal to transformers + torch
-AdamW under chunk eviction, decoding through the KV cache, and one-line refusals."""
+"""Gemma 3 (issue 32, part 3): gemma3_text checkpoints, and a multimodal gemma3 one's text tower, give
+transformers' logits and loss for the same weights (fp32), packed rows keep to their examples
+through the sliding window, both transformers versions' configs read alike, exports load in
+transformers unchanged, ten fp32 training steps equal transformers + torch AdamW under chunk
+eviction, LoRA matches peft on every projection, decoding through the KV cache equals the full
+forward, and bad configs are one line."""
 
 import dataclasses
 import json
