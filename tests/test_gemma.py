@@ -153,7 +153,9 @@ def multimodal_checkpoint(directory, layout):
             p.add_(0.05 * torch.randn_like(p))
     hf_model.save_pretrained(directory)
     stored = json.loads((directory / "config.json").read_text())
-    stored["text_config"] = {k: v for k, v in stored["text_config"].items() if k in text or k == "model_type"}
+    defaulted = ("max_position_embeddings", "rms_norm_eps", "hidden_activation", "attn_logit_softcapping",
+                 "final_logit_softcapping", "use_bidirectional_attention", "_sliding_window_pattern")
+    stored["text_config"] = {k: v for k, v in stored["text_config"].items() if k not in defaulted}
     (directory / "config.json").write_text(json.dumps(stored))
     towers = ("language_model.model.", "vision_tower.", "multi_modal_projector.")
     v5 = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
