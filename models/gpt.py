@@ -150,11 +150,11 @@ def logits(h_BxLxD: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
 
 
 def head_loss_sum(x_BxLxD: jax.Array, head: jax.Array, tied: bool, targets_BxL: jax.Array,
-                  weights_BxL: jax.Array, tile_bytes: int) -> jax.Array:
+                  weights_BxL: jax.Array, tile_bytes: int, softcap: float | None = None) -> jax.Array:
     """``linear_cross_entropy_sum`` of the normed hidden states over all B x L positions."""
     B, L, D = x_BxLxD.shape
     return linear_cross_entropy_sum(x_BxLxD.reshape(B * L, D), head, targets_BxL.reshape(B * L),
-                                    weights_BxL.reshape(B * L), tied=tied, tile_bytes=tile_bytes)
+                                    weights_BxL.reshape(B * L), tied=tied, tile_bytes=tile_bytes, softcap=softcap)
 
 
 class KVCache(NamedTuple):

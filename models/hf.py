@@ -18,14 +18,16 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from pstar_models.gpt import LN_EPS, GPTConfig, StagedGPT
 from pstar_models.lora import LoraSpec, is_adapter
 from pstar_models.llama import DEFAULT_SEQ_LEN, FAMILIES, Llama3RopeScaling, LlamaConfig, StagedLlama
-from pstar_models.llama_config import MOE_FAMILIES
-from pstar_models.hf_fields import HF_DEFAULTS, refuse_unless, require
+from pstar_models.llama_config import GEMMA, MOE_FAMILIES
+from pstar_models.hf_gemma import (GEMMA_BLOCK, gemma_export, gemma_fields, other_tower, text_tower, tower_names,
+                                    with_text_defaults)
+from pstar_models.hf_fields import HF_DEFAULTS, layer_types, refuse_unless, require
 from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
 
 SUPPORTED = ("gpt2", *FAMILIES)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", GEMMA: "Gemma3ForCausalLM"}
 
 
 class HFTensor(NamedTuple):
@@ -111,20 +113,9 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original))
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we read
-
-
 def _sliding_window(config: Mapping[str, Any], family: str, n_layer: int) -> int | None:
     """The window of the layers that slide, or None: what transformers would apply."""
-    types = config.get("layer_types")
-    if types is not None:  # each layer's attention, as transformers 4.56+ saves it
-        if not isinstance(types, list) or len(types) != n_layer:
-            raise ValueError(f"config.json layer_types must list one attention type for each of the "
-                             f"{n_layer} layers (num_hidden_layers), got {str(types)[:80]}")
-        unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"config.json layer_types holds {unknown[0]!r}, a kind of layer pstar_jax's {family} "
-                             f"models do not implement (known: {', '.join(LAYER_TYPES)})")
+    layer_types(config, family, n_layer)  # refuses a kind of layer we do not implement
     if family == "mistral":
         return config.get("sliding_window", 4096)
     if family == "mixtral":
@@ -150,8 +141,11 @@ def _head_sizes(config: Mapping[str, Any], family: str) -> tuple[Any, Any]:
 def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
     family = config["model_type"]
     defaults = HF_DEFAULTS[family]
+    gemma = family == GEMMA
+    if gemma:
+        config = with_text_defaults(config)
     act = config.get("hidden_act", "silu")
-    refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
+    refuse_unless(gemma or act == "silu", f"hidden_act {act!r} (only silu)")
     if family in ("llama", "qwen3", "qwen3_moe"):
         refuse_unless(not config.get("attention_bias", False), "attention_bias (biases on q/k/v/o)")
         refuse_unless(not config.get("mlp_bias", False), "mlp_bias")
@@ -161,10 +155,10 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
     head_dim, n_kv_head = _head_sizes(config, family)
     if head_dim is not None and isinstance(d_model, int) and isinstance(n_head, int) and head_dim * n_head == d_model:
         head_dim = None  # transformers writes the derived value; ours means the same by None
-    rope_theta, rope_scaling = _rope(config)
+    rope_theta, rope_scaling = (None, None) if gemma else _rope(config)
     max_positions = config.get("max_position_embeddings") or defaults["max_position_embeddings"]
     seq_len = overrides.get("seq_len") or min(max_positions, DEFAULT_SEQ_LEN)
-    window = _sliding_window(config, family, n_layer)
+    window = None if gemma else _sliding_window(config, family, n_layer)
     if window is not None and window < seq_len:
         raise ValueError(f"config.json's sliding_window={window} would take effect at seq_len={seq_len}, and "
                          f"pstar_jax does not implement sliding-window attention; choose seq_len <= {window}")
@@ -174,9 +168,12 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         d_ff=require(config, "intermediate_size"), seq_len=seq_len, head_dim=head_dim,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
         norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])), qkv_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "qwen3_moe"), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe", GEMMA),
+        tie_embeddings=bool(config.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
         max_position_embeddings=None if max_positions == seq_len else max_positions, family=family,
         **experts(config, family))
+    if gemma:
+        derived.update(gemma_fields(config, n_layer))
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
@@ -185,7 +182,9 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "family": "model_type",
         "qkv_bias": "model_type", "qk_norm": "model_type", "n_experts": expert_key(config, family),
         "n_experts_per_tok": "num_experts_per_tok", "d_ff_expert": "moe_intermediate_size",
-        "norm_topk_prob": "norm_topk_prob"})
+        "norm_topk_prob": "norm_topk_prob", "layer_types": "layer_types (or sliding_window_pattern)",
+        "sliding_window": "sliding_window", "rope_local_theta": "rope_local_base_freq (or rope_parameters)",
+        "query_pre_attn_scalar": "query_pre_attn_scalar", "final_softcap": "final_logit_softcapping"})
 
 
 def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **overrides: Any) -> StagedGPT | StagedLlama:
@@ -197,6 +196,9 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
     refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
+    tower = text_tower(config)  # a multimodal Gemma 3: its text decoder alone
+    if tower is not None:
+        return build_from_hf(tower, lora, **overrides)
     if model_type in FAMILIES:
         return StagedLlama(dataclasses.replace(_llama_config(config, overrides), lora=lora))
     raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -225,7 +227,10 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
         del out["n_positions"]  # the source's count (or its default): the writer puts back the rows seq_len cut
         if "n_positions" in source:
             out["n_positions"] = source["n_positions"]
-    if "rope_theta" in ours:
+    if ours["model_type"] == GEMMA:  # its RoPE keys in the source's layout
+        out.pop("rope_local_base_freq", None)
+        out.update(gemma_export(model.config, five="rope_parameters" in source and "rope_theta" not in source))
+    elif "rope_theta" in ours:
         if "rope_parameters" in source and "rope_theta" not in source:  # 5.x
             out["rope_parameters"] = {"rope_theta": ours["rope_theta"],
                                       **(ours["rope_scaling"] or {"rope_type": "default"})}
@@ -262,6 +267,10 @@ def _hf_config(model: Any, torch_dtype: str) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     elif c.family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    elif c.gemma:
+        for key in ("hidden_act", "rope_scaling", "rope_theta"):
+            del out[key]
+        out.update(gemma_export(c, five=False))
     elif c.family in ("qwen3", "qwen3_moe"):  # head_dim always: qwen3 without one means 128, not d_model / n_head
         out.update(head_dim=c.d_head, attention_bias=False, use_sliding_window=False, sliding_window=None,
                    max_window_layers=c.n_layer)
@@ -310,9 +319,17 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
 def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> None:
     """Refuse, naming the field, a config.json size that the weights' shapes (from the safetensors
     headers, before anything is allocated) contradict. Tensors absent here are left to the loader."""
+    tower = text_tower(config)
+    if tower is not None:  # the text tower's tensors under the names a gemma3_text checkpoint gives them
+        renamed = {n[len(p):]: s for n, s in shapes.items() for p in ("language_model.", "model.language_model.")
+                   if n.startswith(p)}
+        renamed = {(n if n.startswith(("model.", "lm_head.")) else "model." + n): s for n, s in renamed.items()}
+        return check_hf_shapes(tower, renamed)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
         return
+    if model_type == GEMMA:
+        config = with_text_defaults(config)
 
     def shape(name: str) -> tuple[int, ...] | None:  # GPT-2's own files lack the 'transformer.' prefix
         found = shapes.get(name, shapes.get(name.split(".", 1)[1]))
@@ -378,6 +395,7 @@ def hf_tensor(family: str, name: str) -> HFTensor:
         moe = moe_tensor(family, rest) if family in MOE_FAMILIES else None
         if i.isdigit() and moe is not None:
             return HFTensor(f"{prefix}.{i}.{moe}", True, False)
+        block = GEMMA_BLOCK if family == GEMMA else block
         if i.isdigit() and rest in block and not (family in MOE_FAMILIES and rest.startswith("mlp.")):
             return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
     elif name in top:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense), and its split into stages.
+"""A Llama-family decoder in Flax NNX (Llama 3.x, Qwen2/2.5, Mistral, Qwen3, the mixtures of experts, Gemma 3's
+text decoder), and its split into stages.
 
 The numerics follow Hugging Face transformers, so that HF weights give HF's logits: RMSNorm
 normalises in float32, casts back to the input dtype and then multiplies by its weight; RoPE
@@ -6,12 +7,21 @@ rotates the two halves of each head (``rotate_half``), so HF q/k weights load wi
 transpose; query head h reads key/value head h // (n_head / n_kv_head) (HF's ``repeat_kv``);
 attention scores are scaled after the q.k product and softmaxed in float32. Qwen3 (``qk_norm``)
 RMS-normalises each head of q and k over its width, with weights of its own, before RoPE.
+Gemma 3 (``config.gemma``) is the same decoder with switches rather than a module of its own,
+since it shares everything that costs code (tiled attention and MLP, staging, the KV cache, LoRA,
+the checkpoint names): its norms multiply by 1 + weight in float32 (models/llama_numerics.py),
+its embeddings by sqrt(d_model), its MLP gates with the tanh GELU, its blocks also normalise the
+attention's and the MLP's outputs (``attn_post_norm``, ``mlp_post_norm``), its scores scale by
+query_pre_attn_scalar ** -0.5, and its sliding layers (``config.sliding(i)``) see a window of keys
+and rotate with RoPE of their own base; those blocks differ from the global ones in what they
+compute, not in their tensors, so the staged model compiles one block of each kind.
 
 Module layout (parameter names are a contract with the checkpoint I/O, see models/hf.py):
 ``embed.embedding`` [V,D]; per block ``attn_norm.scale``, ``attn.{q,k,v}.kernel`` (+ ``.bias``
 with ``qkv_bias``), ``attn.o.kernel``, ``attn.{q,k}_norm.scale`` [K] with ``qk_norm``,
 ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
-``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied.
+``norm.scale``; ``head.kernel`` [D,V] when the embeddings are untied; Gemma's blocks add
+``attn_post_norm.scale`` and ``mlp_post_norm.scale``.
 
 Decoding with a KV cache (``Llama.init_cache``, ``Llama.decode``) runs the same modules on T new
 tokens at positions pos..pos+T-1 (RoPE angles offset by pos) against a cache of S positions.
@@ -29,111 +39,42 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from pstar_models.llama_config import (DEFAULT_SEQ_LEN, FAMILIES, PRESETS, Llama3RopeScaling, LlamaConfig,  # noqa: F401
-                                       _llama3, preset, projections)  # (the family's names, here too)
+from pstar_models.llama_config import (DEFAULT_SEQ_LEN, FAMILIES, PRESETS, LinearRopeScaling,  # noqa: F401
+                                       Llama3RopeScaling, LlamaConfig, _llama3, preset, projections)
+from pstar_models.llama_numerics import (apply_rope, cached_attention, rms_norm, rope_inv_freq,  # noqa: F401
+                                         rope_tables, rope_tables_at, rope_tables_of)  # (here too)
 from pstar_models.lora import init_adapter, is_adapter, position_seeds, project
 from pstar_models.moe import SparseMoE
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
-                               tiled_modules, visible_TxS, write_cache)
+                               tiled_modules, write_cache)
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.staged import NNXStaged, cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
-
-# -- numerics --------------------------------------------------------------------------------
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """HF's LlamaRMSNorm: normalise in float32, cast back to x's dtype, then multiply by the weight."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype).reshape((1,) * (x.ndim - 1) + scale.shape) * y.astype(x.dtype)
-
-
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [K/2], float32, with Llama 3.1's scaling when configured (HF's formulas)."""
-    K = config.d_head
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, K, 2, dtype=np.float64) / K))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq.astype(np.float32)
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by the factor, short ones kept, the band between interpolated.
-    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_tables(config: LlamaConfig, length: int) -> tuple[jax.Array, jax.Array]:
-    """cos_LxK and sin_LxK in float32: angles position * inv_freq, the halves repeated (HF's layout)."""
-    angles_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(config))[None, :]
-    angles_LxK = jnp.concatenate([angles_LxK2, angles_LxK2], axis=-1)
-    return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
-
-
-def rope_tables_of(config: LlamaConfig, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos_BxLxK and sin_BxLxK at each row's own positions (packed rows restart at each example);
-    for positions 0..L-1 the same float32 values as ``rope_tables``."""
-    angles_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))[None, None]
-    angles_BxLxK = jnp.concatenate([angles_BxLxK2, angles_BxLxK2], axis=-1)
-    return jnp.cos(angles_BxLxK), jnp.sin(angles_BxLxK)
-
-
-def rope_tables_at(config: LlamaConfig, pos: jax.Array | int, length: int) -> tuple[jax.Array, jax.Array]:
-    """``rope_tables`` for positions pos..pos+length-1 (the same float32 angles)."""
-    positions = (pos + jnp.arange(length)).astype(jnp.float32)
-    angles_LxK2 = positions[:, None] * jnp.asarray(rope_inv_freq(config))[None, :]
-    angles_LxK = jnp.concatenate([angles_LxK2, angles_LxK2], axis=-1)
-    return jnp.cos(angles_LxK), jnp.sin(angles_LxK)
-
-
-def apply_rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
-    """x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]; the tables are cast to x's dtype as HF does.
-    The tables are [L, K] (every row at the same positions) or [B, L, K] (``rope_tables_of``)."""
-    half = x_BxLxHxK.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxLxHxK[..., half:], x_BxLxHxK[..., :half]], axis=-1)
-    lead = (slice(None),) if cos_LxK.ndim == 3 else (None,)
-    cos, sin = (t[(*lead, slice(None), None, slice(None))].astype(x_BxLxHxK.dtype) for t in (cos_LxK, sin_LxK))
-    return x_BxLxHxK * cos + rotated * sin
-
-
-def cached_attention(q_BxTxHxK: jax.Array, k_BxSxNxK: jax.Array, v_BxSxNxK: jax.Array,
-                     pos: jax.Array | int) -> jax.Array:
-    """pstar_jax.model.attention.causal_attention's numerics (llama's) for T new queries at positions
-    pos.. over S cached keys and values."""
-    B, T, H, K = q_BxTxHxK.shape
-    S, N = k_BxSxNxK.shape[1], k_BxSxNxK.shape[2]
-    q_BxTxNxGxK = q_BxTxHxK.reshape(B, T, N, H // N, K)
-    scores_BxNxGxTxS = jnp.einsum("btngk,bsnk->bngts", q_BxTxNxGxK, k_BxSxNxK) * (K ** -0.5)
-    scores32 = jnp.where(visible_TxS(pos, T, S), scores_BxNxGxTxS.astype(jnp.float32), -jnp.inf)
-    probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxTxHxK.dtype)
-    return jnp.einsum("bngts,bsnk->btngk", probs, v_BxSxNxK).reshape(B, T, H, K)
-
 
 # -- modules ---------------------------------------------------------------------------------
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, d: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
-        self.eps = eps
+    """Llama's RMSNorm, or with ``offset`` Gemma's (times 1 + weight, the weight starting at 0)."""
+
+    def __init__(self, d: int, eps: float, offset: bool = False):
+        self.scale = nnx.Param(jnp.zeros((d,), jnp.float32) if offset else jnp.ones((d,), jnp.float32))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
 class Attention(nnx.Module):
     """Grouped-query attention through pstar_jax.model.attention (query tiles, or cuDNN on a GPU)."""
 
-    def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+    def __init__(self, config: LlamaConfig, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget, layer: int = 0):
         self.config, self.tiling = config, tiling
+        # Gemma's sliding layers: a window over the keys, and RoPE of their own base (``local``).
+        self.local = config.sliding(layer)
+        self.window = config.sliding_window if self.local else None
         D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.d_head
         lora = config.lora
         self.q = _linear(D, H * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.q")
@@ -141,7 +82,7 @@ class Attention(nnx.Module):
         self.v = _linear(D, N * K, rngs, bias=config.qkv_bias, lora=lora, path="attn.v")
         self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=lora, path="attn.o")
         if config.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(K, config.norm_eps), RMSNorm(K, config.norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(K, config.norm_eps, config.gemma) for _ in "qk")
 
     def head_modules(self) -> tuple[nnx.Module, ...]:
         """What ``heads`` reads: q, k, v, and with ``qk_norm`` q_norm and k_norm."""
@@ -153,14 +94,17 @@ class Attention(nnx.Module):
         """q, k (both rotated) and v of x: position-wise, so the block runs it a tile at a time."""
         c = self.config
         L = x_BxLxD.shape[1]
-        cos, sin = rope_tables(c, L) if positions_BxL is None else rope_tables_of(c, positions_BxL)
+        cos, sin = rope_tables(c, L, self.local) if positions_BxL is None else rope_tables_of(c, positions_BxL,
+                                                                                             self.local)
         return heads(self.head_modules(), c, x_BxLxD, cos, sin, dropout_seeds_BxL)
 
     def attend(self, q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
                segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The attention output before the o projection, [B, L, H, K] (query tiles, or cuDNN)."""
+        c = self.config
         return causal_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, attention_segments(segment_ids_BxL),
-                                tile_bytes=self.tiling.scores_bytes)
+                                scale=c.attention_scale if c.gemma else None, tile_bytes=self.tiling.scores_bytes,
+                                window=self.window)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
                  positions_BxL: jax.Array | None = None, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
@@ -172,17 +116,18 @@ class Attention(nnx.Module):
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         c = self.config
         B, T, _ = x_BxTxD.shape
-        q, k, v = heads(self.head_modules(), c, x_BxTxD, *rope_tables_at(c, pos, T))
+        q, k, v = heads(self.head_modules(), c, x_BxTxD, *rope_tables_at(c, pos, T, self.local))
         cache = write_cache(cache, k, v, pos)
-        out = cached_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), pos)
+        out = cached_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), pos,
+                               c.attention_scale if c.gemma else None, self.window)
         return self.o(out.reshape(B, T, c.n_head * c.d_head)), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU: the tanh-approximated GELU for silu."""
 
     def __init__(self, config: LlamaConfig, down_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
-        self.d_ff, self.tiling = config.d_ff, tiling
+        self.d_ff, self.tiling, self.gelu = config.d_ff, tiling, config.gemma
         lora = config.lora
         self.gate = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=lora, path="mlp.gate")
         self.up = _linear(config.d_model, config.d_ff, rngs, bias=False, lora=lora, path="mlp.up")
@@ -190,7 +135,9 @@ class MLP(nnx.Module):
 
     def plain(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
         seeds = dropout_seeds_BxL
-        h = jax.nn.silu(project(self.gate, x_BxLxD, seeds)) * project(self.up, x_BxLxD, seeds)
+        gate = project(self.gate, x_BxLxD, seeds)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)  # gelu_pytorch_tanh
+        h = act * project(self.up, x_BxLxD, seeds)
         return project(self.down, h, seeds)
 
     def __call__(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
@@ -217,31 +164,46 @@ def heads(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, cos: jax.Arra
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions_BxT: jax.Array,
+def _qkv_tile(modules: tuple, config: LlamaConfig, local: bool, x_BxTxD: jax.Array, positions_BxT: jax.Array,
               seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """attn_norm, then q, k, v with RoPE (Attention.qkv's numerics) on one tile of positions."""
     norm, *head_modules = modules
-    return heads(tuple(head_modules), config, norm(x_BxTxD), *rope_tables_of(config, positions_BxT), seeds_BxT)
+    return heads(tuple(head_modules), config, norm(x_BxTxD), *rope_tables_of(config, positions_BxT, local),
+                 seeds_BxT)
 
 
 def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
               seeds_BxT: jax.Array | None) -> jax.Array:
-    """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.))."""
-    o_proj, norm, mlp = modules
+    """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.)); with Gemma's post-norms
+    (two more modules) x + attn_post_norm(o(out)), then + mlp_post_norm(mlp(mlp_norm(.)))."""
+    o_proj, norm, mlp, *post = modules
+    post_attn, post_mlp = post if post else (lambda a: a, lambda a: a)
     B, T = out_BxTxHxK.shape[:2]
-    h_BxTxD = x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
-    return h_BxTxD + mlp.plain(norm(h_BxTxD), seeds_BxT)
+    h_BxTxD = x_BxTxD + post_attn(project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT))
+    return h_BxTxD + post_mlp(mlp.plain(norm(h_BxTxD), seeds_BxT))
 
 
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)); Gemma's normalises the
+    attention's and the MLP's outputs too (attn_post_norm, mlp_post_norm) before adding them.
+    ``layer``: the block's index, which says whether a Gemma block slides."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, tiling: TileBudget):
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config, _residual_std(config), rngs=rngs, tiling=tiling)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, tiling: TileBudget, layer: int = 0):
+        D, eps, gemma = config.d_model, config.norm_eps, config.gemma
+        self.attn_norm = RMSNorm(D, eps, gemma)
+        self.attn = Attention(config, _residual_std(config), rngs=rngs, tiling=tiling, layer=layer)
+        if gemma:
+            self.attn_post_norm = RMSNorm(D, eps, gemma)
+        self.mlp_norm = RMSNorm(D, eps, gemma)
         ffn = SparseMoE if config.n_experts else MLP
         self.mlp = ffn(config, _residual_std(config), rngs=rngs, tiling=tiling)
+        if gemma:
+            self.mlp_post_norm = RMSNorm(D, eps, gemma)
+
+    def out_modules(self) -> tuple[nnx.Module, ...]:
+        """What ``_out_tile`` reads: o, mlp_norm, mlp, and Gemma's two post-norms."""
+        post = (self.attn_post_norm, self.mlp_post_norm) if self.attn.config.gemma else ()
+        return (self.attn.o, self.mlp_norm, self.mlp, *post)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
@@ -259,15 +221,18 @@ class Block(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         tile = mlp_tile(B, L, self.mlp.d_ff, self.mlp.tiling.mlp_bytes)
         config = self.attn.config
+        local = self.attn.local
         q, k, v = tiled_modules((self.attn_norm, *self.attn.head_modules()),
-                                lambda m, *x: _qkv_tile(m, config, *x), (x_BxLxD, positions, seeds), tile)
+                                lambda m, *x: _qkv_tile(m, config, local, *x), (x_BxLxD, positions, seeds), tile)
         out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
-        return tiled_modules((self.attn.o, self.mlp_norm, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        return tiled_modules(self.out_modules(), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
-        x_BxTxD = x_BxTxD + a
-        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+        gemma = self.attn.config.gemma
+        x_BxTxD = x_BxTxD + (self.attn_post_norm(a) if gemma else a)
+        m = self.mlp(self.mlp_norm(x_BxTxD))
+        return x_BxTxD + (self.mlp_post_norm(m) if gemma else m), cache
 
 
 class Llama(nnx.Module):
@@ -281,21 +246,23 @@ class Llama(nnx.Module):
     supports_packing = True
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
-                 tiling: TileBudget = TileBudget()):
+                 tiling: TileBudget = TileBudget(), first_block: int = 0):
         self.config, self.tiling = config, tiling
         self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling)
-                                for _ in range(config.n_layer if n_blocks is None else n_blocks)])
-        self.norm = RMSNorm(D, config.norm_eps)
+        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
+                                for i in range(config.n_layer if n_blocks is None else n_blocks)])
+        self.norm = RMSNorm(D, config.norm_eps, config.gemma)
         if not config.tie_embeddings:
             self.head = _linear(D, config.vocab_size, rngs, bias=False)
 
     def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
         tied = self.config.tie_embeddings
         head = self.embed.embedding[...] if tied else self.head.kernel[...]
-        return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+        logits_BxLxV = logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+        cap = self.config.final_softcap  # Gemma's final_logit_softcapping
+        return logits_BxLxV if cap is None else jnp.tanh(logits_BxLxV / cap) * cap
 
     def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
         """sum of weights * token cross entropy of ``unembed(h)``, the logits a tile at a time
@@ -306,15 +273,20 @@ class Llama(nnx.Module):
         # head's largest buffers (4 x L x D x 4 bytes).
         B, L, D = h_BxLxD.shape
         normed = tiled_modules((self.norm,), lambda m, x: m[0](x), (h_BxLxD,), mlp_tile(B, L, D, self.tiling.mlp_bytes))
-        return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
+        return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes,
+                             self.config.final_softcap)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """The first stage: token embeddings (positions enter through RoPE in the blocks)."""
-        return self.embed(tokens_BxL)
+        """The first stage: token embeddings (positions enter through RoPE in the blocks); Gemma's
+        times sqrt(d_model), that factor rounded to the table's dtype first as transformers does."""
+        h_BxLxD = self.embed(tokens_BxL)
+        if not self.config.gemma:
+            return h_BxLxD
+        return h_BxLxD * jnp.asarray(math.sqrt(self.config.d_model), jnp.float32).astype(h_BxLxD.dtype)
 
     def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        h_BxLxD = self.embed(tokens_BxL)
+        h_BxLxD = self.embed_tokens(tokens_BxL)
         for block in self.blocks:
             h_BxLxD = block(h_BxLxD, segment_ids, positions)
         return self.unembed(h_BxLxD)
@@ -333,7 +305,7 @@ class Llama(nnx.Module):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def decode_embed(self, tokens_BxT: jax.Array, pos: jax.Array | int) -> jax.Array:
-        return self.embed(tokens_BxT)  # positions enter through RoPE
+        return self.embed_tokens(tokens_BxT)  # positions enter through RoPE
 
     def decode_logits(self, h_BxTxD: jax.Array) -> jax.Array:
         return self.unembed(h_BxTxD)
@@ -352,8 +324,10 @@ class StagedLlama(NNXStaged):
 
     def __init__(self, config: LlamaConfig, tiling: TileBudget = TileBudget()):
         self.config = config
-        super().__init__(lambda rngs, n_blocks: Llama(config, rngs=rngs, n_blocks=n_blocks, tiling=tiling),
-                         config.n_layer, seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens")
+        super().__init__(lambda rngs, n_blocks, first_block=0: Llama(config, rngs=rngs, n_blocks=n_blocks,
+                                                                      tiling=tiling, first_block=first_block),
+                         config.n_layer, seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens",
+                         block_kinds=tuple(map(config.sliding, range(config.n_layer))))
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)
@@ -367,8 +341,8 @@ class StagedLlama(NNXStaged):
             return init_adapter(name, shape, jax.random.fold_in(jax.random.key(seed), self._index[name]))
         if leaf == "bias":
             return jnp.zeros(shape, jnp.float32)
-        if leaf == "scale":
-            return jnp.ones(shape, jnp.float32)
+        if leaf == "scale":  # Gemma's norms multiply by 1 + scale
+            return (jnp.zeros if self.config.gemma else jnp.ones)(shape, jnp.float32)
         residual = name.endswith(("attn.o.kernel", "down.kernel"))
         std = _residual_std(self.config) if residual else 0.02
         key = jax.random.fold_in(jax.random.key(seed), self._index[name])
@@ -385,14 +359,18 @@ class StagedLlama(NNXStaged):
         return c.n_experts_per_tok / c.n_experts if self.chunk_group(name) == "experts" else 1.0
 
     def flops_per_token(self) -> float:
-        """6*N + 6*n_layer*seq_len*n_head*head_dim: N counts the matmul parameters a token meets
-        (all but the embedding table, unless it doubles as the tied head, and but the experts, with
-        their adapters, it was not routed to); the second term is attention's two L x L matmuls, halved for the
-        causal mask."""
+        """6*N + 12*n_head*head_dim*(keys a query attends to, summed over the layers): N counts the
+        matmul parameters a token meets (all but the embedding table, unless it doubles as the tied
+        head, and but the experts, with their adapters, it was not routed to); the second term is
+        attention's two matmuls, over L/2 keys on average under the causal mask (6*n_layer*seq_len*n_head*head_dim
+        in all), and over w - w^2/(2L) in a sliding layer whose window w is shorter than L."""
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
         idle = sum(math.prod(shape) * (1.0 - self.flop_share(name)) for name, shape in self.param_shapes().items())
-        return 6.0 * (self.n_params() - lookup - idle) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
+        L = c.seq_len
+        windows = [c.sliding_window if c.sliding(i) else None for i in range(c.n_layer)]
+        keys = sum(L / 2 if w is None or w >= L else w - w * w / (2 * L) for w in windows)
+        return 6.0 * (self.n_params() - lookup - idle) + 12.0 * keys * c.n_head * c.d_head
 
 
 def llama_from_params(config: LlamaConfig, params: Mapping[str, jax.Array]) -> Llama:

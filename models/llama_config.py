@@ -1,5 +1,5 @@
-"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense, and the mixtures of
-experts Qwen3-MoE and Mixtral) and its presets, as plain frozen dataclasses: what a model of the
+"""The Llama family's configuration (Llama 3.x, Qwen2/2.5, Mistral, Qwen3 dense, the mixtures of
+experts Qwen3-MoE and Mixtral, and Gemma 3's text decoder) and its presets, as plain frozen dataclasses: what a model of the
 family is, before any array exists."""
 
 from __future__ import annotations
@@ -10,8 +10,27 @@ from typing import Mapping
 
 from pstar_models.lora import LoraSpec, check_spec
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")  # the HF model_type a config exports as
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")  # the HF model_type
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # every block's MLP a mixture of experts
+GEMMA = "gemma3_text"
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we implement
+
+
+def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's default: every ``pattern``-th layer global, the others sliding (transformers'
+    sliding_window_pattern, 6 in the published configs: 5 sliding layers, then 1 global)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear position interpolation (HF ``rope_scaling`` with ``rope_type: linear``): inv_freq / factor.
+    Gemma 3 4B and larger scale their global layers by 8."""
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +61,7 @@ class LlamaConfig:
     seq_len: int
     head_dim: int | None = None  # None: d_model // n_head
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = None  # Gemma: its global layers' only
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2's q/k/v biases
     qk_norm: bool = False  # Qwen3's RMSNorm over each head's q and k (width head_dim), before RoPE
@@ -56,6 +75,15 @@ class LlamaConfig:
     n_experts_per_tok: int = 0
     d_ff_expert: int | None = None
     norm_topk_prob: bool = True
+    # Gemma 3 (family gemma3_text): RMSNorm by 1 + weight, embeddings times sqrt(d_model), GeGLU (tanh
+    # GELU), norms before and after attention and the MLP, q/k norms, scores scaled by
+    # query_pre_attn_scalar ** -0.5, and per layer (layer_types) full or sliding-window attention,
+    # the sliding layers with RoPE base rope_local_theta and no scaling.
+    layer_types: tuple[str, ...] | None = None  # one of LAYER_TYPES per layer; None: every layer full
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (final_logit_softcapping)
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
@@ -78,17 +106,19 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps!r}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, (Llama3RopeScaling, LinearRopeScaling)):
+            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3RopeScaling, a LinearRopeScaling or None, "
+                             f"got {self.rope_scaling!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"LlamaConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         # HF's Qwen2 always has q/k/v biases; its Llama puts attention_bias on o as well, Mistral has none.
         if self.qkv_bias != (self.family == "qwen2"):
             raise ValueError(f"LlamaConfig.qkv_bias={self.qkv_bias} does not fit family {self.family!r}: "
                              "q/k/v biases exist exactly in qwen2")
-        if self.qk_norm != (self.family in ("qwen3", "qwen3_moe")):
+        if self.qk_norm != (self.family in ("qwen3", "qwen3_moe", GEMMA)):
             raise ValueError(f"LlamaConfig.qk_norm={self.qk_norm} does not fit family {self.family!r}: "
-                             "q/k norms exist exactly in qwen3 and qwen3_moe")
+                             "q/k norms exist exactly in qwen3, qwen3_moe and gemma3_text")
+        self._check_gemma()
         for field in ("n_experts", "n_experts_per_tok"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -113,6 +143,46 @@ class LlamaConfig:
                 raise ValueError(f"LoRA targets adapt {adapted} of the {self.n_experts} experts' {m} matrices; "
                                  f"adapt all of them (mlp.experts.*.{m}) or none")
 
+    def _check_gemma(self) -> None:
+        gemma_only = ("layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar", "final_softcap")
+        if not self.gemma:
+            given = [f for f in gemma_only if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"LlamaConfig.{given[0]} is Gemma 3's; family {self.family!r} has no such setting")
+            if isinstance(self.rope_scaling, LinearRopeScaling):
+                raise ValueError(f"LlamaConfig.rope_scaling: linear scaling is Gemma 3's; family {self.family!r} "
+                                 "takes a Llama3RopeScaling")
+            return
+        for field in ("rope_local_theta", "query_pre_attn_scalar", "final_softcap"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"LlamaConfig.{field} must be a positive number or None, got {value!r}")
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.n_layer:
+                raise ValueError(f"LlamaConfig.layer_types must be a tuple of one entry per layer "
+                                 f"({self.n_layer}), got {self.layer_types!r}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"LlamaConfig.layer_types holds {unknown[0]!r}; known: {', '.join(LAYER_TYPES)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("LlamaConfig.layer_types has sliding layers but sliding_window is None; give the window")
+        if isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError("LlamaConfig.rope_scaling: Gemma 3 scales its global layers linearly (LinearRopeScaling)")
+
+    @property
+    def gemma(self) -> bool:
+        return self.family == GEMMA
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within the sliding window (Gemma 3's local layers)."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.d_head) ** -0.5
+
     @property
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
@@ -121,6 +191,19 @@ class LlamaConfig:
     def expert_width(self) -> int:
         """An expert's hidden width (moe_intermediate_size; Mixtral's intermediate_size)."""
         return self.d_ff_expert if self.d_ff_expert is not None else self.d_ff
+
+
+def config_from_fields(fields: Mapping[str, object]) -> LlamaConfig:
+    """A LlamaConfig from its fields as JSON holds them (dataclasses.asdict's, as a Flax export writes
+    them): the RoPE scaling rebuilt as its class, layer_types as a tuple."""
+    fields = dict(fields)
+    scaling = fields.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = Llama3RopeScaling if "low_freq_factor" in scaling else LinearRopeScaling
+        fields["rope_scaling"] = kind(**scaling)
+    if isinstance(fields.get("layer_types"), list):
+        fields["layer_types"] = tuple(fields["layer_types"])  # type: ignore[arg-type]
+    return LlamaConfig(**fields)  # type: ignore[arg-type]
 
 
 def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -168,6 +251,24 @@ _r = dataclasses.replace
 # positions) and Mixtral-8x7B-v0.1: their config.json fields as quoted by several projects' tests
 # (vLLM, Megatron-Bridge, NVIDIA's conversion tests) and agreeing; their parameter counts (30.5B,
 # 235B, 46.7B) are tests/test_moe.py's.
+
+
+def _gemma3(n_layer: int, **fields: object) -> LlamaConfig:
+    """A Gemma 3 text decoder of the published layout: 5 sliding layers (window 1024, RoPE base
+    10k) to each global one (base 1e6, linear scaling 8), tied 262k embeddings; ``fields`` the size."""
+    base = dict(vocab_size=262208, seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, rope_scaling=LinearRopeScaling(8.0),
+                norm_eps=1e-6, qk_norm=True, tie_embeddings=True, max_position_embeddings=131072, family=GEMMA,
+                sliding_window=1024, rope_local_theta=10000.0, head_dim=256, query_pre_attn_scalar=256)
+    return LlamaConfig(n_layer=n_layer, layer_types=gemma_layer_types(n_layer), **{**base, **fields})  # type: ignore[arg-type]
+
+
+# Gemma 3 1B (gemma3_text), 4B, 12B, 27B (the text_config of the multimodal gemma3 checkpoints): the
+# google/gemma-3-{1b,4b,12b,27b}-pt config.json fields as a stored config module mirroring them
+# quotes them (hidden 1152/2560/3840/5376, layers 26/34/48/62, heads 4/8/16/32, kv heads 1/4/8/16,
+# head_dim 256 but 128 for 27B, query_pre_attn_scalar 256 but 168 for 27B, intermediate
+# 6912/10240/15360/21504, vocab 262144 for 1B and 262208 above, sliding_window 512 for 1B and 1024
+# above, linear rope_scaling 8 from 4B up, 32768 positions for 1B and 131072 above); a Flax NNX
+# Gemma 3 and keras-hub-style presets in other stored repositories agree on 12B and 27B.
 PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "llama-tiny": LlamaConfig(vocab_size=256, d_model=48, n_layer=2, n_head=6, n_kv_head=2, d_ff=96,
                               seq_len=64, rope_scaling=_llama3(8.0)),
@@ -199,6 +300,14 @@ PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
     "mistral-7b": LlamaConfig(vocab_size=32768, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
                               seq_len=DEFAULT_SEQ_LEN, rope_theta=1000000.0, norm_eps=1e-5,
                               max_position_embeddings=32768, family="mistral"),
+    "gemma-tiny": _gemma3(6, vocab_size=256, d_model=32, n_head=4, n_kv_head=2, d_ff=64, head_dim=16,
+                          query_pre_attn_scalar=16, seq_len=64, sliding_window=16, max_position_embeddings=None),
+    "gemma-3-1b": _gemma3(26, vocab_size=262144, d_model=1152, n_head=4, n_kv_head=1, d_ff=6912, rope_scaling=None,
+                          sliding_window=512, max_position_embeddings=32768),
+    "gemma-3-4b": _gemma3(34, d_model=2560, n_head=8, n_kv_head=4, d_ff=10240),
+    "gemma-3-12b": _gemma3(48, d_model=3840, n_head=16, n_kv_head=8, d_ff=15360),
+    "gemma-3-27b": _gemma3(62, d_model=5376, n_head=32, n_kv_head=16, d_ff=21504, head_dim=128,
+                           query_pre_attn_scalar=168),
 })
 
 

@@ -1,7 +1,7 @@
-"""Tokenizer directories with real chat templates (Llama 3.1, Qwen2.5, Mistral [INST]) for the chat tests.
+"""Tokenizer directories with real chat templates (Llama 3.1, Qwen2.5, Mistral [INST], Gemma 3) for the chat tests.
 
 The templates' text is that of the released checkpoints' tokenizer_config.json (Llama-3.1-8B-Instruct,
-Qwen2.5-7B-Instruct, Qwen3-8B, Mistral-7B-Instruct-v0.3); the tokenizer is a tiny byte-level BPE trained here,
+Qwen2.5-7B-Instruct, Qwen3-8B, Mistral-7B-Instruct-v0.3, gemma-3-*-it); the tokenizer is a tiny byte-level BPE trained here,
 with each template's special tokens as added tokens.
 """
 
@@ -280,6 +280,12 @@ MISTRAL = ("{%- if messages[0]['role'] == 'system' %}\n    {%- set system_messag
            "    {%- else %}\n        {{- raise_exception('Only user and assistant roles are supported, with the "
            "exception of an initial optional system message!') }}\n    {%- endif %}\n{%- endfor %}\n")
 
+# Gemma 3's, as google/gemma-3-*-it ship it in tokenizer_config.json: the JSON string, quoted from
+# that file in a stored copy (BFCL's Gemma handler), decoded here.
+GEMMA3 = json.loads(r"""
+"{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+""")
+
 # name -> (template, bos, eos, the other special tokens, the end-of-turn token)
 TEMPLATES = {
     "llama31": (LLAMA31, "<|begin_of_text|>", "<|eot_id|>",
@@ -288,6 +294,7 @@ TEMPLATES = {
     "qwen25": (QWEN25, None, "<|im_end|>", ["<|endoftext|>", "<|im_start|>"], "<|im_end|>"),
     "qwen3": (QWEN3, None, "<|im_end|>", ["<|endoftext|>", "<|im_start|>"], "<|im_end|>"),
     "mistral": (MISTRAL, "<s>", "</s>", ["<unk>", "[INST]", "[/INST]"], "</s>"),
+    "gemma3": (GEMMA3, "<bos>", "<eos>", ["<pad>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
 }
 
 CORPUS = ["hello world, the quick brown fox jumps over the lazy dog", "You are a helpful assistant.",

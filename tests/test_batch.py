@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pstar_models.gpt import StagedGPT, preset
-from pstar_models.llama import Llama3RopeScaling, LlamaConfig, StagedLlama
+from pstar_models.llama import LinearRopeScaling, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_jax.data.batch import Batch, check_batches, from_rows, plain, positions_in_segments
 from pstar_jax.config.errors import DataError
 from pstar_jax.model.staged import compose_loss
@@ -17,6 +17,9 @@ from pstar_jax.model.staged import compose_loss
 EPS32 = float(np.finfo(np.float32).eps)
 LLAMA = LlamaConfig(vocab_size=101, d_model=36, n_layer=2, n_head=6, n_kv_head=2, d_ff=56, seq_len=32,
                     rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 16))  # GQA (3 query heads per kv head), RoPE
+GEMMA = dataclasses.replace(LLAMA, head_dim=10, family="gemma3_text", qk_norm=True, rope_scaling=LinearRopeScaling(4.0),
+                                 layer_types=("sliding_attention", "full_attention"), sliding_window=5,
+                                 rope_local_theta=100.0, query_pre_attn_scalar=7.0, final_softcap=3.0)
 FAMILIES = {
     "gpt": lambda: StagedGPT(dataclasses.replace(preset("tiny"), seq_len=32, vocab_size=101)),
     "llama": lambda: StagedLlama(LLAMA),
@@ -25,6 +28,8 @@ FAMILIES = {
     "mistral": lambda: StagedLlama(dataclasses.replace(LLAMA, head_dim=10, family="mistral", rope_scaling=None)),
     "qwen3": lambda: StagedLlama(dataclasses.replace(LLAMA, head_dim=10, family="qwen3", qk_norm=True,
                                                      rope_scaling=None)),
+    # examples longer than the sliding window (5), which must not reach across them
+    "gemma3": lambda: StagedLlama(GEMMA),
 }
 
 

@@ -48,11 +48,12 @@ EXPECTED_TURN = {
     "llama31": lambda content: content.strip() + "<|eot_id|>",  # the template trims the content
     "qwen25": lambda content: content + "<|im_end|>\n",
     "mistral": lambda content: " " + content + "</s>",
+    "gemma3": lambda content: content.strip() + "<end_of_turn>\n",  # trimmed too; the turn's newline with it
     "qwen25-marks": lambda content: content + "<|im_end|>",  # the marks leave the newline out
 }
 
 
-@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral", "qwen25-marks"])
+@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral", "gemma3", "qwen25-marks"])
 def test_ids_equal_transformers_and_the_mask_is_the_assistant_turns(dirs, name):
     transformers = pytest.importorskip("transformers")
     reference = transformers.AutoTokenizer.from_pretrained(dirs[name])
@@ -84,7 +85,7 @@ def test_llama31_writes_its_date_header_and_bos(dirs):
     assert template.encode(text)[0] == template.tokenizer.token_to_id("<|begin_of_text|>")  # once, by the template
 
 
-@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral"])
+@pytest.mark.parametrize("name", ["llama31", "qwen25", "mistral", "gemma3"])
 def test_end_of_turn_token(dirs, name):
     template = ChatTemplate.from_tokenizer_dir(dirs[name])
     assert template.end_of_turn_ids() == [template.tokenizer.token_to_id(TEMPLATES[name][4])]

@@ -7,7 +7,7 @@ import pytest
 
 from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_models.llama import LlamaConfig, StagedLlama
-from pstar_models.llama_config import _llama3
+from pstar_models.llama_config import LinearRopeScaling, _llama3
 from pstar_jax.engine.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
 
 MODELS = {
@@ -27,6 +27,13 @@ MODELS = {
                                                  d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="qwen3_moe",
                                                  n_experts=4, n_experts_per_tok=2, d_ff_expert=20,
                                                  norm_topk_prob=False, rope_theta=1e6)),
+    # sliding layers (window 4, shorter than the prompt plus the new tokens) beside a global one
+    "gemma3": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=3, n_head=4, n_kv_head=2,
+                                              d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="gemma3_text",
+                                              tie_embeddings=True, rope_theta=1e6, rope_scaling=LinearRopeScaling(4.0),
+                                              layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                                              sliding_window=4, rope_local_theta=100.0, query_pre_attn_scalar=10,
+                                              final_softcap=3.0)),
 }
 PROMPT = np.array([[5, 17, 3, 60, 2]], np.int32)
 N_NEW = 12

@@ -484,6 +484,23 @@ def write_family_checkpoint(directory, model, dtype=np.float32):
     return tensors
 
 
+def lora_run_exports(tmp_path, config, capsys, steps=2, extra=()):
+    """pstar-train --lora-rank 4 (and ``extra`` flags) from a checkpoint of ``config`` (a config.json
+    dict) written to tmp_path/src, exporting the adapter to tmp_path/adapter and the merged model to
+    tmp_path/merged: (the source's tensors, the adapter's adapter_config.json)."""
+    from pstar_jax.cli.train import main as train_main
+    from pstar_models import build_from_hf
+    source = write_family_checkpoint(str(tmp_path / "src"), build_from_hf(config, seq_len=16))
+    # token 0 left out: Gemma's pad, whose lookup gradient transformers drops (see README, Gemma 3)
+    np.random.default_rng(0).integers(1, config["vocab_size"], 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(tmp_path / "src"), "--data", str(tmp_path / "d.u16.bin"), "--steps",
+                       str(steps), "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2",
+                       "--quiet", "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
+                       "--export-dtype", "fp32", *extra])
+    assert code == 0, capsys.readouterr().err
+    return source, json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_init_from_hf_then_export_hf_is_byte_identical(tmp_path, family):
     """HF -> pstar (Run with init_from_hf, chunks moving) -> HF with no training step: every tensor's

@@ -98,7 +98,7 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     checkpoint, settings, saved = case
-    config = CHECKPOINTS[checkpoint] if isinstance(checkpoint, str) else checkpoint
+    config = CHECKPOINTS[checkpoint] if isinstance(checkpoint, str) else checkpoint  # a name, or a config.json
     model = build_from_hf(config, seq_len=SEQ_LEN, lora=LoraSpec(**settings))
     if model.config.n_experts:
         import transformers

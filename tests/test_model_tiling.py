@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pstar_models.gpt import GPTConfig, StagedGPT, attention_segments
-from pstar_models.llama import Llama, Llama3RopeScaling, LlamaConfig, StagedLlama
+from pstar_models.llama import Llama, LinearRopeScaling, Llama3RopeScaling, LlamaConfig, StagedLlama
 from pstar_jax import compat
 from pstar_jax.model.attention import causal_attention, tile_queries
 from pstar_jax.data.batch import Batch, from_rows
@@ -30,6 +30,9 @@ FAMILIES = {
     "qwen_tied": dataclasses.replace(LLAMA, qkv_bias=True, family="qwen2", tie_embeddings=True, rope_scaling=None),
     "mistral": dataclasses.replace(LLAMA, head_dim=10, family="mistral", rope_scaling=None),
     "qwen3": dataclasses.replace(LLAMA, head_dim=10, family="qwen3", qk_norm=True, rope_scaling=None),
+    "gemma3": dataclasses.replace(LLAMA, head_dim=10, family="gemma3_text", qk_norm=True, rope_scaling=LinearRopeScaling(4.0),
+                               layer_types=("sliding_attention", "full_attention"), sliding_window=5,
+                               rope_local_theta=100.0, query_pre_attn_scalar=7.0, final_softcap=3.0),
 }
 
 

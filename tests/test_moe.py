@@ -218,25 +218,10 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     transformers 4.57 runs only the experts a token chose, so the others' .grad stays None and
     torch skips them: the reference then fills those grads with zeros, as 5.x has them."""
     torch = pytest.importorskip("torch")
-    import optax
-    from frozen_engines import chunked
-    from pstar_jax.config import OptimConfig
-    from test_hf_models import hf_reference, saved_state, to_pstar
-    optim = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=None)
+    from torch_adamw import assert_trained_alike, chunked_and_reference
     B, T, steps = 2, 8, 10
-    hf_model = hf_reference(config).train()
-    model = build_from_hf(config, seq_len=T)
-    engine = chunked(model, frozenset(), batch=B, seq=T, optim=optim, chunk=None,
-                     init_params=to_pstar(model, saved_state(hf_model)))
-
-    params = [p for p in hf_model.parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)
-    warmup, total = optim.schedule_steps()
-    schedule = optax.warmup_cosine_decay_schedule(0.0, optim.lr, warmup, max(total, warmup + 1),
-                                                  optim.lr * optim.final_lr_fraction)
-    lr_at = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float(schedule(step)) / optim.lr)
+    hf_model, model, engine, opt, lr_at = chunked_and_reference(config, B, T)
+    params = list(hf_model.parameters())
     rng = np.random.default_rng(1)
     unrouted, ours, theirs = 0, [], []
     for _ in range(steps):
@@ -258,13 +243,7 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
         theirs.append(float(loss.detach()))
     if config is SPARSE:
         assert unrouted > 0, "the case meant to leave an expert without a token routed every one"
-    assert all(r.h2d_bytes > 0 and r.d2h_bytes > 0 for r in ours)  # the chunks moved every step
-    # fp32 losses near log(vocab) ~ 4.7, ten updates apart: agreement to a few ulps of the loss.
-    np.testing.assert_allclose([r.loss for r in ours], theirs, rtol=2e-6)
-    final = to_pstar(model, saved_state(hf_model))
-    mine = engine.params()
-    for name, value in final.items():
-        np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
+    assert_trained_alike(engine, model, hf_model, ours, theirs)
 
 
 @pytest.mark.parametrize("tool", ["pstar-train", "pstar-plan"])
@@ -298,18 +277,8 @@ def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_pa
     merged model are written (both once ended in a KeyError); the experts' adapters trained and
     merged, the router kept as it was."""
     from safetensors.numpy import load_file
-    from pstar_jax.cli.train import main as train_main
-    from test_hf import write_family_checkpoint
-    src = tmp_path / "mixtral"
-    source = write_family_checkpoint(str(src), build_from_hf(MIXTRAL, seq_len=SEQ_LEN))
-    np.random.default_rng(0).integers(0, 107, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
-    code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "2",
-                       "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
-                       "--lora-targets", "attn.*,mlp.experts.*",
-                       "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
-                       "--export-dtype", "fp32"])
-    assert code == 0, capsys.readouterr().err
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    from test_hf import lora_run_exports
+    source, config = lora_run_exports(tmp_path, MIXTRAL, capsys, extra=("--lora-targets", "attn.*,mlp.experts.*"))
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     n_experts, n_layer = MIXTRAL["num_local_experts"], MIXTRAL["num_hidden_layers"]

@@ -152,14 +152,13 @@ def flax_model(directory: str) -> Any:
     """The GPT or Llama a Flax export's config.json (the model config's fields) describes."""
     from pstar_jax.io.checkpoint import CheckpointError
     from pstar_models import gpt, llama
+    from pstar_models.llama_config import config_from_fields
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:
             fields = json.load(f)
         if "n_kv_head" in fields:
-            scaling = fields.get("rope_scaling")
-            fields["rope_scaling"] = llama.Llama3RopeScaling(**scaling) if scaling else None
-            return llama.StagedLlama(llama.LlamaConfig(**fields))
+            return llama.StagedLlama(config_from_fields(fields))
         return gpt.StagedGPT(gpt.GPTConfig(**fields))
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path} does not describe a GPT or Llama model ({type(err).__name__}: {err}); "

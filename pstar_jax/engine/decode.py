@@ -189,13 +189,13 @@ class StreamedDecoder:
         stages = model.stages(self.dtype)
         self.stage_names = [s.param_names for s in stages]
         self.outer_graph, _ = decoder_shell(model, 0)
-        self.block_graph = nnx.split(decoder_shell(model, 1)[1].blocks[0], nnx.Param)[0]
+        decoder_shell(model, 1)  # refuses a module that cannot decode
         self.block_paths = [n.split(".", 2)[2] for n in stages[1].param_names]  # 'blocks.<i>.<path>'
         self.outer_zeros = {n: jax.ShapeDtypeStruct(s, self.dtype) for n, s in model.param_shapes().items()
                             if not n.startswith("blocks.")}
         self.host: list[tuple[jax.Array, ...]] = []  # per stage, filled by load()
         self._embed = jax.jit(self._embed_fn)
-        self._block = jax.jit(self._block_fn, donate_argnums=(2,))
+        self._block = jax.jit(self._block_fn, static_argnums=(0,), donate_argnums=(3,))
         self._head = jax.jit(self._head_fn)
         self._sample = jax.jit(_step, static_argnums=(4,))
 
@@ -229,8 +229,8 @@ class StreamedDecoder:
     def _embed_fn(self, params, tokens_BxT, pos):
         return self._outer(self.stage_names[0], params).decode_embed(tokens_BxT, pos)
 
-    def _block_fn(self, params, h_BxTxD, layer_cache, pos):
-        block = _merge(self.block_graph, dict(zip(self.block_paths, params)))
+    def _block_fn(self, graph, params, h_BxTxD, layer_cache, pos):
+        block = _merge(graph, dict(zip(self.block_paths, params)))
         return block.decode(h_BxTxD, layer_cache, pos)
 
     def _head_fn(self, params, h_BxTxD):
@@ -254,7 +254,7 @@ class StreamedDecoder:
                 return self._head(params, h)
             else:
                 layer = jax.device_put(cache[s - 1], self.on_device)
-                h, layer = self._block(params, h, layer, pos_)
+                h, layer = self._block(self.model.block_graph(s - 1), params, h, layer, pos_)
                 cache[s - 1] = jax.device_put(layer, self.on_host)
         raise AssertionError("unreachable")
 

@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 from pstar_jax.config.errors import ConfigError, HFCheckpointError
 from pstar_jax.config.paths import check_output_dir, contained, staged_dir
+from pstar_models.hf_gemma import MULTIMODAL, other_tower, tower_names
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
@@ -145,7 +146,9 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
 
     def __init__(self, directory: str, tensor_map: TensorMap, shapes: Mapping[str, Sequence[int]]):
         self.directory = os.path.abspath(directory)
-        read_hf_config(self.directory)  # the same one-line errors for a wrong directory
+        # (the same one-line errors for a wrong directory); a multimodal Gemma 3's text tower is read
+        # from under its prefixes, its vision tower left alone
+        self._tower = read_hf_config(self.directory).get("model_type") == MULTIMODAL
         if set(tensor_map) != set(shapes):
             odd = sorted(set(tensor_map) ^ set(shapes))[:3]
             raise HFCheckpointError(f"the tensor map and the model disagree on {odd}; the model's HF map is wrong")
@@ -166,7 +169,8 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         for pstar in self._map:
             self._check(pstar)
         mapped = set(self._hf_names.values())
-        unexpected = sorted(n for n in self._where if n not in mapped and not _BUFFER.search(n))
+        unexpected = sorted(n for n in self._where if n not in mapped and not _BUFFER.search(n) and not (
+            self._tower and (other_tower(n) or _BUFFER.search(n.removeprefix("language_model.")))))
         if unexpected:
             raise HFCheckpointError(f"{self._where[unexpected[0]]} in {self.directory} holds {unexpected[0]}, which "
                                     f"the model has no parameter for ({len(unexpected)} such tensors); the config "
@@ -174,11 +178,12 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
 
     def _resolve(self, hf_name: str) -> str:
         """The name as stored: files saved from the base model lack the head's prefix ('transformer.h.0...'
-        is stored as 'h.0...' in GPT-2's own files), so that spelling is accepted too."""
-        if hf_name in self._where:
-            return hf_name
-        if "." in hf_name and hf_name.split(".", 1)[1] in self._where:
-            return hf_name.split(".", 1)[1]
+        is stored as 'h.0...' in GPT-2's own files), so that spelling is accepted too, and a multimodal
+        checkpoint's text tower nests the names (models/hf_gemma.tower_names)."""
+        spellings = (hf_name, *hf_name.split(".", 1)[1:], *(tower_names(hf_name) if self._tower else ()))
+        for name in spellings:
+            if name in self._where:
+                return name
         raise HFCheckpointError(f"{self.directory} lacks tensor {hf_name}; the config and the weights describe "
                                 "different models, or the download is incomplete")
 

@@ -49,7 +49,7 @@ _LLAMA = (*_ATTENTION, "mlp.gate", "mlp.up", "mlp.down")
 _EXPERTS = ("mlp.experts.*.gate", "mlp.experts.*.up", "mlp.experts.*.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
                "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": (*_ATTENTION, *_EXPERTS),
-               "mixtral": (*_ATTENTION, *_EXPERTS)}
+               "mixtral": (*_ATTENTION, *_EXPERTS), "gemma3_text": _LLAMA}
 _EXPERT_INDEX = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 
 

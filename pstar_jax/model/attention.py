@@ -37,9 +37,16 @@ MASK_BYTES = 256 * 2**20  # the largest dense segment bias handed to cuDNN
 Implementation = Literal["cudnn", "tiled"]
 
 
-def visible(segments_q_BxT: jax.Array, positions_q_T: jax.Array, segments_k_BxS: jax.Array) -> jax.Array:
-    """B x T x S: query at position p sees key j when j <= p and their segments are equal."""
-    causal_TxS = jnp.arange(segments_k_BxS.shape[1])[None, :] <= positions_q_T[:, None]
+def visible(segments_q_BxT: jax.Array, positions_q_T: jax.Array, segments_k_BxS: jax.Array,
+            window: int | None = None, first_key: jax.Array | int = 0) -> jax.Array:
+    """B x T x S: query at position p sees key j when j <= p and their segments are equal, and
+    with a sliding ``window`` only when p - window < j (the window's last keys, itself included:
+    transformers' sliding_window_overlay). The S keys are positions first_key.. (a window's slice
+    of the row). Built per query tile, so the band costs no L x L mask."""
+    keys_S = first_key + jnp.arange(segments_k_BxS.shape[1])
+    causal_TxS = keys_S[None, :] <= positions_q_T[:, None]
+    if window is not None:
+        causal_TxS = causal_TxS & (keys_S[None, :] > positions_q_T[:, None] - window)
     same_BxTxS = segments_q_BxT[:, :, None] == segments_k_BxS[:, None, :]
     return causal_TxS[None] & same_BxTxS
 
@@ -49,13 +56,20 @@ def tile_queries(batch: int, n_head: int, length: int, tile_bytes: int = TILE_SC
     return rows_within(length, 4 * batch * n_head * length, tile_bytes)
 
 
-def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float, float32_scores: bool
-          ) -> jax.Array:
+def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float, float32_scores: bool,
+          window: int | None) -> jax.Array:
     k_BxLxNxK, v_BxLxNxK, segments_BxL = consts
     q_BxTxNxGxK, segments_q_BxT, positions_T = x
+    first = 0
+    if window is not None:  # only the keys the tile's window reaches: T + window - 1 of them, not L
+        T, L = positions_T.shape[0], k_BxLxNxK.shape[1]
+        size = min(L, T + window - 1)
+        first = jnp.clip(positions_T[0] - window + 1, 0, L - size)
+        k_BxLxNxK, v_BxLxNxK, segments_BxL = (jax.lax.dynamic_slice_in_dim(a, first, size, axis=1)
+                                              for a in (k_BxLxNxK, v_BxLxNxK, segments_BxL))
     scores_BxNxGxTxL = jnp.einsum("btngk,blnk->bngtl", q_BxTxNxGxK, k_BxLxNxK,
                                   preferred_element_type=jnp.float32 if float32_scores else None) * scale
-    mask_BxTxL = visible(segments_q_BxT, positions_T, segments_BxL)
+    mask_BxTxL = visible(segments_q_BxT, positions_T, segments_BxL, window, first)
     scores32 = jnp.where(mask_BxTxL[:, None, None], scores_BxNxGxTxL.astype(jnp.float32), -jnp.inf)
     probs = jax.nn.softmax(scores32, axis=-1).astype(q_BxTxNxGxK.dtype)
     return jnp.einsum("bngtl,blnk->btngk", probs, v_BxLxNxK)
@@ -63,8 +77,8 @@ def _tile(consts: tuple[jax.Array, ...], x: tuple[jax.Array, ...], scale: float,
 
 def tiled_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
                     segment_ids_BxL: jax.Array, *, scale: float, tile_q: int,
-                    float32_scores: bool = False) -> jax.Array:
-    """The query-tiled path (see the module docstring)."""
+                    float32_scores: bool = False, window: int | None = None) -> jax.Array:
+    """The query-tiled path (see the module docstring); ``window`` as in causal_attention."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
     n_tiles, tile = split_tiles(L, min(tile_q, L))
@@ -75,21 +89,23 @@ def tiled_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.A
     segments_q = jnp.take(segment_ids_BxL, positions, axis=1)
     xs = (to_tiles(q_BxLxNxGxK, 1, n_tiles, tile), to_tiles(segments_q, 1, n_tiles, tile),
           positions.reshape(n_tiles, tile))
-    out = map_tiles(lambda c, x: _tile(c, x, scale, float32_scores), (k_BxLxNxK, v_BxLxNxK, segment_ids_BxL), xs)
+    out = map_tiles(lambda c, x: _tile(c, x, scale, float32_scores, window), (k_BxLxNxK, v_BxLxNxK, segment_ids_BxL),
+                    xs)
     out_BxLxNxGxK = jnp.moveaxis(out, 0, 1).reshape(B, n_tiles * tile, N, H // N, K)[:, :L]
     return out_BxLxNxGxK.reshape(B, L, H, K)
 
 
 def _cudnn_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
-                     segment_ids_BxL: jax.Array | None, *, scale: float,
+                     segment_ids_BxL: jax.Array | None, *, scale: float, window: int | None = None,
                      implementation: Literal["cudnn", "xla"] = "cudnn") -> jax.Array:
     """jax.nn.dot_product_attention with the segment mask as ``mask=`` (``"xla"`` builds the same
     call with full L x L scores: the tests check the mask that way on a CPU)."""
     mask = None
     if segment_ids_BxL is not None:
         mask = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
+    band = None if window is None else (window - 1, 0)  # keys p - window + 1 .. p
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask=mask, scale=scale,
-                                        is_causal=True, implementation=implementation)
+                                        is_causal=True, local_window_size=band, implementation=implementation)
 
 
 def choose_implementation(q_BxLxHxK: jax.Array, segment_ids_BxL: jax.Array | None,
@@ -106,7 +122,8 @@ def choose_implementation(q_BxLxHxK: jax.Array, segment_ids_BxL: jax.Array | Non
 def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.Array,
                      segment_ids_BxL: jax.Array | None = None, *, scale: float | None = None,
                      tile_q: int | None = None, implementation: Implementation | None = None,
-                     tile_bytes: int = TILE_SCORES_BYTES, float32_scores: bool = False) -> jax.Array:
+                     tile_bytes: int = TILE_SCORES_BYTES, float32_scores: bool = False,
+                     window: int | None = None) -> jax.Array:
     """o_BxLxHxK: causal attention within segments (None: one segment per row), grouped-query.
 
     ``scale`` defaults to K ** -0.5. ``tile_q`` queries per tile on the tiled path, else as
@@ -114,7 +131,10 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     per ``choose_implementation``; ``"cudnn"`` given explicitly raises where cuDNN cannot run.
     ``float32_scores`` (tiled path): q.k accumulated into float32 and scaled there, the numerics
     of jax.nn.dot_product_attention (models/gpt.py's today) instead of llama's (the product
-    rounded to the compute dtype, then scaled, then upcast); the same in fp32."""
+    rounded to the compute dtype, then scaled, then upcast); the same in fp32. ``window``: each
+    query sees only its ``window`` latest keys (sliding-window layers): a tile of queries reads
+    the tile + window - 1 keys before it, a band masked within them, so a tile's scores and work
+    do not grow with L (cuDNN takes the window as local_window_size)."""
     B, L, H, K = q_BxLxHxK.shape
     N = k_BxLxNxK.shape[2]
     if k_BxLxNxK.shape != (B, L, N, K) or v_BxLxNxK.shape != k_BxLxNxK.shape or H % N:
@@ -123,10 +143,12 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     if segment_ids_BxL is not None and segment_ids_BxL.shape != (B, L):
         raise ValueError(f"segment_ids must be [B, L] = {(B, L)}, got {segment_ids_BxL.shape}")
     scale = K ** -0.5 if scale is None else float(scale)
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
     chosen = implementation or choose_implementation(q_BxLxHxK, segment_ids_BxL)
     if chosen == "cudnn":
         try:
-            return _cudnn_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, scale=scale)
+            return _cudnn_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, scale=scale, window=window)
         except (NotImplementedError, ValueError, RuntimeError):
             if implementation == "cudnn":
                 raise
@@ -138,4 +160,4 @@ def causal_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.
     if tile <= 0:
         raise ValueError(f"tile_q must be positive, got {tile_q}")
     return tiled_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segments, scale=scale, tile_q=tile,
-                           float32_scores=float32_scores)
+                           float32_scores=float32_scores, window=window)

@@ -52,30 +52,36 @@ def _logits32(h_TxD: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
     return jnp.matmul(h_TxD, w_DxV.astype(h_TxD.dtype), preferred_element_type=jnp.float32)
 
 
-def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool) -> jax.Array:
-    logp_TxV = jax.nn.log_softmax(_logits32(h_TxD, w, tied), axis=-1)
+def _capped(logits32_TxV: jax.Array, softcap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma's final_logit_softcapping), or the logits as they are."""
+    return logits32_TxV if softcap is None else jnp.tanh(logits32_TxV / softcap) * softcap
+
+
+def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool,
+              softcap: float | None) -> jax.Array:
+    logp_TxV = jax.nn.log_softmax(_capped(_logits32(h_TxD, w, tied), softcap), axis=-1)
     # clip: a masked position may carry any target (-1, V); its weight is zero and must stay so
     picked_T = jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
     return jnp.sum(jnp.where(wt_T != 0, -wt_T * picked_T, 0.0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _tiled_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, weights_N: jax.Array,
-               tied: bool, tile_n: int) -> jax.Array:
+               tied: bool, tile_n: int, softcap: float | None) -> jax.Array:
     xs = _position_tiles(h_NxD, targets_N, weights_N, tile_n)
 
     def step(total: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
-        return total + _tile_sum(x[0], w, x[1], x[2], tied), None
+        return total + _tile_sum(x[0], w, x[1], x[2], tied, softcap), None
     total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
     return total
 
 
-def _tiled_sum_fwd(h_NxD, w, targets_N, weights_N, tied, tile_n):
+def _tiled_sum_fwd(h_NxD, w, targets_N, weights_N, tied, tile_n, softcap):
     # Only the inputs are kept: the backward recomputes each tile's logits.
-    return _tiled_sum(h_NxD, w, targets_N, weights_N, tied, tile_n), (h_NxD, w, targets_N, weights_N)
+    return _tiled_sum(h_NxD, w, targets_N, weights_N, tied, tile_n, softcap), (h_NxD, w, targets_N, weights_N)
 
 
-def _tiled_sum_bwd(tied, tile_n, residuals, g):
+def _tiled_sum_bwd(tied, tile_n, softcap, residuals, g):
     h_NxD, w, targets_N, weights_N = residuals
     N, D = h_NxD.shape
     V = w.shape[0] if tied else w.shape[1]
@@ -85,10 +91,14 @@ def _tiled_sum_bwd(tied, tile_n, residuals, g):
 
     def step(dw32: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h_TxD, t_T, wt_T = x
-        probs_TxV = jax.nn.softmax(_logits32(h_TxD, w, tied), axis=-1)
+        logits32_TxV = _logits32(h_TxD, w, tied)
+        probs_TxV = jax.nn.softmax(_capped(logits32_TxV, softcap), axis=-1)
         onehot_TxV = jnp.arange(V, dtype=t_T.dtype)[None, :] == t_T[:, None]
         coef_T = jnp.where(wt_T != 0, wt_T.astype(jnp.float32) * scale, 0.0)
-        dlogits_TxV = (coef_T[:, None] * (probs_TxV - onehot_TxV)).astype(h_TxD.dtype)
+        dcapped_TxV = coef_T[:, None] * (probs_TxV - onehot_TxV)
+        if softcap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh(z / cap)^2
+            dcapped_TxV = dcapped_TxV * (1.0 - jnp.square(jnp.tanh(logits32_TxV / softcap)))
+        dlogits_TxV = dcapped_TxV.astype(h_TxD.dtype)
         dh_TxD = dlogits_TxV @ (w_c if tied else w_c.T)
         if tied:  # dw is [V, D]
             dw32 = dw32 + jnp.matmul(dlogits_TxV.T, h_TxD, preferred_element_type=jnp.float32)
@@ -105,8 +115,9 @@ _tiled_sum.defvjp(_tiled_sum_fwd, _tiled_sum_bwd)
 
 def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, weights_N: jax.Array, *,
                              tied: bool = False, tile_n: int | None = None,
-                             tile_bytes: int = TILE_LOGITS_BYTES) -> jax.Array:
-    """sum_i weights[i] * -log_softmax(h @ w)[i, targets[i]] in float32, tile by tile.
+                             tile_bytes: int = TILE_LOGITS_BYTES, softcap: float | None = None) -> jax.Array:
+    """sum_i weights[i] * -log_softmax(h @ w)[i, targets[i]] in float32, tile by tile (with
+    ``softcap``, of cap * tanh((h @ w) / cap), Gemma's final_logit_softcapping, in float32).
 
     ``w`` is the head kernel w_DxV, or with ``tied`` the embedding table w_VxD (logits h @ w.T);
     it is cast to h's dtype, the compute dtype. ``tile_n`` positions per tile, else as many as
@@ -125,5 +136,5 @@ def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Arra
     tile = tile_positions(h_NxD.shape[0], V, tile_bytes) if tile_n is None else min(int(tile_n), h_NxD.shape[0])
     if tile <= 0:
         raise ValueError(f"tile_n must be positive, got {tile_n}")
-    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile)
+    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile, softcap)
 

@@ -231,6 +231,10 @@ class NNXStaged:
     module likes (the models here tile it, pstar_jax.model.loss, so N x V logits never exist). A
     module without it is read through ``logits``: ``loss(logits, targets)`` gives each token's
     loss ([B, L]) and the head returns their sum over the loss mask.
+    ``block_kinds`` (one hashable per layer; None: all alike) says which blocks differ in what they
+    compute though not in their tensors (Gemma's sliding and global layers): ``make(rngs, 1,
+    first_block=i)`` must then build a module whose one block is layer i's, and each kind gets
+    a compiled block of its own (``block_graph(i)``).
     Tensor names are the module's state paths joined with '.'
     ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
     initialised alone by the module's own initialisers (a jit that builds the module and keeps
@@ -239,8 +243,12 @@ class NNXStaged:
     def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
                  vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
                  decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
-                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum"):
+                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum",
+                 block_kinds: Sequence[Any] | None = None):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
+        self.block_kinds = tuple(block_kinds) if block_kinds is not None else (None,) * n_layer
+        if len(self.block_kinds) != n_layer:
+            raise ValueError(f"block_kinds names {len(self.block_kinds)} layers, not n_layer={n_layer}")
         self._decays, self._flops = decays, flops_per_token
         one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
         outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
@@ -300,9 +308,18 @@ class NNXStaged:
             for i in range(n_layer)}
         self._index = {n: i for i, n in enumerate(sorted(shapes, key=lambda n: n in adapters))}
 
-        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
-            return block_call(_merge(self._block_graph, self._block_names, params), h_BxLxD, batch)
-        self._block_apply = block_apply  # one object: every block stage shares its compilation
+        # One graph per kind of block, from the kind's first layer (layer 0's is the one traced above).
+        firsts = {kind: self.block_kinds.index(kind) for kind in dict.fromkeys(self.block_kinds)}
+        self._block_graphs = {kind: self._block_graph if first == 0 else nnx.split(
+            nnx.eval_shape(lambda f=first: make(nnx.Rngs(0), 1, first_block=f)).blocks[0], nnx.Param)[0]
+            for kind, first in firsts.items()}
+
+        def block_apply(graph: Any) -> Callable[..., jax.Array]:
+            def apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+                return block_call(_merge(graph, self._block_names, params), h_BxLxD, batch)
+            return apply
+        # One object per kind: every block stage of a kind shares its compilation.
+        self._block_applies = {kind: block_apply(graph) for kind, graph in self._block_graphs.items()}
 
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
@@ -329,10 +346,14 @@ class NNXStaged:
             def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
                 return self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch).astype(dtype)
             self._embed_applies[dtype] = embed_apply
-        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
-                  for i in range(self.n_layer)]
+        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names),
+                        self._block_applies[self.block_kinds[i]]) for i in range(self.n_layer)]
         return [Stage("embed", self._embed_names, self._embed_applies[dtype]), *blocks,
                 Stage("head", self._head_names, self._head_apply)]
+
+    def block_graph(self, layer: int) -> Any:
+        """The NNX graph of block ``layer`` (its kind's), whose state is the block's parameters."""
+        return self._block_graphs[self.block_kinds[layer]]
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         parts = name.split(".")
