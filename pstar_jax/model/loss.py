@@ -52,11 +52,16 @@ def _logits32(h_TxD: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
     return jnp.matmul(h_TxD, w_DxV.astype(h_TxD.dtype), preferred_element_type=jnp.float32)
 
 
-def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool) -> jax.Array:
+def _tile_logps(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, m_T: jax.Array, tied: bool) -> jax.Array:
+    """Each position's target log-prob, 0 where the mask is 0."""
     logp_TxV = jax.nn.log_softmax(_logits32(h_TxD, w, tied), axis=-1)
-    # clip: a masked position may carry any target (-1, V); its weight is zero and must stay so
+    # clip: a masked position may carry any target (-1, V); its value is zero and must stay so
     picked_T = jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
-    return jnp.sum(jnp.where(wt_T != 0, -wt_T * picked_T, 0.0))
+    return jnp.where(m_T != 0, picked_T, 0.0)
+
+
+def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool) -> jax.Array:
+    return -jnp.sum(wt_T * _tile_logps(h_TxD, w, t_T, wt_T, tied))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -75,19 +80,19 @@ def _tiled_sum_fwd(h_NxD, w, targets_N, weights_N, tied, tile_n):
     return _tiled_sum(h_NxD, w, targets_N, weights_N, tied, tile_n), (h_NxD, w, targets_N, weights_N)
 
 
-def _tiled_sum_bwd(tied, tile_n, residuals, g):
-    h_NxD, w, targets_N, weights_N = residuals
+def _tiled_backward(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, coef_N: jax.Array, tied: bool,
+                    tile_n: int) -> tuple[jax.Array, jax.Array]:
+    """(dh, dw) of a loss whose gradient with respect to each position's logits is
+    ``coef[i] * (softmax - onehot)`` (float32 coef, 0 at untrained positions): both heads' backward."""
     N, D = h_NxD.shape
     V = w.shape[0] if tied else w.shape[1]
-    xs = _position_tiles(h_NxD, targets_N, weights_N, tile_n)
+    xs = _position_tiles(h_NxD, targets_N, coef_N, tile_n)
     w_c = w.astype(h_NxD.dtype)
-    scale = g.astype(jnp.float32)
 
     def step(dw32: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h_TxD, t_T, wt_T = x
+        h_TxD, t_T, coef_T = x
         probs_TxV = jax.nn.softmax(_logits32(h_TxD, w, tied), axis=-1)
         onehot_TxV = jnp.arange(V, dtype=t_T.dtype)[None, :] == t_T[:, None]
-        coef_T = jnp.where(wt_T != 0, wt_T.astype(jnp.float32) * scale, 0.0)
         dlogits_TxV = (coef_T[:, None] * (probs_TxV - onehot_TxV)).astype(h_TxD.dtype)
         dh_TxD = dlogits_TxV @ (w_c if tied else w_c.T)
         if tied:  # dw is [V, D]
@@ -96,8 +101,14 @@ def _tiled_sum_bwd(tied, tile_n, residuals, g):
             dw32 = dw32 + jnp.matmul(h_TxD.T, dlogits_TxV, preferred_element_type=jnp.float32)
         return dw32, dh_TxD
     dw32, dh = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), xs)
-    dh_NxD = dh.reshape(-1, D)[:N]
-    return dh_NxD, dw32.astype(w.dtype), None, None  # targets and weights get none
+    return dh.reshape(-1, D)[:N], dw32.astype(w.dtype)
+
+
+def _tiled_sum_bwd(tied, tile_n, residuals, g):
+    h_NxD, w, targets_N, weights_N = residuals
+    coef_N = jnp.where(weights_N != 0, weights_N.astype(jnp.float32) * g.astype(jnp.float32), 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, coef_N, tied, tile_n)
+    return dh_NxD, dw, None, None  # targets and weights get none
 
 
 _tiled_sum.defvjp(_tiled_sum_fwd, _tiled_sum_bwd)
@@ -114,8 +125,15 @@ def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Arra
     tile is padded with zero-weight rows). Positions of weight 0 contribute exactly 0 and no
     gradient, whatever their target; elsewhere targets must lie in [0, V). The weights get no
     gradient (they are a mask, not a parameter)."""
+    tile = _checked_tile(h_NxD, w, targets_N, weights_N, tied, tile_n, tile_bytes, "linear_cross_entropy_sum")
+    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile)
+
+
+def _checked_tile(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, weights_N: jax.Array, tied: bool,
+                  tile_n: int | None, tile_bytes: int, what: str) -> int:
+    """The positions per tile, after checking the shapes (ValueError naming ``what``)."""
     if h_NxD.ndim != 2 or targets_N.shape != h_NxD.shape[:1] or weights_N.shape != h_NxD.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_sum takes h [N, D], targets [N], weights [N]; got "
+        raise ValueError(f"{what} takes h [N, D], targets [N], weights [N]; got "
                          f"{h_NxD.shape}, {targets_N.shape}, {weights_N.shape}")
     D = h_NxD.shape[1]
     if w.ndim != 2 or (w.shape[1] if tied else w.shape[0]) != D:
@@ -125,5 +143,41 @@ def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Arra
     tile = tile_positions(h_NxD.shape[0], V, tile_bytes) if tile_n is None else min(int(tile_n), h_NxD.shape[0])
     if tile <= 0:
         raise ValueError(f"tile_n must be positive, got {tile_n}")
-    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile)
+    return tile
 
+
+# -- per-position log-probabilities (the preference head, pstar_jax.model.preference) -----------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled_logps(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, mask_N: jax.Array,
+                 tied: bool, tile_n: int) -> jax.Array:
+    xs = _position_tiles(h_NxD, targets_N, mask_N, tile_n)
+    logp = jax.lax.map(lambda x: _tile_logps(x[0], w, x[1], x[2], tied), xs)
+    return logp.reshape(-1)[:h_NxD.shape[0]]
+
+
+def _tiled_logps_fwd(h_NxD, w, targets_N, mask_N, tied, tile_n):
+    # As the sum: only the inputs are kept, each tile's logits are recomputed in the backward.
+    return _tiled_logps(h_NxD, w, targets_N, mask_N, tied, tile_n), (h_NxD, w, targets_N, mask_N)
+
+
+def _tiled_logps_bwd(tied, tile_n, residuals, g_N):
+    h_NxD, w, targets_N, mask_N = residuals
+    # d logp_i / d logits_i = onehot - softmax: the sum's backward with coef = -g.
+    coef_N = jnp.where(mask_N != 0, -g_N.astype(jnp.float32), 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, coef_N, tied, tile_n)
+    return dh_NxD, dw, None, None
+
+
+_tiled_logps.defvjp(_tiled_logps_fwd, _tiled_logps_bwd)
+
+
+def linear_target_logps(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, mask_N: jax.Array, *,
+                        tied: bool = False, tile_n: int | None = None,
+                        tile_bytes: int = TILE_LOGITS_BYTES) -> jax.Array:
+    """log_softmax(h @ w)[i, targets[i]] per position, [N] float32, 0 where ``mask`` is 0, tile by
+    tile as ``linear_cross_entropy_sum`` (same numerics, same memory): what a preference loss sums
+    per sequence. Its backward takes any cotangent per position (the loss's weight on each
+    log-prob) and, like the sum's, never holds N x V logits; the mask gets no gradient."""
+    tile = _checked_tile(h_NxD, w, targets_N, mask_N, tied, tile_n, tile_bytes, "linear_target_logps")
+    return _tiled_logps(h_NxD, w, targets_N, mask_N.astype(jnp.float32), tied, tile)

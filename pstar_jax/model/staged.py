@@ -139,15 +139,23 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
             batch = Batch(jnp.asarray(batch, jnp.int32), jnp.asarray(targets, jnp.int32), jnp.ones((B, L)),
                           jnp.ones((B, L), jnp.int32), jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
 
-        def take(stage: Stage) -> tuple[jax.Array, ...]:
-            return tuple(params[n] for n in stage.param_names)
-        h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
-        for i, stage in enumerate(stages[1:-1], 1):
-            apply = remat_block(stage.apply) if remat_block else stage.apply
-            h = apply(take(stage), h, stage_seeds(batch, i))
+        h = hidden(stages, params, batch, remat_block)
         count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
-        return stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)) / count
+        last = stages[-1]
+        return last.apply(tuple(params[n] for n in last.param_names), h, stage_seeds(batch, len(stages) - 1)) / count
     return loss_fn
+
+
+def hidden(stages: Sequence[Stage], params: Mapping[str, jax.Array], batch: Batch,
+           remat_block: Callable[[Callable], Callable] | None = None) -> jax.Array:
+    """What the last stage receives: every stage but the last applied to the batch's tokens."""
+    def take(stage: Stage) -> tuple[jax.Array, ...]:
+        return tuple(params[n] for n in stage.param_names)
+    h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
+    for i, stage in enumerate(stages[1:-1], 1):
+        apply = remat_block(stage.apply) if remat_block else stage.apply
+        h = apply(take(stage), h, stage_seeds(batch, i))
+    return h
 
 
 def stage_seeds(batch: Batch, stage_index: Any) -> Batch:
@@ -239,7 +247,8 @@ class NNXStaged:
     def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
                  vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
                  decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
-                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum"):
+                 embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum",
+                 target_logps: str = "target_logps"):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
         self._decays, self._flops = decays, flops_per_token
         one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
@@ -307,6 +316,12 @@ class NNXStaged:
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
         self._head_apply = head_apply
+        self._has_logps = callable(getattr(outer, target_logps, None))
+
+        def logps_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            module = self._outer(self._head_names, params)
+            return getattr(module, target_logps)(h_BxLxD, batch.targets, batch.loss_mask)
+        self._logps_apply = logps_apply
         self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
         self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}
 
@@ -333,6 +348,14 @@ class NNXStaged:
                   for i in range(self.n_layer)]
         return [Stage("embed", self._embed_names, self._embed_applies[dtype]), *blocks,
                 Stage("head", self._head_names, self._head_apply)]
+
+    def logps_stage(self) -> Stage:
+        """The head as each position's target log-prob, [B, L] float32, 0 off the loss mask (the
+        module's ``target_logps``, tiled as its loss): what a preference loss reads
+        (pstar_jax.model.preference). The head stage's tensors; ValueError if the module has none."""
+        if not self._has_logps:
+            raise ValueError(f"model {self.name} has no target_logps method, so it cannot give per-token log-probs")
+        return Stage("head", self._head_names, self._logps_apply)
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         parts = name.split(".")
