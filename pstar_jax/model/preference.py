@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pstar_jax.config.preference import PreferenceConfig
-from pstar_jax.model.staged import hidden, stage_seeds
+from pstar_jax.config.errors import DataError
+from pstar_jax.model.staged import Stage, hidden, stage_seeds
 
 # The metric sums the head returns, each divided by the step's pairs for its log line (TRL's names).
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -146,3 +147,89 @@ def compose_logps(model: Any, compute_dtype: Any = jnp.float32) -> Any:
         h = hidden(stages, params, batch)
         return head.apply(tuple(params[n] for n in head.param_names), h, stage_seeds(batch, len(stages) - 1))
     return fn
+
+
+class PreferenceModel:
+    """``model`` under a preference objective, for the engines: the same tensors and stages, the
+    head replaced by one that returns the objective's K = 3 sums (the pairs' losses, the SFT
+    term's weighted NLL, and 0 for the trained tokens, which are counted only to be reported)
+    with TRL's metric sums; ``row_counts`` gives each row's pairs, chosen completion tokens and
+    trained tokens, the divisors the engine adds over the step (pstar_jax.data.batch.row_counts).
+    Every other attribute is the model's.
+
+    The reference (sigmoid, ipo; SimPO has none) is either in each batch as ``ref_logp`` (full
+    fine-tuning: computed once before training), or with ``adapters_off`` the model itself with
+    its LoRA adapters zeroed, in the same step (TRL with a peft model and no ref_model): every
+    stage then carries the pair (h, h_ref), h_ref going through the same frozen tensors, already
+    fetched for h, under stop_gradient (so no backward recomputes it), and the head reads both."""
+    n_counts = 3
+
+    def __init__(self, model: Any, cfg: PreferenceConfig, adapters_off: bool = False):
+        self.base, self.cfg = model, cfg
+        self.paired = adapters_off and cfg.uses_reference  # stages carry (h, h_ref)
+        self.reads_ref_logp = cfg.uses_reference and not adapters_off
+        self._stages: dict[Any, list[Stage]] = {}
+        self._wrapped: dict[Any, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # seq_len, vocab_size, param_shapes, init_tensor, ...
+        if name in ("base", "cfg", "paired", "_stages", "_wrapped"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def stages(self, compute_dtype: Any) -> list[Stage]:
+        dtype = jnp.dtype(compute_dtype)
+        if dtype not in self._stages:  # the same Stage objects each time: their compilations are shared
+            stages = list(self.base.stages(compute_dtype))
+            self._stages[dtype] = [*(self._paired(s, i == 0) for i, s in enumerate(stages[:-1])), self._head()]
+        return self._stages[dtype]
+
+    def _off(self, stage: Stage) -> tuple[bool, ...]:
+        return tuple(n.endswith((".lora.lora_a", ".lora.lora_b")) for n in stage.param_names)
+
+    def _paired(self, stage: Stage, first: bool) -> Stage:
+        """A stage mapping (h, h_ref) to its outputs with and without the adapters (the first: tokens)."""
+        if not self.paired:
+            return stage
+        off, apply = self._off(stage), stage.apply
+        key = (apply, off, first)
+        if key not in self._wrapped:  # identical blocks keep sharing one apply object
+            def paired(params: tuple[jax.Array, ...], x: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+                h, h_ref = (x, x) if first else x
+                base = tuple(jnp.zeros_like(p) if o else p for p, o in zip(params, off))
+                out = apply(params, h, batch)
+                # no adapters in the first stage: both branches are one computation
+                ref = out if first and not any(off) else apply(base, h_ref, batch)
+                return out, jax.lax.stop_gradient(ref)
+            self._wrapped[key] = paired
+        return Stage(stage.name, stage.param_names, self._wrapped[key])
+
+    def _head(self) -> Stage:
+        logps, cfg, paired = self.base.logps_stage(), self.cfg, self.paired
+        off = self._off(logps)
+
+        def apply(params: tuple[jax.Array, ...], x: Any, batch: Any) -> tuple[jax.Array, dict]:
+            h, h_ref = x if paired else (x, None)
+            logp = logps.apply(params, h, batch)
+            if paired:
+                base = tuple(jnp.zeros_like(p) if o else p for p, o in zip(params, off))
+                ref = jax.lax.stop_gradient(logps.apply(base, h_ref, batch))
+            else:
+                ref = batch.ref_logp if cfg.uses_reference else None
+            sums = preference_sums(cfg, logp, ref, batch.loss_mask, batch.segment_ids)
+            terms = jnp.stack([sums["loss"], cfg.sft_weight * sums["nll"], jnp.zeros((), jnp.float32)])
+            return terms, {**{name: sums[name] for name in PAIR_METRICS}, "nll": sums["nll"]}
+        return Stage("head", logps.param_names, apply)
+
+    def row_counts(self, batch: Any) -> np.ndarray:
+        """[B, 3] per row: pairs, chosen completion tokens, trained tokens (host numpy)."""
+        if self.reads_ref_logp and batch.ref_logp is None:
+            raise DataError(f"the {self.cfg.loss} loss needs the reference's log-probs beside each batch (a LoRA "
+                            "run's base, or a --ref-logps file); these rows have none")
+        mask = np.asarray(batch.loss_mask, np.float32)
+        chosen = mask * (np.asarray(batch.segment_ids) % 2 == 1)
+        return np.stack([pair_count(batch.segment_ids, mask).astype(np.float32), chosen.sum(axis=1),
+                         mask.sum(axis=1)], axis=1)
+
+    def step_metrics(self, sums: dict[str, float], counts: np.ndarray) -> dict[str, float]:
+        """TRL's logged metrics of a step from its summed ones and its global counts."""
+        return step_metrics({**sums, "pairs": counts[0], "chosen_tokens": counts[1]})

@@ -142,7 +142,8 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
         h = hidden(stages, params, batch, remat_block)
         count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
         last = stages[-1]
-        return last.apply(tuple(params[n] for n in last.param_names), h, stage_seeds(batch, len(stages) - 1)) / count
+        out = last.apply(tuple(params[n] for n in last.param_names), h, stage_seeds(batch, len(stages) - 1))
+        return loss_terms(out)[0][0] / count
     return loss_fn
 
 
@@ -180,6 +181,16 @@ def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
     """Mean token cross entropy, in float32 whatever the logits' dtype."""
     return token_cross_entropy(logits_BxLxV, targets_BxL).mean()
+
+
+def loss_terms(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A last stage's output as (its loss sums [K], its metric sums): a plain head returns its loss
+    sum alone (K = 1, no metrics); an objective of K terms (pstar_jax.model.preference) returns
+    (sums, metrics). The engines divide sum k by the step's global count k (``row_counts``)."""
+    if isinstance(out, tuple):
+        sums, metrics = out
+        return jnp.reshape(sums, (-1,)), dict(metrics)
+    return jnp.reshape(out, (1,)), {}
 
 
 def masked_loss_sum(token_losses_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
