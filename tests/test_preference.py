@@ -45,8 +45,14 @@ def test_target_logps_equal_log_softmax_and_its_gradient_in_tiles(tied):
 
 
 def pack(pairs, rows, R):
-    """Preference rows as the data engineer's file holds them: pair k of a row is segments 2k-1
-    (prompt + chosen) and 2k (prompt + rejected), labels 1 on the completion tokens."""
+    """The batch of ``pack_rows``."""
+    return from_rows(*pack_rows(pairs, rows, R))
+
+
+def pack_rows(pairs, rows, R):
+    """Preference rows as the data engineer's file holds them (tokens, segments, labels [rows, R]):
+    pair k of a row is segments 2k-1 (prompt + chosen) and 2k (prompt + rejected), labels 1 on the
+    completion tokens."""
     tokens, segments, labels = (np.zeros((len(rows), R), np.int32) for _ in range(3))
     for r, members in enumerate(rows):
         at, seg = 0, 0
@@ -60,7 +66,7 @@ def pack(pairs, rows, R):
                 labels[r, at + len(prompt):at + len(seq)] = 1
                 at += len(seq)
         assert at <= R
-    return from_rows(tokens, segments, labels)
+    return tokens, segments, labels
 
 
 def random_pairs(vocab_size, seed=0):
@@ -361,3 +367,81 @@ def test_five_lora_dpo_steps_equal_peft_trl_and_torch_adamw(case, tmp_path):
     for name in values:
         theirs = named[peft_name(model, name)].detach().numpy().T
         np.testing.assert_allclose(mine[name], theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()), err_msg=name)
+
+
+def test_the_in_step_reference_costs_one_forward_and_its_activations_not_a_backward():
+    """What the planner's trace counts for the adapters-off reference: each block's forward twice
+    (with and without the adapters, whose zeroed matmuls XLA drops), each stage input twice (h and h_ref), and a backward that
+    does not recompute the reference branch (stop_gradient: XLA drops it), against the same
+    LoRA model under SimPO, which has no reference."""
+    from frozen_engines import chunked
+    from pstar_jax.config.lora import LoraConfig
+    from pstar_jax.model.lora import frozen_for_lora
+    from pstar_jax.model.preference import PreferenceModel
+    from pstar_models.llama import LlamaConfig, StagedLlama
+    from pstar_models.lora import LoraSpec
+    lora = StagedLlama(LlamaConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64,
+                                   seq_len=SEQ_LEN, max_position_embeddings=64, lora=LoraSpec(rank=4, alpha=8.0)))
+    frozen = frozen_for_lora(lora, LoraConfig(rank=4))
+    shapes = {}
+    for name, cfg, off in (("dpo", PreferenceConfig(), True), ("simpo", PreferenceConfig(loss="simpo"), False)):
+        engine = chunked(PreferenceModel(lora, cfg, adapters_off=off), frozen, budget=None, batch=2, seq=SEQ_LEN,
+                         chunk=None)
+        shapes[name] = engine.plan_for((2, SEQ_LEN)).shape
+    dpo, simpo = shapes["dpo"], shapes["simpo"]
+    blocks = range(1, len(dpo.fwd_flops))
+    for i in blocks:
+        # at most twice: XLA folds the zeroed adapters' matmuls away in the reference branch
+        assert 1.9 * simpo.fwd_flops[i] <= dpo.fwd_flops[i] <= 2 * simpo.fwd_flops[i]
+        np.testing.assert_allclose(dpo.bwd_flops[i], simpo.bwd_flops[i], rtol=0.02)
+        assert dpo.input_bytes[i + 1] == 2 * simpo.input_bytes[i + 1]
+
+
+# -- pstar-train --objective dpo ----------------------------------------------------------------
+
+def preference_file(path, n_rows=24, seq=64, vocab=256, preference=True, seed=0):
+    """A preference file as the data half writes it: packed rows (pack() above), the sidecar's
+    "preference": true and "pairs"."""
+    from pstar_jax.data.packing import PackedRows, write_packed
+    rng = np.random.default_rng(seed)
+    draw = lambda n: [int(x) for x in rng.integers(1, vocab, n)]  # noqa: E731
+    pairs, rows = [], []
+    for _ in range(n_rows):
+        rows.append([len(pairs), len(pairs) + 1])
+        pairs += [(draw(4), draw(int(rng.integers(3, 8))), draw(int(rng.integers(3, 8)))) for _ in range(2)]
+    tokens, segments, labels = pack_rows(pairs, rows, seq + 1)
+    info = {"vocab_size": vocab, **({"preference": True, "pairs": len(pairs)} if preference else {})}
+    write_packed(path, PackedRows(tokens.astype(np.uint16), segments.astype(np.uint16), labels.astype(np.uint8)), info)
+    return path
+
+
+@pytest.mark.slow
+def test_pstar_train_tunes_lora_on_pairs_and_logs_trls_metrics(tmp_path, capsys):
+    """A LoRA DPO run from the flags: step 0's policy is the base (peft's lora_b starts at zero), so
+    its loss is log 2 and its rewards 0; the metrics go to the JSONL as TRL names them."""
+    import json
+    from pstar_jax.cli.train import main as train_main
+    data = preference_file(tmp_path / "pairs.sft.u16.bin")
+    metrics = tmp_path / "m.jsonl"
+    code = train_main(["--objective", "dpo", "--data", str(data), "--lora-rank", "4", "--steps", "3",
+                       "--batch-size", "8", "--lr", "1e-2", "--metrics-out", str(metrics), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 3
+    np.testing.assert_allclose(rows[0]["loss"], np.log(2.0), rtol=1e-5)
+    assert rows[0]["rewards/chosen"] == 0.0 and rows[0]["rewards/margins"] == 0.0
+    for name in ("rewards/accuracies", "logps/chosen", "logps/rejected", "nll_loss"):
+        assert all(np.isfinite(r[name]) for r in rows), name
+    assert rows[-1]["loss"] != rows[0]["loss"]
+
+
+@pytest.mark.parametrize("flags, preference, match", [
+    (["--objective", "dpo", "--lora-rank", "4"], False, "is not a preference file"),
+    ([], True, "is a preference file"),
+])
+def test_the_wrong_kind_of_file_is_one_line(tmp_path, capsys, flags, preference, match):
+    from pstar_jax.cli.train import main as train_main
+    data = preference_file(tmp_path / "d.sft.u16.bin", n_rows=4, preference=preference)
+    assert train_main([*flags, "--data", str(data), "--steps", "1", "--batch-size", "8", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "--data" in err and len(err.strip().splitlines()) == 1

@@ -14,17 +14,22 @@ mean negative log-likelihood of the chosen completions' tokens over the whole st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from pstar_jax.config.errors import ConfigError
 from pstar_jax.config.fields import option, section
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+OBJECTIVES = ("sft", "dpo")
 
 
 @section
 class PreferenceConfig:
-    """The preference loss (TRL's definitions) and its parameters."""
+    """The objective (SFT or preference tuning), the preference loss (TRL's definitions) and its parameters."""
+    objective: str = option("sft", "what to train: sft (the loss over the trained tokens) or dpo (preference "
+                            "tuning on a preference file from pstar-tokens --preference: --dpo-loss picks DPO, "
+                            "IPO or SimPO)", flag="--objective", choices=OBJECTIVES, math_changing=True)
     loss: str = option("sigmoid", "preference loss: sigmoid (DPO), ipo (per-token averaged log-probs) or simpo "
                        "(reference-free, length-normalised)", flag="--dpo-loss", choices=LOSS_TYPES,
                        math_changing=True)
@@ -39,6 +44,9 @@ class PreferenceConfig:
                                math_changing=True)
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"PreferenceConfig.objective must be one of {', '.join(OBJECTIVES)}, got "
+                              f"{self.objective!r}")
         if self.loss not in LOSS_TYPES:
             raise ConfigError(f"PreferenceConfig.loss must be one of {', '.join(LOSS_TYPES)}, got {self.loss!r}")
         for name, low in (("beta", 0.0), ("simpo_gamma", -math.inf), ("sft_weight", -math.inf)):
@@ -58,6 +66,11 @@ class PreferenceConfig:
         if self.simpo_gamma != 0.5 and self.loss != "simpo":
             raise ConfigError(f"PreferenceConfig.simpo_gamma is SimPO's margin; set PreferenceConfig.loss to simpo "
                               f"to use it (the loss is {self.loss})")
+
+    def given(self) -> list[str]:
+        """The preference settings that differ from their defaults (an SFT run refuses them)."""
+        return [f.name for f in dataclasses.fields(self) if f.name != "objective"
+                and getattr(self, f.name) != f.default]
 
     @property
     def uses_reference(self) -> bool:
