@@ -445,3 +445,20 @@ def test_the_wrong_kind_of_file_is_one_line(tmp_path, capsys, flags, preference,
     assert train_main([*flags, "--data", str(data), "--steps", "1", "--batch-size", "8", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert match in err and "--data" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_pstar_plan_counts_the_reference_forward_and_its_activations(capsys):
+    """pstar-plan --objective dpo on a LoRA model: the label says where the reference comes from,
+    the stage inputs kept for the backward are twice SFT's (h and h_ref), the step takes longer."""
+    import json
+    from pstar_jax.cli.plan import main as plan_main
+    plans = {}
+    for name, extra in (("sft", []), ("dpo", ["--objective", "dpo"])):
+        assert plan_main(["tiny", "--lora-rank", "4", "--no-search", "--json", "--device-memory", "1GiB",
+                          "--host-memory", "2GiB", *extra]) == 0
+        plans[name] = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert "DPO (sigmoid loss; the reference: the base with the adapters off" in plans["dpo"]["label"]
+    sft, dpo = plans["sft"]["plan"], plans["dpo"]["plan"]
+    assert dpo["input_bytes"] == 2 * sft["input_bytes"] > 0
+    assert dpo["predicted_step_s"] > sft["predicted_step_s"]

@@ -61,9 +61,6 @@ class RunConfig:
                 raise ConfigError(f"PreferenceConfig.{given[0]} is set but PreferenceConfig.objective is sft; pass "
                                   "PreferenceConfig.objective dpo to tune on preference pairs")
             return
-        if not self.data.path:
-            raise ConfigError("PreferenceConfig.objective dpo needs preference pairs: give DataConfig.path a "
-                              "preference file made by pstar-tokens --preference")
         if not p.uses_reference:
             return
         if not self.lora.enabled:  # full fine-tuning: the reference must come from outside the step

@@ -25,6 +25,7 @@ of the head, float32-rate matmuls on a GPU), returns a mean and has no per-posit
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,16 +53,20 @@ def _logits32(h_TxD: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
     return jnp.matmul(h_TxD, w_DxV.astype(h_TxD.dtype), preferred_element_type=jnp.float32)
 
 
+def _picked(logp_TxV: jax.Array, t_T: jax.Array) -> jax.Array:
+    """Each position's log-prob of its target. Clipped: a masked position may carry any target
+    (-1, V); its value is masked to zero and must stay so."""
+    return jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+
+
 def _tile_logps(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, m_T: jax.Array, tied: bool) -> jax.Array:
     """Each position's target log-prob, 0 where the mask is 0."""
-    logp_TxV = jax.nn.log_softmax(_logits32(h_TxD, w, tied), axis=-1)
-    # clip: a masked position may carry any target (-1, V); its value is zero and must stay so
-    picked_T = jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where(m_T != 0, picked_T, 0.0)
+    return jnp.where(m_T != 0, _picked(jax.nn.log_softmax(_logits32(h_TxD, w, tied), axis=-1), t_T), 0.0)
 
 
 def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool) -> jax.Array:
-    return -jnp.sum(wt_T * _tile_logps(h_TxD, w, t_T, wt_T, tied))
+    picked_T = _picked(jax.nn.log_softmax(_logits32(h_TxD, w, tied), axis=-1), t_T)
+    return jnp.sum(jnp.where(wt_T != 0, -wt_T * picked_T, 0.0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -80,17 +85,25 @@ def _tiled_sum_fwd(h_NxD, w, targets_N, weights_N, tied, tile_n):
     return _tiled_sum(h_NxD, w, targets_N, weights_N, tied, tile_n), (h_NxD, w, targets_N, weights_N)
 
 
-def _tiled_backward(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, coef_N: jax.Array, tied: bool,
-                    tile_n: int) -> tuple[jax.Array, jax.Array]:
+def _tiled_backward(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, a_N: jax.Array, b: jax.Array,
+                    coef: Callable[[jax.Array, jax.Array], jax.Array], tied: bool, tile_n: int
+                    ) -> tuple[jax.Array, jax.Array]:
     """(dh, dw) of a loss whose gradient with respect to each position's logits is
-    ``coef[i] * (softmax - onehot)`` (float32 coef, 0 at untrained positions): both heads' backward."""
+    ``coef(a, b) * (softmax - onehot)``, both heads' backward: ``a_N`` per position (tiled with h),
+    ``b`` a scalar or per position too; coef gives a tile's float32 factors, 0 where untrained
+    (computed a tile at a time, so no whole [N] array is added to the head's memory)."""
     N, D = h_NxD.shape
     V = w.shape[0] if tied else w.shape[1]
-    xs = _position_tiles(h_NxD, targets_N, coef_N, tile_n)
+    per_position = jnp.ndim(b) == 1
+    xs = _position_tiles(h_NxD, targets_N, a_N, tile_n)
+    if per_position:
+        n_tiles, tile = split_tiles(N, tile_n)
+        xs = (*xs, to_tiles(b, 0, n_tiles, tile))
     w_c = w.astype(h_NxD.dtype)
 
     def step(dw32: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h_TxD, t_T, coef_T = x
+        h_TxD, t_T, a_T = x[:3]
+        coef_T = coef(a_T, x[3] if per_position else b)
         probs_TxV = jax.nn.softmax(_logits32(h_TxD, w, tied), axis=-1)
         onehot_TxV = jnp.arange(V, dtype=t_T.dtype)[None, :] == t_T[:, None]
         dlogits_TxV = (coef_T[:, None] * (probs_TxV - onehot_TxV)).astype(h_TxD.dtype)
@@ -106,8 +119,10 @@ def _tiled_backward(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, coef_N
 
 def _tiled_sum_bwd(tied, tile_n, residuals, g):
     h_NxD, w, targets_N, weights_N = residuals
-    coef_N = jnp.where(weights_N != 0, weights_N.astype(jnp.float32) * g.astype(jnp.float32), 0.0)
-    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, coef_N, tied, tile_n)
+
+    def coef(wt_T: jax.Array, scale: jax.Array) -> jax.Array:
+        return jnp.where(wt_T != 0, wt_T.astype(jnp.float32) * scale, 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, weights_N, g.astype(jnp.float32), coef, tied, tile_n)
     return dh_NxD, dw, None, None  # targets and weights get none
 
 
@@ -163,9 +178,11 @@ def _tiled_logps_fwd(h_NxD, w, targets_N, mask_N, tied, tile_n):
 
 def _tiled_logps_bwd(tied, tile_n, residuals, g_N):
     h_NxD, w, targets_N, mask_N = residuals
-    # d logp_i / d logits_i = onehot - softmax: the sum's backward with coef = -g.
-    coef_N = jnp.where(mask_N != 0, -g_N.astype(jnp.float32), 0.0)
-    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, coef_N, tied, tile_n)
+
+    def coef(m_T: jax.Array, g_T: jax.Array) -> jax.Array:
+        # d logp_i / d logits_i = onehot - softmax: the sum's backward with coef = -g.
+        return jnp.where(m_T != 0, -g_T.astype(jnp.float32), 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, mask_N, g_N, coef, tied, tile_n)
     return dh_NxD, dw, None, None
 
 
