@@ -138,11 +138,23 @@ CASES = {  # id: (checkpoint, our settings)
 }
 
 
-def trl_trainer(settings, policy, ref, tmp_path):
-    """TRL's trainer for ``settings`` (SimPO: CPOTrainer, reference-free), fp32 on the CPU."""
+def require_trl():
+    """(transformers, trl, datasets), or the test skips: TRL 0.27 (the last release with these
+    losses) does not import beside transformers 5.x."""
     transformers = pytest.importorskip("transformers")
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
+    try:
+        trl.DPOTrainer
+    except (ImportError, RuntimeError) as err:
+        pytest.skip(f"trl {trl.__version__} does not load beside transformers {transformers.__version__} "
+                    f"({str(err).splitlines()[-1]})")
+    return transformers, trl, datasets
+
+
+def trl_trainer(settings, policy, ref, tmp_path):
+    """TRL's trainer for ``settings`` (SimPO: CPOTrainer, reference-free), fp32 on the CPU."""
+    transformers, trl, datasets = require_trl()
     from chat_fixtures import tokenizer_dir
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir(tmp_path, "qwen25")))
     data = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
@@ -184,6 +196,7 @@ def test_step_zero_loss_gradients_and_metrics_equal_trls(case, tmp_path):
     """Full fine-tuning against a reference model (TRL with ``ref_model``; SimPO has none): the
     same pairs give TRL's loss, its logged metrics and torch's gradients of every tensor."""
     torch = pytest.importorskip("torch")
+    require_trl()
     checkpoint, settings = case
     config = CHECKPOINTS[checkpoint]
     cfg = PreferenceConfig(**settings)
@@ -308,6 +321,7 @@ def test_five_lora_dpo_steps_equal_peft_trl_and_torch_adamw(case, tmp_path):
     import copy
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
+    require_trl()
     import optax
     from frozen_engines import chunked
     from pstar_jax.config import OptimConfig
@@ -462,3 +476,17 @@ def test_pstar_plan_counts_the_reference_forward_and_its_activations(capsys):
     sft, dpo = plans["sft"]["plan"], plans["dpo"]["plan"]
     assert dpo["input_bytes"] == 2 * sft["input_bytes"] > 0
     assert dpo["predicted_step_s"] > sft["predicted_step_s"]
+
+
+@pytest.mark.slow
+def test_bench_dpo_prints_both_steps_and_their_ratio():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_dpo.py"), "--d-model", "32", "--layers",
+                        "2", "--vocab", "256", "--seq-len", "64", "--batch", "2", "--steps", "1", "--rank", "4"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SFT (the same rows)" in r.stdout and "DPO sigmoid (reference in-step)" in r.stdout
+    assert "DPO / SFT step time:" in r.stdout
