@@ -1,8 +1,10 @@
-"""Preference losses (pstar_jax.model.preference) on packed preference rows: the per-position
-log-prob head against plain autodiff, the pair sums, the config's one-line errors, and the step-0
-loss, gradients and logged metrics against TRL 0.27's DPOTrainer (sigmoid, label smoothing, IPO,
-rpo_alpha) and CPOTrainer (SimPO) on tiny random Llama and Qwen2 models made with transformers,
-in fp32. torch/transformers/trl are references only (test extra)."""
+"""Preference losses (pstar_jax.model.preference; the data half's tests are test_preference.py) on
+packed preference rows: the per-position log-prob head against plain autodiff, the pair sums, the
+config's one-line errors; the step-0 loss, gradients and logged metrics against TRL 0.27's
+DPOTrainer (sigmoid, label smoothing, IPO, rpo_alpha) and CPOTrainer (SimPO) on tiny random Llama
+and Qwen2 models made with transformers, in fp32; both engines on the objective, LoRA's in-step
+reference against peft + TRL under torch AdamW, pstar-train and pstar-plan --objective dpo.
+torch/transformers/peft/trl are references only (test extra)."""
 
 import warnings
 
