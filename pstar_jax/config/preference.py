@@ -36,12 +36,13 @@ class PreferenceConfig:
     beta: float = option(0.1, "beta: the strength of the pull toward the reference (TRL's default 0.1); for SimPO "
                          "the reward scale", flag="--dpo-beta", math_changing=True)
     label_smoothing: float = option(0.0, "label smoothing: the share of pairs assumed mislabelled, in [0, 0.5) "
-                                    "(sigmoid and simpo)", flag="--dpo-label-smoothing", math_changing=True)
+                                    "(sigmoid and simpo)", flag="--dpo-label-smoothing", metavar="EPS",
+                                    math_changing=True)
     simpo_gamma: float = option(0.5, "SimPO's target reward margin gamma (TRL's default 0.5)",
-                                flag="--simpo-gamma", math_changing=True)
+                                flag="--simpo-gamma", metavar="GAMMA", math_changing=True)
     sft_weight: float = option(0.0, "weight of an SFT term on the chosen completions (TRL's rpo_alpha): the "
                                "step's mean token NLL of the chosen answers", flag="--dpo-sft-weight",
-                               math_changing=True)
+                               metavar="W", math_changing=True)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -11,9 +11,11 @@ slots per row, a bound no row reaches), so it costs nothing beside the head.
 Sums, not means: ``preference_sums`` returns the sum over the batch's pairs of each pair's loss,
 the SFT term's token sum and the metric sums; the engine adds them over micro-batches and
 devices and divides once by the global number of pairs (and of chosen completion tokens, for the
-SFT term), as it divides SFT sums by the global count of trained tokens. ``preference_loss`` is
-that division for a whole step on one batch. A pair is a chosen segment (odd id) that has
-completion tokens; its rejected segment is the next id.
+SFT term), as it divides SFT sums by the global count of trained tokens (``step_loss`` is that
+division; ``compose_preference`` the whole model on one batch, the engines' reference). A pair is
+a chosen segment (odd id) that has completion tokens; its rejected segment is the next id.
+``PreferenceModel`` hands the objective to the engines: the model with this head, and with LoRA
+the reference carried through the step beside the policy.
 """
 
 from __future__ import annotations
