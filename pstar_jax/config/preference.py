@@ -57,7 +57,8 @@ class PreferenceConfig:
                 bound = "a positive number" if low == 0.0 else "a finite number"
                 raise ConfigError(f"PreferenceConfig.{name} must be {bound}, got {value!r}")
         if self.sft_weight < 0:
-            raise ConfigError(f"PreferenceConfig.sft_weight must be 0 (no SFT term) or positive, got {self.sft_weight!r}")
+            raise ConfigError(f"PreferenceConfig.sft_weight must be 0 (no SFT term) or positive, got "
+                              f"{self.sft_weight!r}")
         ls = self.label_smoothing
         if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= ls < 0.5:
             raise ConfigError(f"PreferenceConfig.label_smoothing must lie in [0, 0.5), got {ls!r}")

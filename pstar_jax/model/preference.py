@@ -70,12 +70,14 @@ def pair_terms(cfg: PreferenceConfig, policy_logp_BxL: jax.Array, ref_logp_BxL: 
     logp, count = (pairs_of(segment_sums(x, segment_ids_BxL)) for x in (policy_logp_BxL * mask, mask))
     (chosen, rejected), (n_chosen, n_rejected) = logp, count
     valid = (n_chosen > 0).astype(jnp.float32)
-    if cfg.length_normalised:  # TRL averages the sums over each completion's tokens (ipo, simpo)
-        chosen, rejected = chosen / jnp.maximum(n_chosen, 1.0), rejected / jnp.maximum(n_rejected, 1.0)
+    def normalised(c: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if not cfg.length_normalised:
+            return c, r
+        # TRL averages the sums over each completion's tokens (ipo, simpo), the reference's too
+        return c / jnp.maximum(n_chosen, 1.0), r / jnp.maximum(n_rejected, 1.0)
+    chosen, rejected = normalised(chosen, rejected)
     if cfg.uses_reference:
-        ref_chosen, ref_rejected = pairs_of(segment_sums(ref_logp_BxL * mask, segment_ids_BxL))
-        if cfg.length_normalised:
-            ref_chosen, ref_rejected = ref_chosen / jnp.maximum(n_chosen, 1.0), ref_rejected / jnp.maximum(n_rejected, 1.0)
+        ref_chosen, ref_rejected = normalised(*pairs_of(segment_sums(ref_logp_BxL * mask, segment_ids_BxL)))
         margin = (chosen - rejected) - (ref_chosen - ref_rejected)
         reward_chosen, reward_rejected = cfg.beta * (chosen - ref_chosen), cfg.beta * (rejected - ref_rejected)
     else:  # SimPO: the rewards are the scaled average log-probs themselves

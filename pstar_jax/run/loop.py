@@ -166,9 +166,10 @@ class Run:
             from pstar_jax.engine.optim import default_tx
             self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             # A model built from the config is rebuilt at another length for a misfit's error to name one.
-            seq_len_at = None if model is not None else (lambda n: load_model(dataclasses.replace(
-                cfg, model=dataclasses.replace(cfg.model, seq_len=n))))
-            self.engine = build_engine(trained_model(cfg, self.model), cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
+            seq_len_at = None if model is not None else (lambda n: trained_model(cfg, load_model(
+                dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=n)))))
+            self.engine = build_engine(trained_model(cfg, self.model), cfg.engine, cfg.optim, shape, mesh=self.mesh,
+                                       seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
                                        make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at,
                                        frozen_source=_frozen_source(hf, init, cfg, self.model))
