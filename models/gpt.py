@@ -25,7 +25,7 @@ from flax import nnx
 
 from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path, position_seeds, project
 from pstar_jax.model.attention import causal_attention
-from pstar_jax.model.loss import linear_cross_entropy_sum
+from pstar_jax.model.loss import linear_cross_entropy_sum, linear_target_logps
 from pstar_jax.model.staged import NNXStaged, cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile, tiled_over_sequence
 
@@ -155,6 +155,14 @@ def head_loss_sum(x_BxLxD: jax.Array, head: jax.Array, tied: bool, targets_BxL: 
     B, L, D = x_BxLxD.shape
     return linear_cross_entropy_sum(x_BxLxD.reshape(B * L, D), head, targets_BxL.reshape(B * L),
                                     weights_BxL.reshape(B * L), tied=tied, tile_bytes=tile_bytes, softcap=softcap)
+
+
+def head_target_logps(x_BxLxD: jax.Array, head: jax.Array, tied: bool, targets_BxL: jax.Array,
+                      mask_BxL: jax.Array, tile_bytes: int, softcap: float | None = None) -> jax.Array:
+    """``linear_target_logps`` of the normed hidden states, [B, L] (0 off the mask)."""
+    B, L, D = x_BxLxD.shape
+    return linear_target_logps(x_BxLxD.reshape(B * L, D), head, targets_BxL.reshape(B * L), mask_BxL.reshape(B * L),
+                               tied=tied, tile_bytes=tile_bytes, softcap=softcap).reshape(B, L)
 
 
 class KVCache(NamedTuple):
@@ -314,15 +322,25 @@ class GPT(nnx.Module):
         head = self.wte.embedding[...] if tied else self.head.kernel[...]
         return logits(self.ln_f(h_BxLxD), head, tied)
 
+    def _normed_head(self, h_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
+        """(ln_f(h), the head's weight, tied): ln_f over sequence tiles, since whole its float32
+        intermediates would dominate the head stage."""
+        tied = self.config.tie_embeddings
+        head = self.wte.embedding[...] if tied else self.head.kernel[...]
+        B, L, D = h_BxLxD.shape
+        tile = mlp_tile(B, L, D, self.tiling.mlp_bytes)
+        return tiled_modules((self.ln_f,), lambda m, x: m[0](x), (h_BxLxD,), tile), head, tied
+
     def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
         """sum of weights * token cross entropy of ``logits(h)``, the logits a tile at a time
         (pstar_jax.model.loss): the head stage, whose memory then does not grow with L x V."""
-        tied = self.config.tie_embeddings
-        head = self.wte.embedding[...] if tied else self.head.kernel[...]
-        B, L, D = h_BxLxD.shape  # ln_f over sequence tiles: whole, its float32 intermediates would dominate
-        tile = mlp_tile(B, L, D, self.tiling.mlp_bytes)
-        normed = tiled_modules((self.ln_f,), lambda m, x: m[0](x), (h_BxLxD,), tile)
+        normed, head, tied = self._normed_head(h_BxLxD)
         return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes)
+
+    def target_logps(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+        """Each position's target log-prob under ``logits(h)``, [B, L] (0 off the mask), tiled as loss_sum."""
+        normed, head, tied = self._normed_head(h_BxLxD)
+        return head_target_logps(normed, head, tied, targets_BxL, mask_BxL, self.tiling.logits_bytes)
 
     def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:

@@ -47,8 +47,8 @@ from pstar_models.llama_numerics import (apply_rope, cached_attention, rms_norm,
                                          rope_tables, rope_tables_at, rope_tables_of)  # (here too)
 from pstar_models.lora import init_adapter, is_adapter, position_seeds, project
 from pstar_models.moe import SparseMoE
-from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
-                               tiled_modules, write_cache)
+from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, head_target_logps,
+                               logits, tiled_mlp, tiled_modules, write_cache)
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.staged import NNXStaged, cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
@@ -264,17 +264,27 @@ class Llama(nnx.Module):
         cap = self.config.final_softcap  # Gemma's final_logit_softcapping
         return logits_BxLxV if cap is None else jnp.tanh(logits_BxLxV / cap) * cap
 
+    def _normed_head(self, h_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
+        """(norm(h), the head's weight, tied): the final norm over sequence tiles too, since whole
+        its float32 intermediates would be the head's largest buffers (4 x L x D x 4 bytes)."""
+        tied = self.config.tie_embeddings
+        head = self.embed.embedding[...] if tied else self.head.kernel[...]
+        B, L, D = h_BxLxD.shape
+        tile = mlp_tile(B, L, D, self.tiling.mlp_bytes)
+        return tiled_modules((self.norm,), lambda m, x: m[0](x), (h_BxLxD,), tile), head, tied
+
     def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
         """sum of weights * token cross entropy of ``unembed(h)``, the logits a tile at a time
         (pstar_jax.model.loss): the head stage, whose memory then does not grow with L x V."""
-        tied = self.config.tie_embeddings
-        head = self.embed.embedding[...] if tied else self.head.kernel[...]
-        # The final norm over sequence tiles too: whole, its float32 intermediates would be the
-        # head's largest buffers (4 x L x D x 4 bytes).
-        B, L, D = h_BxLxD.shape
-        normed = tiled_modules((self.norm,), lambda m, x: m[0](x), (h_BxLxD,), mlp_tile(B, L, D, self.tiling.mlp_bytes))
+        normed, head, tied = self._normed_head(h_BxLxD)
         return head_loss_sum(normed, head, tied, targets_BxL, weights_BxL, self.tiling.logits_bytes,
                              self.config.final_softcap)
+
+    def target_logps(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+        """Each position's target log-prob under ``unembed(h)``, [B, L] (0 off the mask), tiled as loss_sum."""
+        normed, head, tied = self._normed_head(h_BxLxD)
+        return head_target_logps(normed, head, tied, targets_BxL, mask_BxL, self.tiling.logits_bytes,
+                                 self.config.final_softcap)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The first stage: token embeddings (positions enter through RoPE in the blocks); Gemma's

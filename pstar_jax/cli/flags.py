@@ -23,7 +23,8 @@ from pstar_jax.config import SECTIONS, ConfigError, format_bytes, parse_device_m
 
 _TITLES = {"model": "model", "train": "training", "optim": "optimizer", "engine": "engine", "data": "data",
            "checkpoint": "checkpoints", "distributed": "data parallelism (ZeRO) and multi-host",
-           "output": "output", "lora": "LoRA adapters (only they train; the base is frozen)"}
+           "output": "output", "lora": "LoRA adapters (only they train; the base is frozen)",
+           "preference": "preference tuning (DPO, IPO, SimPO as TRL defines them)"}
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from pstar_jax.cli import flags as cli
 from pstar_jax.config import ConfigError, EngineConfig, ModelConfig, RunConfig, TrainConfig
 from pstar_jax.config.lora import LoraConfig
+from pstar_jax.config.preference import PreferenceConfig
 from pstar_jax.config.sizes import parse_rate
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                     defaults={"device_memory": 128 * GiB, "host_memory": 110 * GiB, "machine": "h200"},
                     helps=PLAN_HELPS)
     cli.add_section(p, "lora")
+    cli.add_section(p, "preference")
     g = p.add_argument_group("pstar-plan")
     g.add_argument("--data-parallel", type=int, default=1, help="devices W that shard the chunks (ZeRO) (default: 1)")
     g.add_argument("--devices-per-host", type=int, default=None, help="devices sharing one host's --host-memory "
@@ -78,6 +80,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise ConfigError(f"the model is named twice ({args.preset} and --model); name it once")
         setattr(args, "model.name", args.preset)
     return args
+
+
+def objective_label(config: RunConfig) -> str:
+    """What the label adds under --objective dpo: the loss and where its reference comes from."""
+    p = config.preference
+    if p.objective != "dpo":
+        return ""
+    reference = ("no reference" if not p.uses_reference else "the reference: the base with the adapters off, an "
+                 "extra forward in each step")
+    return f", {p.objective.upper()} ({p.loss} loss; {reference})"
 
 
 def model_label(config: ModelConfig, model, lora: LoraConfig | None = None) -> str:
@@ -180,7 +192,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("EngineConfig.device_memory must be a size in bytes here (e.g. 80GiB): pstar-plan plans "
                           "for a device it does not see")
     config = RunConfig(model=cli.build(ModelConfig, args, "model"), engine=engine,
-                       train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"))
+                       train=cli.build(TrainConfig, args, "train"), lora=cli.build(LoraConfig, args, "lora"),
+                       preference=cli.build(PreferenceConfig, args, "preference"))
     _check(args, config)
     rate = None if args.disk_rate is None else parse_rate(args.disk_rate, "--disk-rate")
     W = args.data_parallel
@@ -209,10 +222,15 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise ConfigError("--largest-seq-len needs a model whose sequence length pstar-plan can vary (a preset or a "
                           "Hugging Face config.json); this model's class cannot be rebuilt from its config")
     mesh = Mesh(np.array(jax.devices()[:W]), ("data",))
-    report = plan_report(model, engine, config.train.batch_size, mesh, machine, host_bytes,
-                         label=model_label(config.model, model, config.lora), model_at=depth_builder(config, model),
+    # what a step trains: under --objective dpo the preference head, and a LoRA run's in-step reference
+    from pstar_jax.run.objective import trained_model
+    at_depth = depth_builder(config, model)
+    report = plan_report(trained_model(config, model), engine, config.train.batch_size, mesh, machine, host_bytes,
+                         label=model_label(config.model, model, config.lora) + objective_label(config),
+                         model_at=at_depth and (lambda n: trained_model(config, at_depth(n))),
                          search=not args.no_search and not args.json,
-                         seq_len_at=seq_len_at, lora=config.lora, progress=Progress("pstar-plan"))
+                         seq_len_at=seq_len_at and (lambda n: trained_model(config, seq_len_at(n))),
+                         lora=config.lora, progress=Progress("pstar-plan"))
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(model.config) if hasattr(model, "config") else {},
                           **report.to_json()}))

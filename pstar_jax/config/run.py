@@ -8,6 +8,7 @@ from typing import Any
 from pstar_jax.config.errors import ConfigError
 from pstar_jax.config.fields import section
 from pstar_jax.config.lora import LoraConfig
+from pstar_jax.config.preference import PreferenceConfig
 from pstar_jax.config.sections import (CheckpointConfig, DataConfig, DistributedConfig, EngineConfig, ModelConfig,
                                        OptimConfig, OutputConfig, TrainConfig)
 
@@ -24,6 +25,7 @@ class RunConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
 
     def __post_init__(self) -> None:
         if self.optim.total_steps is None:  # the schedule spans the run unless told otherwise
@@ -46,9 +48,34 @@ class RunConfig:
         if given and not self.lora.enabled and not self.model.init_from_lora:  # (an adapter gives the rank)
             raise ConfigError(f"LoraConfig.{given[0]} is set but LoraConfig.rank is 0 (no LoRA); give "
                               "LoraConfig.rank too, or ModelConfig.init_from_lora")
+        self._check_preference()
         if self.lora.enabled and self.model.init_from_flax:
             raise ConfigError("LoraConfig.rank and ModelConfig.init_from_flax conflict: a LoRA run starts from a "
                               "base model (ModelConfig.init_from_hf, or the preset's initialisation); drop one")
+
+    def _check_preference(self) -> None:
+        """Preference tuning's settings against the rest (pstar_jax.model.preference runs it)."""
+        p = self.preference
+        if p.objective == "sft":
+            if given := p.given():
+                raise ConfigError(f"PreferenceConfig.{given[0]} is set but PreferenceConfig.objective is sft; pass "
+                                  "PreferenceConfig.objective dpo to tune on preference pairs")
+            return
+        if not p.uses_reference:
+            return
+        if not self.lora.enabled:  # full fine-tuning: the reference must come from outside the step
+            raise ConfigError(f"the {p.loss} loss needs a reference model: train LoRA adapters (LoraConfig.rank; "
+                              "the base with the adapters off is the reference, in the same step), or use the "
+                              "reference-free PreferenceConfig.loss simpo (a stored reference for full fine-tuning "
+                              "is not built yet)")
+        if self.lora.modules_to_save:
+            raise ConfigError(f"LoraConfig.modules_to_save trains base tensors in full, but the {p.loss} loss's "
+                              "reference is the base with the adapters off, which needs them frozen; drop "
+                              "LoraConfig.modules_to_save or use PreferenceConfig.loss simpo")
+        if self.model.init_from_lora:
+            raise ConfigError(f"ModelConfig.init_from_lora continues an adapter, but the {p.loss} loss's reference "
+                              "would be the base without it, not the model you start from; start new adapters on "
+                              "ModelConfig.init_from_hf, or use PreferenceConfig.loss simpo")
 
     @property
     def micro_batch_size(self) -> int:
@@ -77,7 +104,7 @@ def from_dict(cls: type, data: dict) -> Any:
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "optim": OptimConfig, "engine": EngineConfig,
              "data": DataConfig, "checkpoint": CheckpointConfig, "distributed": DistributedConfig,
-             "output": OutputConfig, "lora": LoraConfig}
+             "output": OutputConfig, "lora": LoraConfig, "preference": PreferenceConfig}
 
 
 def math_differences(saved: RunConfig, current: RunConfig) -> list[str]:

@@ -19,7 +19,10 @@ backward draws the same masks. None (the default, and always in evaluation) mean
 
 The loss is normalised once over the whole step: the last stage returns the sum of its masked
 token losses, and the engine divides by the global count of trained tokens (``loss_mask``
-summed over every micro-batch and device), never averaging per-micro-batch means.
+summed over every micro-batch and device), never averaging per-micro-batch means. An objective
+with several terms (preference tuning: pairs, and the chosen tokens of its SFT term) returns one
+sum per term and the counts per row (``row_counts``); each sum is divided by its global count.
+``ref_logp`` carries a reference model's per-position log-probs where the objective reads them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Batch(NamedTuple):
     segment_ids: Any  # [B, L] int32: example k >= 1 within the row, 0 = padding
     positions: Any  # [B, L] int32: index within its example (restarting at 0 each example)
     dropout_seed: Any = None  # [B] uint32: each row's dropout seed (None: no dropout)
+    ref_logp: Any = None  # [B, L] float32: a reference model's target log-probs (preference tuning), else None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,10 +125,15 @@ def stack(micro_batches: Sequence[Batch]) -> Batch:
     return Batch(*(None if field[0] is None else np.stack(field) for field in zip(*micro_batches)))
 
 
-def row_counts(micro_batches: Sequence[Batch]) -> np.ndarray:
-    """[M, B] float32: trained targets per row of each micro-batch (summed to the global count
-    on the device, so every process sees the count of every process's rows)."""
-    return np.stack([np.asarray(b.loss_mask, np.float32).sum(axis=1) for b in micro_batches])
+def row_counts(micro_batches: Sequence[Batch], model: Any = None) -> np.ndarray:
+    """[M, B, K] float32: each row's counts, the divisors of the objective's K loss sums (summed to
+    the global counts on the device, so every process sees the count of every process's rows).
+    The model's ``row_counts(batch) -> [B, K]`` where it has one (a preference objective counts
+    pairs), else K = 1: the trained targets. The last count is always the trained targets."""
+    per_row = getattr(model, "row_counts", None)
+    if per_row is not None:
+        return np.stack([np.asarray(per_row(b), np.float32) for b in micro_batches])
+    return np.stack([np.asarray(b.loss_mask, np.float32).sum(axis=1)[:, None] for b in micro_batches])
 
 
 def trained_count(count: float) -> int:

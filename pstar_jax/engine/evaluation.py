@@ -13,6 +13,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pstar_jax.data.batch import Batch, as_batch, check_batches
@@ -70,7 +71,7 @@ class Evaluation:
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
-        return replicated_value(sum(losses) * scale)  # sync
+        return replicated_value(jnp.sum(sum(losses) * scale))  # sync
 
     def _in_slots(self, moment: PlanMoment) -> PlanMoment:
         """A forward-only moment with its items ("param", c) named as the store holds them between

@@ -63,7 +63,7 @@ from pstar_jax.engine.disk import ChunkReader, DiskReader
 from pstar_jax.engine.evaluation import Evaluation
 from pstar_jax.engine.updates import ChunkUpdates
 from pstar_jax.config import EngineConfig, format_bytes
-from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
+from pstar_jax.engine.protocol import NonFiniteLoss, StepResult, step_metrics
 from pstar_jax.plan.machine import Machine
 from pstar_jax.engine.memory import ChunkStore, Placement, Space
 from pstar_jax.model.staged import StagedModel
@@ -272,7 +272,8 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 self.store.drop(key)
         # sync: the step's time covers its work, and a bad step is caught before its update
         loss, sumsq = replicated_value(sum(run.losses)), replicated_value(sum(run.sumsq))
-        trained = trained_count(replicated_value(count))
+        counts = to_numpy(count)
+        trained = trained_count(counts[-1])
         end = time.perf_counter()
         skip = not (np.isfinite(loss) and np.isfinite(sumsq))
         if skip and not self.skip_nonfinite:  # the slots' grads are dropped: params stay as they were
@@ -287,7 +288,8 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
                           trained_tokens=trained, disk_read_bytes=self.store.traffic.disk_read_bytes,
-                          predicted_disk_read_bytes=plan.disk_read_bytes)
+                          predicted_disk_read_bytes=plan.disk_read_bytes,
+                          metrics=step_metrics(self.model, run.metrics, counts))
 
     def _begin_reads(self, plan: Plan) -> None:
         """Schedule the reads of the chunks ``plan``'s moments fetch from disk, in that order (reads
@@ -375,9 +377,10 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         if a.phase == "head":
             self.store.put(key, run.x)
             run.x = None
-            loss, run.g, grads = self.fns.head(self.bound[i])(
+            loss, metrics, run.g, grads = self.fns.head(self.bound[i])(
                 params, self._offsets[i], self.store.get(key, Space.DEVICE), run.batch, grads, run.scale)
             run.losses.append(loss)
+            run.metrics.append(metrics)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
@@ -401,9 +404,10 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                        for field in batch))
 
     def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
-        """[M, B] trained targets per row, rows sharded: the device sums them to the global count."""
+        """[M, B, K] counts per row (trained targets, or the objective's), rows sharded: the device
+        sums them to the global counts."""
         sharding = self.placement.sharding(Space.DEVICE, P(None, "data"))
-        return jax.make_array_from_process_local_data(sharding, row_counts(micro_batches))
+        return jax.make_array_from_process_local_data(sharding, row_counts(micro_batches, self.model))
 
     def _grads(self, i: int) -> tuple[jax.Array, ...]:
         """Stage i's grad chunks on the device (zeros at first use), taken out to be donated."""
@@ -431,4 +435,5 @@ class _StepState:
     g: Any = None
     batch: Any = None
     losses: list = dataclasses.field(default_factory=list)
+    metrics: list = dataclasses.field(default_factory=list)  # the head's metric sums, per micro-batch
     sumsq: list = dataclasses.field(default_factory=list)

@@ -37,11 +37,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.data.batch import PER_POSITION, Batch, as_batch, check_batches, stack, trained_count, with_dropout_seeds
+from pstar_jax.data.batch import (PER_POSITION, Batch, as_batch, check_batches, row_counts, stack, trained_count,
+                                  with_dropout_seeds)
 from pstar_jax.config import ConfigError
-from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
+from pstar_jax.engine.protocol import NonFiniteLoss, StepResult, step_metrics
 from pstar_jax.engine.optim import TxFactory, clip_factor, clip_scale
-from pstar_jax.model.staged import Stage, StagedModel, decays, stage_seeds
+from pstar_jax.model.staged import Stage, StagedModel, decays, loss_terms, stage_seeds
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -167,24 +168,29 @@ class PlainEngine:
         self.skip_nonfinite = skip_nonfinite
         self.seed = seed
 
-        def step(params, opt_state, batch_MxBxL):
+        def step(params, opt_state, batch_MxBxL, counts_MxBxK):
             if opt_on_host:
                 opt_state = jax.device_put(opt_state, compat.DEVICE_SPACE)
             # One compute copy per step, shared by the micro-batches; grads w.r.t. it are
             # accumulated in fp32 (the chain rule through the cast is exactly that upcast).
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            # The loss is the mean over the step's trained tokens: each micro-batch's loss sum is
-            # scaled by 1 / the global count before its gradient, as the chunked engine does.
-            count = jnp.sum(batch_MxBxL.loss_mask)
+            # The loss is the mean over the step's trained tokens (or the objective's counts): each
+            # micro-batch's loss sums are scaled by 1 / the global counts before their gradient, as
+            # the chunked engine does.
+            count = jnp.sum(counts_MxBxK, axis=(0, 1))
             scale = 1.0 / jnp.maximum(count, 1.0)
 
             trained, leaves, treedef = split(compute)
 
-            def micro(carry, batch):  # grads of the trainable leaves only
-                loss, grads = jax.value_and_grad(lambda t: loss_fn(merge(t, leaves, treedef), batch) * scale)(trained)
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
+            def scaled(t, batch):
+                sums, metrics = loss_terms(loss_fn(merge(t, leaves, treedef), batch))
+                return jnp.sum(sums * scale), metrics
+
+            def micro(carry, batch):  # grads of the trainable leaves only; the metric sums per micro-batch
+                (loss, metrics), grads = jax.value_and_grad(scaled, has_aux=True)(trained, batch)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), metrics
             zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), split(params)[0]))
-            (loss_sum, grads), _ = jax.lax.scan(micro, zeros, batch_MxBxL)
+            (loss_sum, grads), metrics = jax.lax.scan(micro, zeros, batch_MxBxL)
             sumsq = sum(jnp.sum(jnp.square(g)) for g in grads)
             scale = clip_scale(sumsq, clip_norm)
             # Frozen leaves get zero grads here only for the tree's shape: set_to_zero ignores them.
@@ -195,20 +201,20 @@ class PlainEngine:
             finite = jnp.isfinite(loss_sum) & jnp.isfinite(sumsq)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
-                    loss_sum, jnp.sqrt(sumsq), count)
+                    loss_sum, jnp.sqrt(sumsq), count, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics))
 
         forward_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, so no remat
 
-        def eval_loss(params, batch_MxBxL):
+        def eval_loss(params, batch_MxBxL, counts_MxBxK):
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            sums = jax.lax.map(lambda batch: forward_loss(compute, batch), batch_MxBxL)
-            return jnp.sum(sums) / jnp.maximum(jnp.sum(batch_MxBxL.loss_mask), 1.0)
+            sums = jax.lax.map(lambda batch: loss_terms(forward_loss(compute, batch))[0], batch_MxBxL)
+            return jnp.sum(jnp.sum(sums, axis=0) / jnp.maximum(jnp.sum(counts_MxBxK, axis=(0, 1)), 1.0))
         options = compat.compiler_options(self.mesh.devices.flat[0].platform)
         self._eval = jax.jit(eval_loss, out_shardings=replicated, compiler_options=options)
 
         # Donated: the new params and state are written over the old (XLA aliases them).
         self._step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options,
-                             out_shardings=(replicated, opt_sharding, replicated, replicated, replicated))
+                             out_shardings=(replicated, opt_sharding, replicated, replicated, replicated, replicated))
         self.step_count = 0
 
     def _tree(self, leaf: Callable[[tuple[str, ...]], Any]) -> dict[str, Any]:
@@ -259,7 +265,8 @@ class PlainEngine:
             self._allocate()
         start = time.perf_counter()
         batch = self._put_rows(stack(micro_batches))
-        self._params, self._opt_state, loss, norm, count = self._step(self._params, self._opt_state, batch)
+        self._params, self._opt_state, loss, norm, count, metrics = self._step(
+            self._params, self._opt_state, batch, self._put_counts(micro_batches))
         loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
         skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
         if skip and not self.skip_nonfinite:  # the step kept params and state as they were
@@ -269,7 +276,8 @@ class PlainEngine:
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm),
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip,
-                          trained_tokens=trained_count(replicated_value(count)))
+                          trained_tokens=trained_count(to_numpy(count)[-1]),
+                          metrics=step_metrics(self.model, [metrics] if metrics else [], to_numpy(count)))
 
     def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
         """The mean loss over the trained tokens of all micro-batches (this process's rows of each),
@@ -278,7 +286,8 @@ class PlainEngine:
         check_batches(micro_batches, self.model)
         if self._params is None:
             self._allocate()
-        return replicated_value(self._eval(self._params, self._put_rows(stack(micro_batches))))  # sync
+        return replicated_value(self._eval(self._params, self._put_rows(stack(micro_batches)),  # sync
+                                           self._put_counts(micro_batches)))
 
     def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> None:
         """Nothing to plan: everything is on the device."""
@@ -288,6 +297,11 @@ class PlainEngine:
         rows = NamedSharding(self.mesh, P(None, "data"))
         return Batch(*(None if x is None else jax.make_array_from_process_local_data(rows, np.asarray(x))
                        for x in batch_MxBxL))
+
+    def _put_counts(self, micro_batches: Sequence[Batch]) -> jax.Array:
+        """[M, B, K] counts per row (pstar_jax.data.batch.row_counts), rows sharded as the batch."""
+        rows = NamedSharding(self.mesh, P(None, "data"))
+        return jax.make_array_from_process_local_data(rows, row_counts(micro_batches, self.model))
 
     def compiled(self, micro_batch: int, seq_len: int) -> Any:
         """The step compiled for this batch shape on abstract arguments (nothing is allocated)."""
@@ -304,7 +318,10 @@ class PlainEngine:
         shape = (self.micro_batches, micro_batch, seq_len)
         batch = Batch(*(jax.ShapeDtypeStruct(shape, jnp.float32 if f == "loss_mask" else jnp.int32, sharding=rows)
                         for f in PER_POSITION))
-        return self._abstract_params, self._abstract_opt, batch
+        if getattr(self.model, "reads_ref_logp", False):
+            batch = batch._replace(ref_logp=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows))
+        counts = jax.ShapeDtypeStruct((*shape[:2], getattr(self.model, "n_counts", 1)), jnp.float32, sharding=rows)
+        return self._abstract_params, self._abstract_opt, batch, counts
 
     def memory_analysis(self, micro_batch: int, seq_len: int) -> Any:
         """XLA's compile-time memory figures for one step at this batch shape (nothing runs)."""

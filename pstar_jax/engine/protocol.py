@@ -8,10 +8,11 @@ back their state for checkpoints, and describe themselves in a summary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from pstar_jax.engine.zero import replicated_value
 from pstar_jax.data.batch import Batch  # this process's rows of a micro-batch; a (tokens, targets) pair is plain data
 
 
@@ -30,6 +31,18 @@ class StepResult:
     trained_tokens: int = 0  # targets in the loss (the loss mask summed over the global batch)
     disk_read_bytes: int = 0  # frozen chunks read from disk (in h2d_bytes too: they go on to the device)
     predicted_disk_read_bytes: int = 0
+    metrics: dict = dataclasses.field(default_factory=dict)  # the objective's own (preference: TRL's rewards/...)
+
+
+def step_metrics(model: Any, metric_sums: Sequence[Mapping[str, Any]], counts: Any) -> dict[str, float]:
+    """The objective's metrics of a step from its heads' metric sums (per micro-batch, each added
+    over the devices) and the step's global counts: the model's ``step_metrics`` where it has
+    one; a plain head has none."""
+    finish = getattr(model, "step_metrics", None)
+    if finish is None or not metric_sums:
+        return {}
+    totals = {name: float(sum(np.asarray(replicated_value(m[name])) for m in metric_sums)) for name in metric_sums[0]}
+    return finish(totals, np.asarray(counts))
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
-from pstar_jax.model.staged import Stage, stage_seeds
+from pstar_jax.model.staged import Stage, loss_terms, stage_seeds
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -142,16 +142,17 @@ class StageFunctions:
         chunk_specs = tuple(P("data") for _ in range(n_chunks))
         return compat.shard_map(fn, self.mesh, in_specs=(chunk_specs, P(), *in_rest), out_specs=out_specs)
 
-    def count(self, row_counts_MxB: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(count, 1 / count) of trained targets over every micro-batch and device, replicated
-        (at least one, so a batch with nothing to train gives a zero loss and zero grads)."""
+    def count(self, row_counts_MxBxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(counts, 1 / counts), [K] each: the objective's divisors (K = 1: trained targets) over
+        every micro-batch and device, replicated (at least one, so a batch with nothing to train
+        gives a zero loss and zero grads)."""
         if "count" not in self._cache:
-            def count(rows_MxB):
-                total = jnp.sum(rows_MxB)
+            def count(rows_MxBxK):
+                total = jnp.sum(rows_MxBxK, axis=(0, 1))
                 return total, 1.0 / jnp.maximum(total, 1.0)
             replicated = jax.sharding.NamedSharding(self.mesh, P())
             self._cache["count"] = jax.jit(count, out_shardings=(replicated, replicated))
-        return self._cache["count"](row_counts_MxB)
+        return self._cache["count"](row_counts_MxBxK)
 
     def forward(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, x, batch) -> y."""
@@ -194,14 +195,15 @@ class StageFunctions:
             donate_argnums=(5,) if first else (4, 5), compiler_options=self._options))
 
     def head(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, gh, grad_chunks).
+        """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, metrics, gh, grad_chunks).
 
         ``grad_chunks``: those of the stage's trainable chunks, as in ``backward``.
 
         The last stage's forward and backward in one call. The stage returns the sum of its
-        rows' trained token losses; ``scale`` is 1 / the step's global count of trained tokens
-        (every micro-batch and device), so the loss and grads of devices and micro-batches just
-        add up to those of the mean over the whole step."""
+        rows' trained token losses (or K sums and metric sums: ``loss_terms``); ``scale`` [K] is
+        1 / the step's global counts (every micro-batch and device), so the loss and grads of
+        devices and micro-batches just add up to those of the mean over the whole step. The
+        metric sums are added over the devices."""
         apply, pattern = bound.stage.apply, bound.pattern
         tensors, grad_pattern = _trainable_pattern(bound)
 
@@ -210,26 +212,28 @@ class StageFunctions:
             batch = stage_seeds(batch, offsets[-1])
 
             def scaled_loss(trained, h):
-                return apply(_with(params, tensors, trained), h, batch) * scale
-            loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(tuple(params[i] for i in tensors), h)
-            return (jax.lax.psum(loss, "data"), gh,
+                sums, metrics = loss_terms(apply(_with(params, tensors, trained), h, batch))
+                return jnp.sum(sums * scale), metrics
+            (loss, metrics), (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)(
+                tuple(params[i] for i in tensors), h)
+            return (jax.lax.psum(loss, "data"), jax.lax.psum(metrics, "data"), gh,
                     _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices))
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in bound.grad_chunks)
         return self._get("head", bound, lambda: jax.jit(
-            self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
+            self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P(), P("data"), grad_specs)),
             donate_argnums=(4,), compiler_options=self._options))
 
     def loss(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, h, batch) -> loss sum: the last stage's forward only (held-out loss).
+        """(chunks, offsets, h, batch) -> loss sums [K]: the last stage's forward only (held-out loss).
 
-        No gradient and nothing donated; the sum of the trained token losses of every device's
-        rows (the caller divides by the count)."""
+        No gradient and nothing donated; the sums of every device's rows (``loss_terms``: K = 1,
+        the trained token losses, for a plain head); the caller divides by the counts."""
         apply, pattern = bound.stage.apply, bound.pattern
 
         def local(chunks, offsets, h, batch):
             params = self._params(chunks, offsets, pattern, bound.quant)
-            return jax.lax.psum(apply(params, h, stage_seeds(batch, offsets[-1])), "data")
+            return jax.lax.psum(loss_terms(apply(params, h, stage_seeds(batch, offsets[-1])))[0], "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
             compiler_options=self._options))

@@ -25,6 +25,7 @@ of the head, float32-rate matmuls on a GPU), returns a mean and has no per-posit
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,22 @@ def _capped(logits32_TxV: jax.Array, softcap: float | None) -> jax.Array:
     return logits32_TxV if softcap is None else jnp.tanh(logits32_TxV / softcap) * softcap
 
 
+def _picked(logp_TxV: jax.Array, t_T: jax.Array) -> jax.Array:
+    """Each position's log-prob of its target. Clipped: a masked position may carry any target
+    (-1, V); its value is masked to zero and must stay so."""
+    return jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+
+
+def _tile_logps(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, m_T: jax.Array, tied: bool,
+                softcap: float | None) -> jax.Array:
+    """Each position's target log-prob, 0 where the mask is 0."""
+    logp_TxV = jax.nn.log_softmax(_capped(_logits32(h_TxD, w, tied), softcap), axis=-1)
+    return jnp.where(m_T != 0, _picked(logp_TxV, t_T), 0.0)
+
+
 def _tile_sum(h_TxD: jax.Array, w: jax.Array, t_T: jax.Array, wt_T: jax.Array, tied: bool,
               softcap: float | None) -> jax.Array:
-    logp_TxV = jax.nn.log_softmax(_capped(_logits32(h_TxD, w, tied), softcap), axis=-1)
-    # clip: a masked position may carry any target (-1, V); its weight is zero and must stay so
-    picked_T = jnp.take_along_axis(logp_TxV, jnp.clip(t_T, 0, logp_TxV.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+    picked_T = _picked(jax.nn.log_softmax(_capped(_logits32(h_TxD, w, tied), softcap), axis=-1), t_T)
     return jnp.sum(jnp.where(wt_T != 0, -wt_T * picked_T, 0.0))
 
 
@@ -81,20 +93,28 @@ def _tiled_sum_fwd(h_NxD, w, targets_N, weights_N, tied, tile_n, softcap):
     return _tiled_sum(h_NxD, w, targets_N, weights_N, tied, tile_n, softcap), (h_NxD, w, targets_N, weights_N)
 
 
-def _tiled_sum_bwd(tied, tile_n, softcap, residuals, g):
-    h_NxD, w, targets_N, weights_N = residuals
+def _tiled_backward(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, a_N: jax.Array, b: jax.Array,
+                    coef: Callable[[jax.Array, jax.Array], jax.Array], tied: bool, tile_n: int,
+                    softcap: float | None) -> tuple[jax.Array, jax.Array]:
+    """(dh, dw) of a loss whose gradient with respect to each position's logits is
+    ``coef(a, b) * (softmax - onehot)``, both heads' backward: ``a_N`` per position (tiled with h),
+    ``b`` a scalar or per position too; coef gives a tile's float32 factors, 0 where untrained
+    (computed a tile at a time, so no whole [N] array is added to the head's memory)."""
     N, D = h_NxD.shape
     V = w.shape[0] if tied else w.shape[1]
-    xs = _position_tiles(h_NxD, targets_N, weights_N, tile_n)
+    per_position = jnp.ndim(b) == 1
+    xs = _position_tiles(h_NxD, targets_N, a_N, tile_n)
+    if per_position:
+        n_tiles, tile = split_tiles(N, tile_n)
+        xs = (*xs, to_tiles(b, 0, n_tiles, tile))
     w_c = w.astype(h_NxD.dtype)
-    scale = g.astype(jnp.float32)
 
     def step(dw32: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h_TxD, t_T, wt_T = x
+        h_TxD, t_T, a_T = x[:3]
+        coef_T = coef(a_T, x[3] if per_position else b)
         logits32_TxV = _logits32(h_TxD, w, tied)
         probs_TxV = jax.nn.softmax(_capped(logits32_TxV, softcap), axis=-1)
         onehot_TxV = jnp.arange(V, dtype=t_T.dtype)[None, :] == t_T[:, None]
-        coef_T = jnp.where(wt_T != 0, wt_T.astype(jnp.float32) * scale, 0.0)
         dcapped_TxV = coef_T[:, None] * (probs_TxV - onehot_TxV)
         if softcap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh(z / cap)^2
             dcapped_TxV = dcapped_TxV * (1.0 - jnp.square(jnp.tanh(logits32_TxV / softcap)))
@@ -106,8 +126,16 @@ def _tiled_sum_bwd(tied, tile_n, softcap, residuals, g):
             dw32 = dw32 + jnp.matmul(h_TxD.T, dlogits_TxV, preferred_element_type=jnp.float32)
         return dw32, dh_TxD
     dw32, dh = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), xs)
-    dh_NxD = dh.reshape(-1, D)[:N]
-    return dh_NxD, dw32.astype(w.dtype), None, None  # targets and weights get none
+    return dh.reshape(-1, D)[:N], dw32.astype(w.dtype)
+
+
+def _tiled_sum_bwd(tied, tile_n, softcap, residuals, g):
+    h_NxD, w, targets_N, weights_N = residuals
+
+    def coef(wt_T: jax.Array, scale: jax.Array) -> jax.Array:
+        return jnp.where(wt_T != 0, wt_T.astype(jnp.float32) * scale, 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, weights_N, g.astype(jnp.float32), coef, tied, tile_n, softcap)
+    return dh_NxD, dw, None, None  # targets and weights get none
 
 
 _tiled_sum.defvjp(_tiled_sum_fwd, _tiled_sum_bwd)
@@ -125,8 +153,15 @@ def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Arra
     tile is padded with zero-weight rows). Positions of weight 0 contribute exactly 0 and no
     gradient, whatever their target; elsewhere targets must lie in [0, V). The weights get no
     gradient (they are a mask, not a parameter)."""
+    tile = _checked_tile(h_NxD, w, targets_N, weights_N, tied, tile_n, tile_bytes, "linear_cross_entropy_sum")
+    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile, softcap)
+
+
+def _checked_tile(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, weights_N: jax.Array, tied: bool,
+                  tile_n: int | None, tile_bytes: int, what: str) -> int:
+    """The positions per tile, after checking the shapes (ValueError naming ``what``)."""
     if h_NxD.ndim != 2 or targets_N.shape != h_NxD.shape[:1] or weights_N.shape != h_NxD.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_sum takes h [N, D], targets [N], weights [N]; got "
+        raise ValueError(f"{what} takes h [N, D], targets [N], weights [N]; got "
                          f"{h_NxD.shape}, {targets_N.shape}, {weights_N.shape}")
     D = h_NxD.shape[1]
     if w.ndim != 2 or (w.shape[1] if tied else w.shape[0]) != D:
@@ -136,5 +171,43 @@ def linear_cross_entropy_sum(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Arra
     tile = tile_positions(h_NxD.shape[0], V, tile_bytes) if tile_n is None else min(int(tile_n), h_NxD.shape[0])
     if tile <= 0:
         raise ValueError(f"tile_n must be positive, got {tile_n}")
-    return _tiled_sum(h_NxD, w, targets_N, weights_N.astype(jnp.float32), tied, tile, softcap)
+    return tile
 
+
+# -- per-position log-probabilities (the preference head, pstar_jax.model.preference) -----------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tiled_logps(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, mask_N: jax.Array,
+                 tied: bool, tile_n: int, softcap: float | None) -> jax.Array:
+    xs = _position_tiles(h_NxD, targets_N, mask_N, tile_n)
+    logp = jax.lax.map(lambda x: _tile_logps(x[0], w, x[1], x[2], tied, softcap), xs)
+    return logp.reshape(-1)[:h_NxD.shape[0]]
+
+
+def _tiled_logps_fwd(h_NxD, w, targets_N, mask_N, tied, tile_n, softcap):
+    # As the sum: only the inputs are kept, each tile's logits are recomputed in the backward.
+    return _tiled_logps(h_NxD, w, targets_N, mask_N, tied, tile_n, softcap), (h_NxD, w, targets_N, mask_N)
+
+
+def _tiled_logps_bwd(tied, tile_n, softcap, residuals, g_N):
+    h_NxD, w, targets_N, mask_N = residuals
+
+    def coef(m_T: jax.Array, g_T: jax.Array) -> jax.Array:
+        # d logp_i / d logits_i = onehot - softmax: the sum's backward with coef = -g.
+        return jnp.where(m_T != 0, -g_T.astype(jnp.float32), 0.0)
+    dh_NxD, dw = _tiled_backward(h_NxD, w, targets_N, mask_N, g_N, coef, tied, tile_n, softcap)
+    return dh_NxD, dw, None, None
+
+
+_tiled_logps.defvjp(_tiled_logps_fwd, _tiled_logps_bwd)
+
+
+def linear_target_logps(h_NxD: jax.Array, w: jax.Array, targets_N: jax.Array, mask_N: jax.Array, *,
+                        tied: bool = False, tile_n: int | None = None,
+                        tile_bytes: int = TILE_LOGITS_BYTES, softcap: float | None = None) -> jax.Array:
+    """log_softmax(h @ w)[i, targets[i]] per position, [N] float32, 0 where ``mask`` is 0, tile by
+    tile as ``linear_cross_entropy_sum`` (same numerics, same memory): what a preference loss sums
+    per sequence. Its backward takes any cotangent per position (the loss's weight on each
+    log-prob) and, like the sum's, never holds N x V logits; the mask gets no gradient."""
+    tile = _checked_tile(h_NxD, w, targets_N, mask_N, tied, tile_n, tile_bytes, "linear_target_logps")
+    return _tiled_logps(h_NxD, w, targets_N, mask_N.astype(jnp.float32), tied, tile, softcap)

@@ -139,15 +139,24 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
             batch = Batch(jnp.asarray(batch, jnp.int32), jnp.asarray(targets, jnp.int32), jnp.ones((B, L)),
                           jnp.ones((B, L), jnp.int32), jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
 
-        def take(stage: Stage) -> tuple[jax.Array, ...]:
-            return tuple(params[n] for n in stage.param_names)
-        h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
-        for i, stage in enumerate(stages[1:-1], 1):
-            apply = remat_block(stage.apply) if remat_block else stage.apply
-            h = apply(take(stage), h, stage_seeds(batch, i))
+        h = hidden(stages, params, batch, remat_block)
         count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
-        return stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)) / count
+        last = stages[-1]
+        out = last.apply(tuple(params[n] for n in last.param_names), h, stage_seeds(batch, len(stages) - 1))
+        return loss_terms(out)[0][0] / count
     return loss_fn
+
+
+def hidden(stages: Sequence[Stage], params: Mapping[str, jax.Array], batch: Batch,
+           remat_block: Callable[[Callable], Callable] | None = None) -> jax.Array:
+    """What the last stage receives: every stage but the last applied to the batch's tokens."""
+    def take(stage: Stage) -> tuple[jax.Array, ...]:
+        return tuple(params[n] for n in stage.param_names)
+    h = stages[0].apply(take(stages[0]), batch.tokens, stage_seeds(batch, 0))
+    for i, stage in enumerate(stages[1:-1], 1):
+        apply = remat_block(stage.apply) if remat_block else stage.apply
+        h = apply(take(stage), h, stage_seeds(batch, i))
+    return h
 
 
 def stage_seeds(batch: Batch, stage_index: Any) -> Batch:
@@ -172,6 +181,16 @@ def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
     """Mean token cross entropy, in float32 whatever the logits' dtype."""
     return token_cross_entropy(logits_BxLxV, targets_BxL).mean()
+
+
+def loss_terms(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A last stage's output as (its loss sums [K], its metric sums): a plain head returns its loss
+    sum alone (K = 1, no metrics); an objective of K terms (pstar_jax.model.preference) returns
+    (sums, metrics). The engines divide sum k by the step's global count k (``row_counts``)."""
+    if isinstance(out, tuple):
+        sums, metrics = out
+        return jnp.reshape(sums, (-1,)), dict(metrics)
+    return jnp.reshape(out, (1,)), {}
 
 
 def masked_loss_sum(token_losses_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
@@ -244,7 +263,7 @@ class NNXStaged:
                  vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
                  decays: Callable[[str], bool] | None = None, flops_per_token: float | None = None,
                  embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum",
-                 block_kinds: Sequence[Any] | None = None):
+                 block_kinds: Sequence[Any] | None = None, target_logps: str = "target_logps"):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
         self.block_kinds = tuple(block_kinds) if block_kinds is not None else (None,) * n_layer
         if len(self.block_kinds) != n_layer:
@@ -324,6 +343,12 @@ class NNXStaged:
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
         self._head_apply = head_apply
+        self._has_logps = callable(getattr(outer, target_logps, None))
+
+        def logps_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+            module = self._outer(self._head_names, params)
+            return getattr(module, target_logps)(h_BxLxD, batch.targets, batch.loss_mask)
+        self._logps_apply = logps_apply
         self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
         self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}
 
@@ -354,6 +379,14 @@ class NNXStaged:
     def block_graph(self, layer: int) -> Any:
         """The NNX graph of block ``layer`` (its kind's), whose state is the block's parameters."""
         return self._block_graphs[self.block_kinds[layer]]
+
+    def logps_stage(self) -> Stage:
+        """The head as each position's target log-prob, [B, L] float32, 0 off the loss mask (the
+        module's ``target_logps``, tiled as its loss): what a preference loss reads
+        (pstar_jax.model.preference). The head stage's tensors; ValueError if the module has none."""
+        if not self._has_logps:
+            raise ValueError(f"model {self.name} has no target_logps method, so it cannot give per-token log-probs")
+        return Stage("head", self._head_names, self._logps_apply)
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         parts = name.split(".")

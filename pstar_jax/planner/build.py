@@ -106,7 +106,7 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
     shape = trace_step(bound, fns, placement, layout.numels, param_dtype, *batch_shape, opt_state_bytes,
                        cfg.micro_batches, cache=trace_cache,
                        dropout_seeded=bool(getattr(model, "dropout_seeded", False)),  # the batch the step runs
-                       dtypes=layout.dtypes(param_dtype))
+                       dtypes=layout.dtypes(param_dtype), objective=model)
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks) * 2
@@ -149,7 +149,7 @@ class EnginePlanner:
         first = self.first
         shape = trace_forward(first.bound, first.fns, Placement(first.fns.mesh), first.layout.numels,
                               self.cfg.compute_dtype, *batch_shape, micro_batches,
-                              dtypes=first.layout.dtypes(self.cfg.compute_dtype))
+                              dtypes=first.layout.dtypes(self.cfg.compute_dtype), objective=self.model)
         plan = plan_forward(shape, training, self.host_bytes, self.machine)
         if not plan.fits:
             raise ConfigError(f"evaluation does not fit: {plan.problem} (device memory "

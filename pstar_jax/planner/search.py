@@ -255,7 +255,7 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
                                             *planned.batch_shape, optimizer.chunk_state_bytes(layout),
                                             cfg.micro_batches, cache=cache,
                                             dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)),
-                                            dtypes=layout.dtypes(cfg.compute_dtype))
+                                            dtypes=layout.dtypes(cfg.compute_dtype), objective=deeper)
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)

@@ -55,7 +55,7 @@ class _Tracer:
 
     def __init__(self, bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                  numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, cache: dict | None,
-                 dropout_seeded: bool = False, dtypes: Sequence[Any] | None = None):
+                 dropout_seeded: bool = False, dtypes: Sequence[Any] | None = None, objective: Any = None):
         self.bound, self.fns, self.numels, self.param_dtype = bound, fns, tuple(numels), param_dtype
         # Per chunk: its dtype (uint8 for quantized kernels, ChunkLayout.dtypes), else the compute dtype.
         self.dtypes = tuple(jnp.dtype(d) for d in dtypes) if dtypes else (jnp.dtype(param_dtype),) * len(self.numels)
@@ -70,20 +70,26 @@ class _Tracer:
         # The batch the engine runs (executor._put_batch): every field sharded over the data axis,
         # the seeds ([B] uint32, batch.with_dropout_seeds) only where the model draws dropout masks.
         seeds = _abstract((batch,), jnp.uint32, self.dev) if dropout_seeded else None
+        # The objective's side (pstar_jax.model.preference): a reference's log-probs per position,
+        # and its K loss sums, each scaled by its own count.
+        ref_logp = _abstract((batch, seq_len), jnp.float32, self.dev) if getattr(objective, "reads_ref_logp", False) \
+            else None
+        self.n_counts = int(getattr(objective, "n_counts", 1))
         self.batch = Batch(*(_abstract((batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, self.dev)
-                             for f in PER_POSITION), dropout_seed=seeds)
+                             for f in PER_POSITION), dropout_seed=seeds, ref_logp=ref_logp)
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
         self.xs = [self.batch.tokens]
         for b in bound[:-1]:
-            key = ("out", self.kind(b), self.xs[-1].shape, len(b.chunks))
+            key = ("out", self.kind(b), _shapes(self.xs[-1]), len(b.chunks))
             if key not in self.cache:
                 self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1],
                                                  self.batch)
-            y = self.cache[key]
-            self.xs.append(_abstract(y.shape, y.dtype, self.dev))
+            y = self.cache[key]  # an array, or a pytree of them (a preference objective's (h, h_ref))
+            self.xs.append(jax.tree.map(lambda leaf: _abstract(leaf.shape, leaf.dtype, self.dev), y))
         # Per device. The first stage's input is the batch itself (its tokens among it).
         self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
-        self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
+        self.act = [self.batch_bytes] + [sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(x)) // self.W
+                                         for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
         return _abstract((len(b.offset_data),), jnp.int32, self.rep)
@@ -102,16 +108,21 @@ class _Tracer:
         # Memory barely depends on where tensors sit in chunks, so one compile per
         # (role, stage kind, sizes of its chunks, activation shapes) stands for all such stages.
         key = (role, self.kind(b), tuple(self.numels[c] for c in b.chunks),
-               tuple(getattr(a, "shape", ()) for a in args[2:]))
+               tuple(_shapes(a) for a in args[2:]))
         if key not in self.cache:
             self.cache[key] = _analyse(fn, *args)
         return self.cache[key]
 
 
+def _shapes(tree: Any) -> tuple:
+    """The shapes of a pytree's leaves (an activation may be a pair, a batch is several arrays)."""
+    return tuple(getattr(leaf, "shape", ()) for leaf in jax.tree.leaves(tree))
+
+
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: Sequence[int],
                micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False,
-               dtypes: Sequence[Any] | None = None) -> StepShape:
+               dtypes: Sequence[Any] | None = None, objective: Any = None) -> StepShape:
     """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``, over chunks
     of ``numels`` elements (the layout's, per chunk) whose master and optimizer state take
     ``opt_state_bytes`` per device (per chunk, 0 for a frozen one: ChunkOptimizer.chunk_state_bytes);
@@ -120,8 +131,11 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     ``cache`` may be shared between traces of models that differ only in depth or chunk layout
     (pstar-plan's searches): a stage is known by its apply function's name and position, its
     chunks' sizes and its activation shapes, so equal stages are analysed once. ``dtypes``: per
-    chunk (ChunkLayout.dtypes) where quantized kernels' chunks are uint8, else ``param_dtype``."""
-    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded, dtypes)
+    chunk (ChunkLayout.dtypes) where quantized kernels' chunks are uint8, else ``param_dtype``.
+    ``objective``: the model, where its attributes ``reads_ref_logp`` and ``n_counts`` change the
+    batch and the head's scale (preference tuning)."""
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded, dtypes,
+                 objective)
     xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
@@ -130,7 +144,7 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
         fwd_nm.append(act[0] + temp + out)  # the batch, the call's temps and output (its input is an item)
         fwd_fl.append(flops)
     b = bound[head]
-    scale = _abstract((), jnp.float32, tr.rep)
+    scale = _abstract((tr.n_counts,), jnp.float32, tr.rep)
     temp, out, head_fl = analysed("head", b, fns.head(b), chunks(b), offsets(b), xs[head], tr.batch, tr.grads(b),
                                   scale)
     head_nm = act[0] + temp + out  # (the grad chunks, model data, are written in place)
@@ -150,14 +164,15 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                   numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, micro_batches: int = 1,
-                  cache: dict | None = None, dtypes: Sequence[Any] | None = None) -> StepShape:
+                  cache: dict | None = None, dtypes: Sequence[Any] | None = None, objective: Any = None
+                  ) -> StepShape:
     """Trace a forward-only pass (held-out loss) for a global ``batch`` x ``seq_len``.
 
     The shape of schedule.forward_accesses: a forward moment holds the micro-batch (live until
     its loss), its input, its temporaries and output (nothing is stashed: there is no backward);
     the head computes only the loss. The backward fields are zeros and there is no optimizer
     state."""
-    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dtypes=dtypes)
+    tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dtypes=dtypes, objective=objective)
     head = len(bound) - 1
 
     def live(i: int) -> int:  # the batch, and the stage's input when it is not the batch's tokens

@@ -127,12 +127,16 @@ class Run:
         from pstar_jax.data.training import is_packed, open_training_data
         self.tokens = tokens if tokens is not None else open_training_data(cfg.data.path, self.model.vocab_size)
         _check_packing(self.model, self.tokens, "DataConfig.path")
+        from pstar_jax.run.objective import check_data, trained_model
+        check_data(cfg, self.tokens, "DataConfig.path")
         self.eval_tokens = None  # the held-out tokens (train.eval_every)
         if eval_tokens is not None and not cfg.train.eval_every:
             raise ConfigError("eval_tokens given but TrainConfig.eval_every is 0; set how often to evaluate")
         if cfg.train.eval_every:
             self.tokens, self.eval_tokens = _eval_split(cfg, self.tokens, eval_tokens, self.model.vocab_size)
             _check_packing(self.model, self.eval_tokens, "DataConfig.eval_path")
+            if cfg.data.eval_path:
+                check_data(cfg, self.eval_tokens, "DataConfig.eval_path")
         self.mesh = zero.data_mesh(d.data_parallel)
         from pstar_jax.planner.build import build_engine, micro_batch_shape
         shape = micro_batch_shape(cfg.train.batch_size, cfg.engine.micro_batches, self.model.seq_len, self.mesh)
@@ -162,9 +166,10 @@ class Run:
             from pstar_jax.engine.optim import default_tx
             self._make_tx = make_tx if make_tx is not None else default_tx(cfg.optim)  # its schedule: each lr
             # A model built from the config is rebuilt at another length for a misfit's error to name one.
-            seq_len_at = None if model is not None else (lambda n: load_model(dataclasses.replace(
-                cfg, model=dataclasses.replace(cfg.model, seq_len=n))))
-            self.engine = build_engine(self.model, cfg.engine, cfg.optim, shape, mesh=self.mesh, seed=cfg.train.seed,
+            seq_len_at = None if model is not None else (lambda n: trained_model(cfg, load_model(
+                dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=n)))))
+            self.engine = build_engine(trained_model(cfg, self.model), cfg.engine, cfg.optim, shape, mesh=self.mesh,
+                                       seed=cfg.train.seed,
                                        init_params=init, skip_nonfinite=cfg.train.skip_nonfinite,
                                        make_tx=self._make_tx, frozen=frozen, seq_len_at=seq_len_at,
                                        frozen_source=_frozen_source(hf, init, cfg, self.model))

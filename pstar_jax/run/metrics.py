@@ -6,7 +6,10 @@ step's update; left out for an optimizer factory whose schedule is not known), `
 ``clip_scale`` (the factor global-norm clipping applied, 1.0 when not clipped), ``step_s``,
 ``tokens_per_s``, ``model_tflops``, the copies and memory of the step (``h2d_bytes``,
 ``d2h_bytes``, ``device_chunk_peak_bytes``, ``predicted_h2d_bytes``, ``predicted_d2h_bytes``;
-with frozen chunks on disk ``disk_read_bytes`` and ``predicted_disk_read_bytes``), ``skipped``, and after an evaluation ``eval_loss`` and ``eval_s``."""
+with frozen chunks on disk ``disk_read_bytes`` and ``predicted_disk_read_bytes``), ``skipped``, and after an evaluation ``eval_loss`` and ``eval_s``.
+Under a preference objective also TRL's ``rewards/chosen``, ``rewards/rejected``,
+``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` and ``nll_loss``
+(TensorBoard keeps those names as its tags)."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def step_record(step: int, result: StepResult, tokens: int, flops_per_token: flo
             **({"disk_read_bytes": result.disk_read_bytes,
                 "predicted_disk_read_bytes": result.predicted_disk_read_bytes}
                if result.disk_read_bytes or result.predicted_disk_read_bytes else {}),
-            "skipped": result.skipped}
+            "skipped": result.skipped, **result.metrics}
 
 
 class JsonlWriter:
@@ -132,6 +135,8 @@ class Progress:
 
     def update(self, record: dict) -> None:
         extra = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        if "rewards/accuracies" in record:  # preference tuning: TRL's headline metrics
+            extra += f" | acc {record['rewards/accuracies']:.2f} margin {record['rewards/margins']:.3f}"
         lr = f" | lr {record['lr']:.2e}" if "lr" in record else ""
         clip = f" | clip {record['clip_scale']:.2f}" if record.get("clip_scale", 1.0) < 1.0 else ""
         self._bar.set_postfix_str(
