@@ -105,9 +105,10 @@ def gemma_fields(config: Mapping[str, Any], n_layer: int) -> dict[str, Any]:
 
 def gemma_export(c: LlamaConfig, five: bool) -> dict[str, Any]:
     """The Gemma keys of an exported config.json; ``five``: 5.x's rope_parameters, else 4.x's keys."""
-    out: dict[str, Any] = dict(
+    scalar = c.query_pre_attn_scalar or c.d_head
+    out: dict[str, Any] = dict(  # (5.x's config class types query_pre_attn_scalar int: a whole one is written so)
         head_dim=c.d_head, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-        use_bidirectional_attention=False, query_pre_attn_scalar=c.query_pre_attn_scalar or c.d_head,
+        use_bidirectional_attention=False, query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
         sliding_window=c.sliding_window or 4096, layer_types=list(c.layer_types or ["full_attention"] * c.n_layer),
         attn_logit_softcapping=None, final_logit_softcapping=c.final_softcap)
     scaling = None if c.rope_scaling is None else {"rope_type": "linear", "factor": c.rope_scaling.factor}
