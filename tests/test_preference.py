@@ -287,3 +287,39 @@ def test_a_template_that_renders_chosen_and_rejected_alike_is_a_bad_line(tokeniz
                                         r"template .*roles.jinja; fix it or pass --on-bad-example skip"):
         preference.make_preference_file(tmp_path / "c.sft.u16.bin", [source], tokenizers_root / "qwen25", 256,
                                         chat_template=roles_only)
+
+
+@pytest.mark.slow
+def test_the_readme_example_from_pairs_to_a_chat(tmp_path, capsys):
+    """README's "Preference tuning" example at a tiny size: conversational pairs -> pstar-tokens
+    --preference -> pstar-train --objective dpo with LoRA (chunks moving) -> the merged export
+    answers through pstar-generate --chat. DPO starts at ln 2 with rewards 0 (the adapters add
+    nothing at step 0, so policy = reference) and learns to prefer the chosen answers."""
+    from pstar_jax.cli.generate import main as generate_main
+    from pstar_jax.cli.train import main as train_main
+    from test_sft import chat_checkpoint
+    src = chat_checkpoint(tmp_path)
+    prompts = ["What is the capital of France?", "hello world", "héllo", "def f(x): return x * 2"]
+    write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": [user(p)], "chosen": [assistant("Paris is the capital.")],
+         "rejected": [assistant(f"the lazy dog {i}")]} for i, p in enumerate(prompts * 25)])
+    packed = tmp_path / "pairs.sft.u16.bin"
+    assert tokens_cli.main(["--preference", "--tokenizer", str(src), "--seq-len", "128", "--truncate",
+                            str(tmp_path / "pairs.jsonl"), "-o", str(packed)]) == 0
+    capsys.readouterr()
+    metrics, out = tmp_path / "dpo.jsonl", tmp_path / "merged"
+    code = train_main(["--init-from-hf", str(src), "--data", str(packed), "--seq-len", "128", "--objective", "dpo",
+                       "--lora-rank", "4", "--batch-size", "8", "--steps", "12", "--lr", "3e-3",
+                       "--metrics-out", str(metrics), "--export-lora", str(tmp_path / "adapter"),
+                       "--export-hf", str(out), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 12
+    assert abs(steps[0]["loss"] - np.log(2)) < 1e-5 and steps[0]["rewards/margins"] == 0
+    assert steps[-1]["loss"] < steps[0]["loss"] and steps[-1]["rewards/accuracies"] > 0.5
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    capsys.readouterr()
+    code = generate_main(["--hf", str(out), "--chat", "--prompt", "What color is the sky?", "--max-new-tokens", "6",
+                          "--temperature", "0"])
+    captured = capsys.readouterr()
+    assert code == 0 and "Traceback" not in captured.err, captured.err
