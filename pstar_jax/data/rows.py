@@ -56,16 +56,19 @@ class PackedBatches(ShuffledStream):
     block of ``batch_size // process_count`` rows at its index), resumable from ``position``."""
 
     def __init__(self, rows: Any, batch_size: int, seed: int, *, seq_len: int | None = None,
-                 process_index: int = 0, process_count: int = 1, position: int = 0) -> None:
+                 process_index: int = 0, process_count: int = 1, position: int = 0, ref: Any = None) -> None:
         super().__init__(check_rows(rows, seq_len), batch_size, seed, process_index, process_count, position)
         self.rows, self.seq_len = rows, np.shape(rows.tokens)[1] - 1
+        self.ref = ref  # a stored reference (pstar_jax.data.ref_logps.RefLogps) whose values each batch carries
 
     @property
     def rows_per_epoch(self) -> int:
         return self.per_epoch
 
     def __next__(self) -> Batch:
-        return from_rows(*_take(self.rows, self.next_items()))
+        items = self.next_items()
+        batch = from_rows(*_take(self.rows, items))
+        return batch if self.ref is None else self.ref.attach(batch, items)  # keyed by row: rows are shuffled
 
 
 def held_out_rows(rows: Any, fraction: float = HELD_OUT_FRACTION) -> tuple[Rows, Rows]:
