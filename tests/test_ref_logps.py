@@ -124,3 +124,25 @@ def test_rows_the_file_has_no_pair_for_are_refused():
     tokens, segments, labels = pack_rows(random_pairs(61), [[0, 1]], SEQ_LEN + 1)
     with pytest.raises(DataError, match="does not belong to these rows"):
         ref.attach(from_rows(tokens, segments, labels), np.array([0]))
+
+
+def test_the_chunked_engines_forward_only_pass_gives_the_direct_values_with_chunks_streaming(setup, tmp_path):
+    """The reference pass is the evaluation's forward-only plan with the log-probs head: its values
+    are the direct forward's, chunks move under it, and it leaves the params as they were."""
+    from pstar_jax.config import EngineConfig, OptimConfig
+    from pstar_jax.engine.optim import default_tx
+    from pstar_jax.model.preference import PreferenceModel
+    from pstar_jax.plan.machine import H200
+    from pstar_jax.planner.build import chunked_engine
+    model, params, rows, forward = setup
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    engine = chunked_engine(PreferenceModel(model, PreferenceConfig(objective="dpo", loss="sigmoid")),
+                            EngineConfig(chunk_numel=4096, precision="fp32", micro_batches=2),
+                            default_tx(OptimConfig(lr=1e-3)), mesh, (2, SEQ_LEN), H200, clip_norm=None,
+                            init_params=params)
+    values = np.concatenate(list(reference_values(rows, engine.reference_logps, 2, 2)))
+    assert engine.store.traffic.h2d_bytes > 0, "the chunks should stream"
+    expected = np.concatenate(list(reference_values(rows, forward, 5)))
+    np.testing.assert_allclose(values, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+    for name, p in engine.params().items():
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(params[name]), err_msg=name)
