@@ -187,6 +187,8 @@ class Run:
                                                process_index=jax.process_index(), process_count=jax.process_count(),
                                                what=what)
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
+            from pstar_jax.run.reference import stored_reference  # at the initial weights: before a restore
+            self._ref = stored_reference(cfg, self.model, self.engine, shape[0], self.verbose)
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.io.checkpoint import restore_engine
                 log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
@@ -199,7 +201,7 @@ class Run:
         self.packed = is_packed(self.tokens)
         self.batches = training_batches(self.tokens, shape[0], self.model.seq_len, cfg.train.seed,
                                         process_index=jax.process_index(), process_count=jax.process_count(),
-                                        position=position)  # yields this process's rows
+                                        position=position, ref=self._ref)  # yields this process's rows
 
     def _open_checkpoints(self):
         from pstar_jax.io.base_record import base_record, check_same_adapters, check_same_base

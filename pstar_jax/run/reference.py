@@ -1,0 +1,74 @@
+"""Full fine-tuning's DPO and IPO reference: the model at its initial weights, stored before
+training beside the preference file (pstar_jax.data.ref_logps), so training holds one model.
+
+``stored_reference`` runs before step 0 (and before a resume restores its checkpoint, so the
+engine still holds the initial weights): it reuses ``--ref-logps FILE`` or ``NAME.ref.f32`` when
+present and made for this data, base and model, refuses one that is not, and otherwise computes it
+by the engine's forward-only pass over every row of the file (its chunks streamed by the
+evaluation's plan), saying so on stderr with the time it took.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pstar_jax.config import ConfigError, RunConfig, to_dict
+from pstar_jax.data.ref_logps import (RefLogps, data_fingerprint, load_ref_logps, ref_path, reference_values,
+                                      write_ref_logps)
+
+
+def uses_stored_reference(config: RunConfig) -> bool:
+    """Whether the run reads a stored reference: sigmoid or ipo without LoRA."""
+    p = config.preference
+    return p.objective == "dpo" and p.uses_reference and not config.lora.enabled
+
+
+def fingerprint(config: RunConfig, model: Any) -> dict[str, Any]:
+    """What the stored values depend on: the data file, the base weights (the base record without its
+    path: its fingerprint reads the weights) and the model config with the compute precision."""
+    from pstar_jax.io.base_record import base_record
+    base = {k: v for k, v in base_record(config, model).items() if k != "path"}
+    weights = ("init_from_flax", "init_from_hf", "init_from_lora")  # where from is the base's part
+    arch = {k: v for k, v in to_dict(config.model).items() if k not in weights}
+    return {"data": data_fingerprint(config.data.path), "base": base,
+            "model": {**arch, "precision": config.engine.precision}}
+
+
+def stored_reference(config: RunConfig, model: Any, engine: Any, micro_batch_rows: int,
+                     verbose: bool = True) -> RefLogps | None:
+    """The run's stored reference (None when it reads none), reused or computed now by ``engine``
+    (at its initial weights) over the whole preference file, ``micro_batch_rows`` rows at a time."""
+    if not uses_stored_reference(config):
+        return None
+    from pstar_jax.data.packing import load_packed
+    p = config.preference
+    if config.data.path is None:
+        raise ConfigError(f"the {p.loss} loss of full fine-tuning reads the reference's log-probs stored beside "
+                          "a preference file; give DataConfig.path (--data)")
+    rows = load_packed(config.data.path)
+    path = Path(p.ref_logps) if p.ref_logps else ref_path(config.data.path)
+    expected = fingerprint(config, model)
+    if p.ref_logps or path.exists():
+        ref = load_ref_logps(path, rows, expected)
+        if verbose:
+            print(f"reference log-probs: reusing {path} ({len(ref.values):,} pairs)", file=sys.stderr, flush=True)
+        return ref
+    if jax.process_count() > 1:
+        raise ConfigError(f"the reference log-probs {path} are computed by one process; run pstar-train once on "
+                          "one process to write them (or pass --ref-logps FILE), then start the multi-process run")
+    start = time.perf_counter()
+    micro_batches = config.engine.micro_batches
+    values = np.concatenate(list(reference_values(rows, engine.reference_logps, micro_batch_rows, micro_batches)))
+    write_ref_logps(path, values, expected)
+    if verbose:
+        print(f"reference log-probs: computed {len(values):,} pairs over {len(rows.segments):,} rows in "
+              f"{time.perf_counter() - start:.1f} s (a forward-only pass at the initial weights) -> {path}",
+              file=sys.stderr, flush=True)
+    return load_ref_logps(path, rows, expected)
+
