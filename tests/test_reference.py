@@ -67,3 +67,11 @@ def test_flags_a_stored_reference_does_not_go_with_are_one_line(tmp_path, capsys
     assert train(tmp_path, data, *flags, "--quiet", steps=1)[0] == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pstar_plan_says_what_the_stored_reference_costs(capsys):
+    from pstar_jax.cli.plan import main as plan_main
+    assert plan_main(["tiny", "--objective", "dpo", "--no-search", "--json", "--device-memory", "1GiB",
+                      "--host-memory", "2GiB"]) == 0
+    label = json.loads(capsys.readouterr().out.splitlines()[-1])["label"]
+    assert "DPO (sigmoid loss; the reference: stored before step 0 by one forward-only pass over the data" in label
