@@ -60,7 +60,6 @@ def test_a_reference_made_for_another_base_or_precision_is_refused_in_one_line(t
 @pytest.mark.parametrize("flags, match", [
     (["--dpo-loss", "simpo", "--ref-logps", "x.ref.f32"], "the simpo loss has none"),
     (["--lora-rank", "4", "--ref-logps", "x.ref.f32"], "drop --ref-logps"),
-    (["--eval-every", "1"], "held-out loss of a full-fine-tuning sigmoid run"),
 ])
 def test_flags_a_stored_reference_does_not_go_with_are_one_line(tmp_path, capsys, flags, match):
     data = preference_file(tmp_path / "pairs.sft.u16.bin", n_rows=4)
@@ -75,3 +74,18 @@ def test_pstar_plan_says_what_the_stored_reference_costs(capsys):
                       "--host-memory", "2GiB"]) == 0
     label = json.loads(capsys.readouterr().out.splitlines()[-1])["label"]
     assert "DPO (sigmoid loss; the reference: stored before step 0 by one forward-only pass over the data" in label
+
+
+@pytest.mark.parametrize("eval_file", [False, True])
+def test_the_held_out_loss_reads_the_reference_of_its_rows(tmp_path, capsys, eval_file):
+    """At a learning rate of 1e-12 the policy stays the reference, so the held-out pairs' loss is log 2: the
+    last rows of the training file read its stored values, a --eval-data file its own."""
+    data = preference_file(tmp_path / "pairs.sft.u16.bin", n_rows=8)
+    flags = ["--eval-every", "1", "--lr", "1e-12", "--precision", "fp32"]
+    if eval_file:
+        flags += ["--eval-data", str(preference_file(tmp_path / "held.sft.u16.bin", n_rows=3, seed=5))]
+    code, rows = train(tmp_path, data, *flags, steps=1)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    np.testing.assert_allclose(rows[-1]["eval_loss"], np.log(2.0), rtol=1e-6)
+    assert ("held.ref.f32" in err) == eval_file and (tmp_path / "held.ref.f32").exists() == eval_file

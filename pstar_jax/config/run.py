@@ -64,10 +64,6 @@ class RunConfig:
         if not p.uses_reference:
             return
         if not self.lora.enabled:  # full fine-tuning: the reference is stored before training (data.ref_logps)
-            if self.train.eval_every:
-                raise ConfigError(f"the held-out loss of a full-fine-tuning {p.loss} run needs the reference for "
-                                  "the held-out pairs, which is not stored yet; set TrainConfig.eval_every 0, or "
-                                  "train LoRA adapters or the simpo loss")
             return
         if p.ref_logps is not None:
             raise ConfigError(f"PreferenceConfig.ref_logps names a stored reference, but a LoRA run's {p.loss} "

@@ -89,11 +89,14 @@ def packed_eval_batches(rows: Any, batch_size: int, micro_batches: int, *, seq_l
     """The fixed held-out set: ``micro_batches`` micro-batches of ``batch_size`` rows taken in order
     from the first row (over again when there are fewer), this process's rows of each."""
     n = check_rows(rows, seq_len, what)
+    return [from_rows(*_take(rows, index))
+            for index in eval_row_index(n, batch_size, micro_batches, process_index, process_count)]
+
+
+def eval_row_index(n: int, batch_size: int, micro_batches: int, process_index: int = 0, process_count: int = 1
+                   ) -> list[np.ndarray]:
+    """The rows (of ``n``) that ``packed_eval_batches`` takes for each micro-batch, this process's."""
     if batch_size % process_count:
         raise DataError(f"batch_size {batch_size} must be divisible by process_count {process_count}")
     local = batch_size // process_count
-    out = []
-    for m in range(micro_batches):
-        first = m * batch_size + process_index * local
-        out.append(from_rows(*_take(rows, (first + np.arange(local)) % n)))
-    return out
+    return [(m * batch_size + process_index * local + np.arange(local)) % n for m in range(micro_batches)]

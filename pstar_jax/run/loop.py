@@ -187,8 +187,11 @@ class Run:
                                                process_index=jax.process_index(), process_count=jax.process_count(),
                                                what=what)
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
-            from pstar_jax.run.reference import stored_reference  # at the initial weights: before a restore
+            # The stored reference is the initial weights' (pstar_jax.run.reference): made before a restore.
+            from pstar_jax.run.reference import held_out_reference, stored_reference
             self._ref = stored_reference(cfg, self.model, self.engine, shape[0], self.verbose)
+            self.eval_set = held_out_reference(cfg, self.model, self.engine, self._ref, self.eval_set,
+                                               self.eval_tokens, shape[0], self.verbose)
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.io.checkpoint import restore_engine
                 log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
