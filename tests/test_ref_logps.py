@@ -93,7 +93,8 @@ def test_the_file_sits_beside_the_data():
 def test_a_file_for_other_data_base_or_model_is_refused_naming_it(setup, tmp_path, part):
     path = stored(setup, tmp_path)
     other = {**FINGERPRINT, part: {**FINGERPRINT[part], "x": 1}}
-    with pytest.raises(DataError, match=f"made for another {part} \\(fingerprint.{part}.x differs\\)") as e:
+    words = {"data": "other data", "base": "another base", "model": "another model"}[part]
+    with pytest.raises(DataError, match=f"made for {words} \\(fingerprint.{part}.x differs\\)") as e:
         load_ref_logps(path, setup[2], other)
     assert "\n" not in str(e.value)
 
@@ -126,16 +127,18 @@ def test_rows_the_file_has_no_pair_for_are_refused():
         ref.attach(from_rows(tokens, segments, labels), np.array([0]))
 
 
-def test_the_chunked_engines_forward_only_pass_gives_the_direct_values_with_chunks_streaming(setup, tmp_path):
+@pytest.mark.parametrize("n_devices", [1, 2])
+def test_the_chunked_engines_forward_only_pass_gives_the_direct_values_with_chunks_streaming(setup, n_devices):
     """The reference pass is the evaluation's forward-only plan with the log-probs head: its values
-    are the direct forward's, chunks move under it, and it leaves the params as they were."""
+    are the direct forward's (rows sharded over the devices: each row's own), chunks move under it,
+    and it leaves the params as they were."""
     from pstar_jax.config import EngineConfig, OptimConfig
     from pstar_jax.engine.optim import default_tx
     from pstar_jax.model.preference import PreferenceModel
     from pstar_jax.plan.machine import H200
     from pstar_jax.planner.build import chunked_engine
     model, params, rows, forward = setup
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("data",))
     engine = chunked_engine(PreferenceModel(model, PreferenceConfig(objective="dpo", loss="sigmoid")),
                             EngineConfig(chunk_numel=4096, precision="fp32", micro_batches=2),
                             default_tx(OptimConfig(lr=1e-3)), mesh, (2, SEQ_LEN), H200, clip_norm=None,

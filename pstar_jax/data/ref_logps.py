@@ -171,8 +171,9 @@ def load_ref_logps(path: str | os.PathLike, rows: Any, fingerprint: dict[str, An
     except (OSError, ValueError, KeyError, TypeError):
         raise DataError(f"{side} is not a reference log-probs sidecar (format {FORMAT}); {redo}") from None
     if (diff := _first_difference(stored_fp, fingerprint, "fingerprint")) is not None:
-        raise DataError(f"reference log-probs file {path} was made for another {diff.split('.')[1]} ({diff} "
-                        f"differs); {redo}")
+        part = {"data": "other data", "base": "another base", "model": "another model"}.get(diff.split(".")[1],
+                                                                                         "another run")
+        raise DataError(f"reference log-probs file {path} was made for {part} ({diff} differs); {redo}")
     counts = pairs_per_row(rows.segments)
     if stored_pairs != int(counts.sum()):
         raise DataError(f"reference log-probs file {path} holds {stored_pairs:,} pairs but the data has "
