@@ -198,7 +198,8 @@ def stored_ref_logp(model, ref_params, rows_arrays, tmp_path):
     from pstar_jax.data.rows import Rows
     rows = Rows(*rows_arrays)
     logps = jax.jit(compose_logps(model))
-    forward = lambda batches: [np.asarray(logps(ref_params, jax.tree.map(jnp.asarray, b))) for b in batches]  # noqa: E731
+    def forward(batches):
+        return [np.asarray(logps(ref_params, jax.tree.map(jnp.asarray, b))) for b in batches]
     path, fingerprint = tmp_path / "pairs.ref.f32", {"data": {}, "base": {}, "model": {}}
     write_ref_logps(path, np.concatenate(list(reference_values(rows, forward, 2))), fingerprint)
     index = np.arange(len(rows.tokens))

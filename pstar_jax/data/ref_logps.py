@@ -162,7 +162,8 @@ def load_ref_logps(path: str | os.PathLike, rows: Any, fingerprint: dict[str, An
     if not path.is_file():
         raise DataError(f"reference log-probs file {path} does not exist; leave --ref-logps out to compute it")
     if not side.is_file():
-        raise DataError(f"reference log-probs file {path} has no sidecar {side.name} (its write did not finish); {redo}")
+        raise DataError(f"reference log-probs file {path} has no sidecar {side.name} (its write did not finish); "
+                        f"{redo}")
     try:
         info = json.loads(side.read_text())
         stored_pairs, stored_fp = int(info["pairs"]), info["fingerprint"]
