@@ -37,11 +37,12 @@ def test_pstar_train_stores_the_reference_then_reuses_it_without_the_pass(tmp_pa
         raise AssertionError("the reference pass ran again")
     monkeypatch.setattr(ChunkedEngine, "reference_logps", never)
     monkeypatch.setattr(PlainEngine, "reference_logps", never)
-    code, again = train(tmp_path, data, *flags, "--ref-logps", str(tmp_path / "pairs.ref.f32"))
-    err = capsys.readouterr().err
-    assert code == 0, err
-    assert "reference log-probs: reusing" in err
-    np.testing.assert_allclose(again[0]["loss"], rows[0]["loss"], rtol=1e-6)
+    for named in ([], ["--ref-logps", str(tmp_path / "pairs.ref.f32")]):  # found beside the data, or named
+        code, again = train(tmp_path, data, *flags, *named)
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert "reference log-probs: reusing" in err
+        np.testing.assert_allclose(again[0]["loss"], rows[0]["loss"], rtol=1e-6)
 
 
 def test_a_reference_made_for_another_base_or_precision_is_refused_in_one_line(tmp_path, capsys):
