@@ -191,6 +191,21 @@ def trl_batch(trainer, pairs, simpo):
     return out
 
 
+def stored_ref_logp(model, ref_params, rows_arrays, tmp_path):
+    """The rows' ``ref_logp`` as a full-fine-tuning run reads it: the reference's pair sums written
+    to a NAME.ref.f32 file (pstar_jax.data.ref_logps), read back and attached to the rows in order."""
+    from pstar_jax.data.ref_logps import load_ref_logps, reference_values, write_ref_logps
+    from pstar_jax.data.rows import Rows
+    rows = Rows(*rows_arrays)
+    logps = jax.jit(compose_logps(model))
+    def forward(batches):
+        return [np.asarray(logps(ref_params, jax.tree.map(jnp.asarray, b))) for b in batches]
+    path, fingerprint = tmp_path / "pairs.ref.f32", {"data": {}, "base": {}, "model": {}}
+    write_ref_logps(path, np.concatenate(list(reference_values(rows, forward, 2))), fingerprint)
+    index = np.arange(len(rows.tokens))
+    return load_ref_logps(path, rows, fingerprint).attach(from_rows(*rows), index).ref_logp
+
+
 @pytest.mark.hf_reference
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_step_zero_loss_gradients_and_metrics_equal_trls(case, tmp_path):
@@ -219,6 +234,12 @@ def test_step_zero_loss_gradients_and_metrics_equal_trls(case, tmp_path):
                                              has_aux=True)(params)
     np.testing.assert_allclose(float(loss), loss_t.item(), rtol=1e-5, atol=1e-6)
     assert_metrics_match(step_metrics(jax.device_get(sums)), metrics_t, cfg, 1e-5)
+    if cfg.uses_reference:  # the same through the stored reference of full fine-tuning, written and read back
+        stored = stored_ref_logp(model, ref_params, pack_rows(random_pairs(config["vocab_size"]), ROWS, SEQ_LEN + 1),
+                                 tmp_path)
+        loss_s, sums_s = compose_preference(model, cfg)(params, batch, jnp.asarray(stored))
+        np.testing.assert_allclose(float(loss_s), loss_t.item(), rtol=1e-5, atol=1e-6)
+        assert_metrics_match(step_metrics(jax.device_get(sums_s)), metrics_t, cfg, 1e-5, "stored: ")
     theirs = to_pstar(model, {k: p.grad.numpy() for k, p in policy.named_parameters()}
                       | {k: np.zeros_like(v) for k, v in state(policy).items() if k not in dict(policy.named_parameters())})
     for name, g in grads.items():

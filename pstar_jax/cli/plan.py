@@ -88,7 +88,9 @@ def objective_label(config: RunConfig) -> str:
     if p.objective != "dpo":
         return ""
     reference = ("no reference" if not p.uses_reference else "the reference: the base with the adapters off, an "
-                 "extra forward in each step")
+                 "extra forward in each step" if config.lora.enabled else "the reference: stored before step 0 by "
+                 "one forward-only pass over the data under the evaluation's plan (2 of a step's 6 model FLOPs per "
+                 "parameter and token, once), then read beside each batch (4 bytes a position)")
     return f", {p.objective.upper()} ({p.loss} loss; {reference})"
 
 

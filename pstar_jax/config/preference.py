@@ -43,6 +43,10 @@ class PreferenceConfig:
     sft_weight: float = option(0.0, "weight of an SFT term on the chosen completions (TRL's rpo_alpha): the "
                                "step's mean token NLL of the chosen answers", flag="--dpo-sft-weight",
                                metavar="W", math_changing=True)
+    ref_logps: str | None = option(None, "the stored reference of full fine-tuning with sigmoid or ipo (each pair's "
+                                   "log-probs under the initial weights; pstar_jax.data.ref_logps); left out, "
+                                   "NAME.ref.f32 beside the preference file, computed before training when absent",
+                                   flag="--ref-logps", metavar="FILE")
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -68,6 +72,9 @@ class PreferenceConfig:
         if self.simpo_gamma != 0.5 and self.loss != "simpo":
             raise ConfigError(f"PreferenceConfig.simpo_gamma is SimPO's margin; set PreferenceConfig.loss to simpo "
                               f"to use it (the loss is {self.loss})")
+        if self.ref_logps is not None and not self.uses_reference:
+            raise ConfigError("PreferenceConfig.ref_logps names a reference, but the simpo loss has none; drop "
+                              "--ref-logps or pick the sigmoid or ipo loss")
 
     def given(self) -> list[str]:
         """The preference settings that differ from their defaults (an SFT run refuses them)."""

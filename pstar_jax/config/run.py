@@ -63,11 +63,11 @@ class RunConfig:
             return
         if not p.uses_reference:
             return
-        if not self.lora.enabled:  # full fine-tuning: the reference must come from outside the step
-            raise ConfigError(f"the {p.loss} loss needs a reference model: train LoRA adapters (LoraConfig.rank; "
-                              "the base with the adapters off is the reference, in the same step), or use the "
-                              "reference-free PreferenceConfig.loss simpo (a stored reference for full fine-tuning "
-                              "is not built yet)")
+        if not self.lora.enabled:  # full fine-tuning: the reference is stored before training (data.ref_logps)
+            return
+        if p.ref_logps is not None:
+            raise ConfigError(f"PreferenceConfig.ref_logps names a stored reference, but a LoRA run's {p.loss} "
+                              "reference is the base with the adapters off, in the same step; drop --ref-logps")
         if self.lora.modules_to_save:
             raise ConfigError(f"LoraConfig.modules_to_save trains base tensors in full, but the {p.loss} loss's "
                               "reference is the base with the adapters off, which needs them frozen; drop "

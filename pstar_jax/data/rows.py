@@ -56,16 +56,19 @@ class PackedBatches(ShuffledStream):
     block of ``batch_size // process_count`` rows at its index), resumable from ``position``."""
 
     def __init__(self, rows: Any, batch_size: int, seed: int, *, seq_len: int | None = None,
-                 process_index: int = 0, process_count: int = 1, position: int = 0) -> None:
+                 process_index: int = 0, process_count: int = 1, position: int = 0, ref: Any = None) -> None:
         super().__init__(check_rows(rows, seq_len), batch_size, seed, process_index, process_count, position)
         self.rows, self.seq_len = rows, np.shape(rows.tokens)[1] - 1
+        self.ref = ref  # a stored reference (pstar_jax.data.ref_logps.RefLogps) whose values each batch carries
 
     @property
     def rows_per_epoch(self) -> int:
         return self.per_epoch
 
     def __next__(self) -> Batch:
-        return from_rows(*_take(self.rows, self.next_items()))
+        items = self.next_items()
+        batch = from_rows(*_take(self.rows, items))
+        return batch if self.ref is None else self.ref.attach(batch, items)  # keyed by row: rows are shuffled
 
 
 def held_out_rows(rows: Any, fraction: float = HELD_OUT_FRACTION) -> tuple[Rows, Rows]:
@@ -86,11 +89,14 @@ def packed_eval_batches(rows: Any, batch_size: int, micro_batches: int, *, seq_l
     """The fixed held-out set: ``micro_batches`` micro-batches of ``batch_size`` rows taken in order
     from the first row (over again when there are fewer), this process's rows of each."""
     n = check_rows(rows, seq_len, what)
+    return [from_rows(*_take(rows, index))
+            for index in eval_row_index(n, batch_size, micro_batches, process_index, process_count)]
+
+
+def eval_row_index(n: int, batch_size: int, micro_batches: int, process_index: int = 0, process_count: int = 1
+                   ) -> list[np.ndarray]:
+    """The rows (of ``n``) that ``packed_eval_batches`` takes for each micro-batch, this process's."""
     if batch_size % process_count:
         raise DataError(f"batch_size {batch_size} must be divisible by process_count {process_count}")
     local = batch_size // process_count
-    out = []
-    for m in range(micro_batches):
-        first = m * batch_size + process_index * local
-        out.append(from_rows(*_take(rows, (first + np.arange(local)) % n)))
-    return out
+    return [(m * batch_size + process_index * local + np.arange(local)) % n for m in range(micro_batches)]

@@ -38,11 +38,11 @@ def is_packed(data: Any) -> bool:
     return not isinstance(data, np.ndarray) and is_rows(data)
 
 
-def training_batches(data: Any, batch_size: int, seq_len: int, seed: int, **kwargs: int) -> Any:
+def training_batches(data: Any, batch_size: int, seq_len: int, seed: int, ref: Any = None, **kwargs: int) -> Any:
     """``Batches`` over tokens or ``PackedBatches`` over rows (kwargs: process_index,
-    process_count, position)."""
+    process_count, position); ``ref`` a stored reference the rows' batches carry (preference rows)."""
     if is_packed(data):
-        return PackedBatches(data, batch_size, seed, seq_len=seq_len, **kwargs)
+        return PackedBatches(data, batch_size, seed, seq_len=seq_len, ref=ref, **kwargs)
     return Batches(data, batch_size, seq_len, seed, **kwargs)
 
 

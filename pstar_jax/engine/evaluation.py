@@ -1,7 +1,8 @@
 """The held-out loss of the chunked engine: a forward-only pass between steps by a plan of its
 own (pstar_jax.plan.forward.plan_forward, made through the engine's ``Replanner``): the pending
 update applied first, no gradients, no optimizer work, and the slots put back where the training
-plan starts a step.
+plan starts a step. The same pass with the model's ``logps_stage`` as its head gives each
+position's target log-probs (``reference_logps``: full-fine-tuning DPO's stored reference).
 
 ``Evaluation`` is a part of ``ChunkedEngine`` (pstar_jax.engine.executor); it uses the engine's
 store, plan, stage functions and moment actions (``_act``, ``_place_slots``, ``_put_batch``).
@@ -10,7 +11,7 @@ store, plan, stage functions and moment actions (``_act``, ``_place_slots``, ``_
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import numpy as np
 from pstar_jax.data.batch import Batch, as_batch, check_batches
 from pstar_jax.engine.memory import Space
 from pstar_jax.engine.pacing import Pacer
+from pstar_jax.engine.stages import BoundStage
 from pstar_jax.engine.zero import replicated_value
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
@@ -44,14 +46,36 @@ class Evaluation:
         training plan starts a step; the store's traffic counts the evaluation's copies alone."""
         micro_batches = [as_batch(b) for b in micro_batches]
         check_batches(micro_batches, self.model)
+        _, scale = self.fns.count(self._put_counts(micro_batches))
+        losses = self._forward_only(micro_batches, self.fns.loss)
+        return replicated_value(jnp.sum(sum(losses) * scale))  # sync
+
+    def reference_logps(self, micro_batches: Sequence[Batch]) -> list[np.ndarray]:
+        """Each micro-batch's per-position target log-probs [B, L] (this process's rows; 0 off the
+        loss mask) under the current params: the forward-only pass of ``evaluate`` with the model's
+        ``logps_stage`` as its last stage (under a preference objective the base model's: the
+        head's tensors, so its chunks and plan are the evaluation's). Before step 0 this is the
+        stored reference of full-fine-tuning DPO (pstar_jax.data.ref_logps)."""
+        check_batches(micro_batches, self.model)
+        head = getattr(self.model, "base", self.model).logps_stage()
+
+        def logps(bound: BoundStage):
+            if tuple(head.param_names) != tuple(bound.stage.param_names):
+                raise ValueError(f"the model's logps_stage reads {head.param_names}, its last stage "
+                                 f"{bound.stage.param_names}; they must read the same tensors")
+            return self.fns.forward(dataclasses.replace(bound, stage=head))
+        return [_local_rows(x) for x in self._forward_only(micro_batches, logps)]  # sync
+
+    def _forward_only(self, micro_batches: list[Batch], last: Callable[[BoundStage], Callable]) -> list[jax.Array]:
+        """The last stage's outputs (``last(bound)`` the compiled function that gives them) for each
+        micro-batch, over the forward-only plan."""
         self.flush()
         rows, seq_len = micro_batches[0].shape
         plan = self.eval_plan_for((rows * jax.process_count(), seq_len), len(micro_batches))
         self._begin_reads(plan)
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
-        _, scale = self.fns.count(self._put_counts(micro_batches))
-        moments, losses, x, batch = plan.moments, [], None, None
+        moments, outs, x, batch = plan.moments, [], None, None
         pacer = Pacer()
         for t, moment in enumerate(moments):
             if not moment.prefetch:
@@ -66,12 +90,12 @@ class Evaluation:
                     x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, batch)
                     pacer.mark(x)
                 else:
-                    losses.append(self.fns.loss(self.bound[i])(params, self._offsets[i], x, batch))
-                    pacer.mark(losses[-1])
+                    outs.append(last(self.bound[i])(params, self._offsets[i], x, batch))
+                    pacer.mark(outs[-1])
             if t + 1 < len(moments) and moments[t + 1].prefetch:
                 self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
-        return replicated_value(jnp.sum(sum(losses) * scale))  # sync
+        return outs
 
     def _in_slots(self, moment: PlanMoment) -> PlanMoment:
         """A forward-only moment with its items ("param", c) named as the store holds them between
@@ -79,3 +103,14 @@ class Evaluation:
         def slot(item):
             return self._params_key(item[1])
         return dataclasses.replace(moment, evict=tuple(map(slot, moment.evict)), fetch=tuple(map(slot, moment.fetch)))
+
+
+def _local_rows(x_BxL: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded array, in order (host numpy)."""
+    shards = sorted(x_BxL.addressable_shards, key=lambda s: s.index[0].start or 0)
+    seen, out = set(), []
+    for s in shards:  # a row block held by several devices (replicated over another axis) once
+        if (start := s.index[0].start or 0) not in seen:
+            seen.add(start)
+            out.append(np.asarray(s.data))
+    return np.concatenate(out)

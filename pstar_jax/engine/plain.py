@@ -216,6 +216,7 @@ class PlainEngine:
         self._step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options,
                              out_shardings=(replicated, opt_sharding, replicated, replicated, replicated, replicated))
         self.step_count = 0
+        self._logps: Callable | None = None  # the reference pass (reference_logps), built on first use
 
     def _tree(self, leaf: Callable[[tuple[str, ...]], Any]) -> dict[str, Any]:
         """The engine's parameter pytree, ``leaf(names)`` per array: a named tensor gets its one
@@ -224,9 +225,10 @@ class PlainEngine:
                 "stacked": tuple(tuple(leaf(seg.names_at(i)) for i in range(len(seg.stages[0].param_names)))
                                  for seg in self._segments if seg.scanned)}
 
-    def _loss_fn(self, policy: Callable[..., bool] | None) -> Callable[[Any, Batch], jax.Array]:
+    def _loss_fn(self, policy: Callable[..., bool] | None, head: Stage | None = None
+                 ) -> Callable[[Any, Batch], jax.Array]:
         """The whole model as one function of the engine's pytree and a batch (the stages' own
-        applies): the sum of the trained token losses."""
+        applies): the sum of the trained token losses (or what ``head``, in the last stage's place, gives)."""
         segs = self._segments
 
         def loss_fn(params, batch):
@@ -247,7 +249,7 @@ class PlainEngine:
                 else:
                     h = apply(take(seg.stages[0]), h, stage_seeds(batch, index))
                 index += len(seg.stages)
-            last = segs[-1].stages[0]
+            last = head or segs[-1].stages[0]
             return last.apply(take(last), h, stage_seeds(batch, index))
         return loss_fn
 
@@ -288,6 +290,22 @@ class PlainEngine:
             self._allocate()
         return replicated_value(self._eval(self._params, self._put_rows(stack(micro_batches)),  # sync
                                            self._put_counts(micro_batches)))
+
+    def reference_logps(self, micro_batches: Sequence[Batch]) -> list[np.ndarray]:
+        """Each micro-batch's per-position target log-probs [B, L] (this process's rows) under the
+        current params, the model's ``logps_stage`` as the head: full-fine-tuning DPO's stored
+        reference (the chunked engine's ``reference_logps``, here one jitted forward)."""
+        check_batches(micro_batches, self.model)
+        if self._params is None:
+            self._allocate()
+        if self._logps is None:
+            forward = self._loss_fn(None, getattr(self.model, "base", self.model).logps_stage())
+            dtype = self.compute_dtype
+            self._logps = jax.jit(lambda params, batch: forward(jax.tree.map(lambda p: p.astype(dtype), params), batch))
+        rows = NamedSharding(self.mesh, P("data"))
+        put = lambda b: Batch(*(None if x is None else  # noqa: E731
+                                jax.make_array_from_process_local_data(rows, np.asarray(x)) for x in b))
+        return [np.asarray(self._logps(self._params, put(b))) for b in micro_batches]  # sync
 
     def eval_plan_for(self, batch_shape: tuple[int, int], micro_batches: int) -> None:
         """Nothing to plan: everything is on the device."""

@@ -187,6 +187,11 @@ class Run:
                                                process_index=jax.process_index(), process_count=jax.process_count(),
                                                what=what)
                 self.engine.eval_plan_for(shape, cfg.train.eval_batches)  # a misfit is refused before training
+            # The stored reference is the initial weights' (pstar_jax.run.reference): made before a restore.
+            from pstar_jax.run.reference import held_out_reference, stored_reference
+            self._ref = stored_reference(cfg, self.model, self.engine, shape[0], self.verbose)
+            self.eval_set = held_out_reference(cfg, self.model, self.engine, self._ref, self.eval_set,
+                                               self.eval_tokens, shape[0], self.verbose)
             if self._ckpt is not None and cfg.checkpoint.resume:
                 from pstar_jax.io.checkpoint import restore_engine
                 log.info("restoring the latest checkpoint in %s", self._ckpt.directory)
@@ -199,7 +204,7 @@ class Run:
         self.packed = is_packed(self.tokens)
         self.batches = training_batches(self.tokens, shape[0], self.model.seq_len, cfg.train.seed,
                                         process_index=jax.process_index(), process_count=jax.process_count(),
-                                        position=position)  # yields this process's rows
+                                        position=position, ref=self._ref)  # yields this process's rows
 
     def _open_checkpoints(self):
         from pstar_jax.io.base_record import base_record, check_same_adapters, check_same_base
