@@ -64,6 +64,8 @@ def test_logs_go_to_runs_launch_not_the_current_directory_and_the_help_shows_the
     r = subprocess.run([sys.executable, "-m", "pstar_jax.cli.launch", "-n", "2", "--", "--data",
                         str(tmp_path / "none.u16.bin")], cwd=tmp_path, env={**ENV, "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=120)
+    # whichever process fails first, its own line reaches the terminal: process 0 writes there, and
+    # the launcher repeats process 1's last logged line where it stops the others
     assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr
     # process 1 either reaches the same error or is ended by the launcher once process 0 failed:
     # which comes first is a race, but both are pstar-train's own line in its log
@@ -81,3 +83,12 @@ def test_a_log_dir_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     bad = launch("-n", "2", "--log-dir", str(tmp_path / "file" / "logs"), "--", "--steps", "1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--log-dir" in bad.stderr, bad.stderr
+
+
+def test_a_failed_process_s_last_logged_line_is_repeated_where_the_launcher_stops(tmp_path):
+    """Process 1.. write to their logs: when one fails first, the launcher's own line carries its
+    reason (process 0 then may be stopped before it prints its own); none for process 0 or no log."""
+    from pstar_jax.cli.launch import _last_line
+    (tmp_path / "pstar_process_1.log").write_text("loading\npstar-train: error: --data x does not exist\n\n")
+    assert _last_line(str(tmp_path), 1) == ", saying: pstar-train: error: --data x does not exist"
+    assert _last_line(str(tmp_path), 0) == "" and _last_line(str(tmp_path), 2) == ""

@@ -114,6 +114,20 @@ class Trainers:
             time.sleep(0.05)
 
 
+def _last_line(log_dir: str, i: int) -> str:
+    """', saying: LINE' with the last line process ``i`` (>= 1) wrote to its log, so that its reason
+    shows where the launcher stops (process 0 writes to the terminal itself); '' if none."""
+    if not i:
+        return ""
+    try:
+        with open(os.path.join(log_dir, f"pstar_process_{i}.log"), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f", saying: {lines[-1].strip()[:500]}" if lines else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="pstar-launch", description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("-n", "--num-processes", type=int, default=2, help="pstar-train processes to start (default: 2)")
@@ -171,7 +185,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         while trainers.running():
             if trainers.failed:
                 i, code = trainers.failed
-                print(f"pstar-launch: process {i} {describe(code)}; stopping the others", file=sys.stderr, flush=True)
+                print(f"pstar-launch: process {i} {describe(code)}{_last_line(log_dir, i)}; stopping the others",
+                      file=sys.stderr, flush=True)
                 trainers.send(signal.SIGTERM)
                 trainers.wait(GRACE_S)
                 return exit_status(code)
