@@ -196,6 +196,8 @@ def test_every_documented_pstar_plan_command_answers(tmp_path):
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # this checkout's pstar_jax, not whatever copy pip installed (the subprocess runs elsewhere)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     for doc, argv in _documented_commands():
         argv = [a for a in argv if a not in ("--no-search", "--largest-seq-len")] + ["--no-search"]
         if "--seq-len" in argv and int(argv[argv.index("--seq-len") + 1]) > 65536:
