@@ -211,3 +211,10 @@ def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
     latin1.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
     with pytest.raises(DataError, match=r"the chat template .*t.jinja is not UTF-8 text \(bad byte 0xe9"):
         ChatTemplate.from_tokenizer_dir(directory, latin1)
+
+
+def test_a_file_of_a_directory_at_the_file_system_root_is_inside_it():
+    """``contained`` of the root directory: '/x' lies in '/' (its check once compared with '//', so a
+    tokenizer named at the root was refused as leading outside '/' instead of "does not exist")."""
+    from pstar_jax.config.paths import contained
+    assert contained("/", "tokenizer_config.json", "the tokenizer's config") == "/tokenizer_config.json"

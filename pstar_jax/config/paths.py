@@ -26,7 +26,7 @@ def contained(directory: str | os.PathLike, name: str, what: str, error: type[Ex
     allowed = [root]
     if os.path.basename(os.path.dirname(root)) == "snapshots":  # <cache>/models--org--name/snapshots/<rev>
         allowed.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
-    if not any(target == a or target.startswith(a + os.sep) for a in allowed):
+    if not any(target == a or target.startswith(os.path.join(a, "")) for a in allowed):  # (a may be '/')
         raise error(f"{what} {path} leads to {target}, outside {directory}; put the file itself in {directory}")
     return path
 
