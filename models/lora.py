@@ -66,9 +66,15 @@ class LoraSpec:
 
     def targets_path(self, path: str) -> bool:
         """Whether the projection at block-relative ``path`` gets an adapter."""
-        if not self.targets:
-            return not named_only(path)
-        return any(fnmatch.fnmatchcase(path, t) for t in self.targets)
+        return targeted(self.targets, path)
+
+
+def targeted(targets: Sequence[str], path: str) -> bool:
+    """Whether ``targets`` (paths or globs; none: every projection but the NAMED_ONLY ones) name
+    the projection at block-relative ``path``."""
+    if not targets:
+        return not named_only(path)
+    return any(fnmatch.fnmatchcase(path, t) for t in targets)
 
 
 # Projections an empty target list leaves out, adapted only where a target names them: a mixture

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pstar_jax.config.lora import LoraConfig
-from pstar_jax.io.peft_io import PROJECTIONS
+from pstar_jax.io.peft_io import PROJECTIONS, first_instance
 from pstar_jax.model.lora import adapter_names, frozen_for_lora
 from pstar_jax.model.staged import compose_loss
 from pstar_models import build_from_hf, hf_tensors
@@ -113,8 +113,9 @@ def test_a_lora_step_gives_pefts_loss_and_gradients(case):
     values = {**adapter_values(model), **{n: np.asarray(base[n]) for n in trained if n in base}}
     assert set(values) == trained
 
-    projections = [p for p in PROJECTIONS[model.config.family] if model.config.lora.targets_path(p.replace("*", "0"))]
-    targets = sorted({hf_tensors(model)[f"blocks.0.{p.replace('*', '0')}.kernel"].name.split(".")[-2] for p in projections})
+    projections = [first_instance(p) for p in PROJECTIONS[model.config.family]
+                   if model.config.lora.targets_path(first_instance(p))]
+    targets = sorted({hf_tensors(model)[f"blocks.0.{p}.kernel"].name.split(".")[-2] for p in projections})
     lora_config = peft.LoraConfig(r=settings["rank"], lora_alpha=settings["alpha"],
                                   use_rslora=settings.get("rslora", False), target_modules=targets,
                                   modules_to_save=list(saved.values()) or None, lora_dropout=0.0,

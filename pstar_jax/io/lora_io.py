@@ -17,15 +17,16 @@ import numpy as np
 from pstar_jax.config import ConfigError, RunConfig
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.model.lora import is_adapter, saved_names
-from pstar_models.lora import LoraSpec
-from pstar_jax.io.peft_io import PROJECTIONS, lora_scale, merged_stream, model_family, read_adapter, write_adapter
+from pstar_models.lora import targeted
+from pstar_jax.io.peft_io import (PROJECTIONS, first_instance, lora_scale, merged_stream, model_family, read_adapter,
+                                  write_adapter)
 
 
 def _projections(family: str, targets: Iterable[str]) -> tuple[str, ...]:
     """The family's projections that ``targets`` (paths or globs; none: all but the experts) name, in
     model order."""
     targets = tuple(targets)
-    return tuple(p for p in PROJECTIONS[family] if LoraSpec(1, 1.0, targets=targets).targets_path(p.replace("*", "0")))
+    return tuple(p for p in PROJECTIONS[family] if targeted(targets, first_instance(p)))
 
 
 def adopt_adapter(config: RunConfig, base_model: Any) -> tuple[RunConfig, dict[str, np.ndarray]]:

@@ -58,6 +58,12 @@ def projection_of(path: str) -> str:
     return _EXPERT_INDEX.sub("*", path)
 
 
+def first_instance(projection: str) -> str:
+    """A PROJECTIONS entry's first module path (expert 0's for an expert matrix), for matching
+    targets and naming HF modules."""
+    return projection.replace("*", "0")
+
+
 def _instances(family: str, param_shapes: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
     """Each projection -> our module paths of it in the model (``blocks.{i}.<path>``, every expert)."""
     out: dict[str, list[str]] = {p: [] for p in PROJECTIONS[family]}
@@ -261,7 +267,7 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
     if len({len(e) for e in experts.values()}) > 1:
         raise ConfigError("the experts' adapters do not cover the same experts in every block and matrix "
                           f"({ {f'blocks.{i}.{p}': len(e) for (p, i), e in experts.items()} }); adapt every expert")
-    named = {p for p in PROJECTIONS[family] if any(fnmatch.fnmatchcase(p.replace("*", "0"), t) for t in targets)}
+    named = {p for p in PROJECTIONS[family] if any(fnmatch.fnmatchcase(first_instance(p), t) for t in targets)}
     if named != set(blocks):
         raise ConfigError(f"the targets ({', '.join(targets)}) name {sorted(named)} but the adapters cover "
                           f"{sorted(blocks)}; pass the targets the adapters were trained with")
@@ -300,7 +306,7 @@ def write_adapter(directory: str, tensors: Mapping[str, np.ndarray], *, rank: in
     embedding = PREFIX + hf_tensor(family, _EMBEDDING[family]).name
     if tie_embeddings and embedding in peft_tensors:  # as peft writes it (ensure_weight_tying)
         peft_tensors[_TIED_HEAD] = peft_tensors[embedding].copy()
-    block_modules = {p: _hf_module(family, f"blocks.0.{p.replace('*', '0')}").split(".", 3)[-1]
+    block_modules = {p: _hf_module(family, f"blocks.0.{first_instance(p)}").split(".", 3)[-1]
                      for p in PROJECTIONS[family]}
     config = adapter_config(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora,
                             target_modules=target_modules(projections, block_modules), modules_to_save=saved_modules,
