@@ -378,7 +378,7 @@ def hf_tensor(family: str, name: str) -> HFTensor:
         moe = moe_tensor(family, rest) if family in MOE_FAMILIES else None
         if i.isdigit() and moe is not None:
             return HFTensor(f"{prefix}.{i}.{moe}", True, False)
-        if i.isdigit() and rest in block and not (family in MOE_FAMILIES and rest.startswith("mlp.")):
+        if i.isdigit() and rest in block and not (family == "mixtral" and rest.startswith("mlp.")):
             return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
     elif name in top:
         return top[name]

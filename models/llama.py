@@ -39,6 +39,7 @@ from pstar_models.moe import SparseMoE
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, logits, tiled_mlp,
                                tiled_modules, visible_TxS, write_cache)
 from pstar_jax.model.attention import causal_attention
+from pstar_jax.model.router_aux import RouterStats, layer_stats
 from pstar_jax.model.staged import NNXStaged, cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
 
@@ -233,20 +234,33 @@ def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
     return h_BxTxD + mlp.plain(norm(h_BxTxD), seeds_BxT)
 
 
+def _out_tile_routed(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
+                     seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``_out_tile`` of a mixture of experts, with the tile's router logits beside its output."""
+    o_proj, norm, mlp = modules
+    B, T = out_BxTxHxK.shape[:2]
+    h_BxTxD = x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    y_BxTxD, logits_BxTxE = mlp.routed(norm(h_BxTxD))
+    return h_BxTxD + y_BxTxD, logits_BxTxE
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, tiling: TileBudget):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, tiling: TileBudget, layer: int = 0):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config, _residual_std(config), rngs=rngs, tiling=tiling)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        ffn = SparseMoE if config.n_experts else MLP
+        ffn = SparseMoE if config.sparse_layer(layer) else MLP  # (Qwen3-MoE's mlp_only_layers are dense)
         self.mlp = ffn(config, _residual_std(config), rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None,
+                 router_stats: bool = False) -> jax.Array | tuple[jax.Array, RouterStats]:
         """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1);
         ``dropout_seed`` [B] (this stage's, pstar_jax.data.batch) draws LoRA dropout's masks (None: none).
+        ``router_stats``: a mixture of experts' block also returns its router's RouterStats over the
+        non-padding positions (segment id > 0; pstar_jax.model.router_aux); a dense one only h.
 
         Three passes, so that only a few [B, L, D]-sized arrays are ever whole: the position-wise
         parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles,
@@ -262,7 +276,12 @@ class Block(nnx.Module):
         q, k, v = tiled_modules((self.attn_norm, *self.attn.head_modules()),
                                 lambda m, *x: _qkv_tile(m, config, *x), (x_BxLxD, positions, seeds), tile)
         out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
-        return tiled_modules((self.attn.o, self.mlp_norm, self.mlp), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        modules = (self.attn.o, self.mlp_norm, self.mlp)
+        if not (router_stats and isinstance(self.mlp, SparseMoE)):
+            return tiled_modules(modules, _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        h_BxLxD, logits_BxLxE = tiled_modules(modules, _out_tile_routed, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        mask_BxL = jnp.ones((B, L), jnp.float32) if segment_ids is None else segment_ids > 0
+        return h_BxLxD, layer_stats(logits_BxLxE.reshape(B * L, -1), self.mlp.n_experts_per_tok, mask_BxL.reshape(-1))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
@@ -284,13 +303,20 @@ class Llama(nnx.Module):
                  tiling: TileBudget = TileBudget()):
         self.config, self.tiling = config, tiling
         self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
+        # (coefficient, experts) of the routers' load-balancing loss when the config asks for it
+        # (transformers' output_router_logits): the stages then carry RouterStats (pstar_jax.model.staged)
+        self.router_aux = (config.router_aux_loss_coef, config.n_experts) if config.output_router_logits else None
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling)
-                                for _ in range(config.n_layer if n_blocks is None else n_blocks)])
+        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=i)
+                                for i in range(config.n_layer if n_blocks is None else n_blocks)])
         self.norm = RMSNorm(D, config.norm_eps)
         if not config.tie_embeddings:
             self.head = _linear(D, config.vocab_size, rngs, bias=False)
+
+    def block_kind(self, i: int) -> str:
+        """Which blocks are alike (pstar_jax.model.staged): a mixture of experts' and a dense one."""
+        return "experts" if self.config.sparse_layer(i) else "dense"
 
     def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
         tied = self.config.tie_embeddings
@@ -391,7 +417,7 @@ class StagedLlama(NNXStaged):
         causal mask."""
         c = self.config
         lookup = 0 if c.tie_embeddings else c.vocab_size * c.d_model
-        idle = c.n_layer * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
+        idle = len(c.sparse_layers) * (c.n_experts - c.n_experts_per_tok) * 3 * c.d_model * c.expert_width
         return 6.0 * (self.n_params() - lookup - idle) + 6.0 * c.n_layer * c.seq_len * c.n_head * c.d_head
 
 

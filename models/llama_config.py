@@ -11,7 +11,7 @@ from typing import Mapping
 from pstar_models.lora import LoraSpec, check_spec
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")  # the HF model_type a config exports as
-MOE_FAMILIES = ("qwen3_moe", "mixtral")  # every block's MLP a mixture of experts
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # blocks whose MLP is a mixture of experts (qwen3_moe: not every one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,14 @@ class LlamaConfig:
     n_experts_per_tok: int = 0
     d_ff_expert: int | None = None
     norm_topk_prob: bool = True
+    # Qwen3-MoE's dense layers: layer i has experts iff i is not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0; the others a dense SwiGLU MLP of width d_ff.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # The routers' load-balancing loss (transformers' output_router_logits): router_aux_loss_coef
+    # times it is added to the training loss when output_router_logits (models/moe.py).
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
@@ -104,9 +112,40 @@ class LlamaConfig:
         if self.family == "mixtral" and not self.norm_topk_prob:
             raise ValueError("LlamaConfig.norm_topk_prob=False does not fit family 'mixtral', which always "
                              "renormalises its top-k routing weights")
+        self._check_layer_pattern()
+        if not isinstance(self.output_router_logits, bool):
+            raise ValueError(f"LlamaConfig.output_router_logits must be True or False, got {self.output_router_logits!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        if self.output_router_logits and not self.sparse_layers:
+            raise ValueError("LlamaConfig.output_router_logits needs a layer with experts (a router to balance); "
+                             f"{'this model has none' if self.n_experts else 'family ' + repr(self.family) + ' has no experts'}")
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
         check_spec(self.lora, projections(self), self.family)
+
+    def _check_layer_pattern(self) -> None:
+        only, step = self.mlp_only_layers, self.decoder_sparse_step
+        if not isinstance(only, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"LlamaConfig.mlp_only_layers must be a tuple of layer indices, got {only!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"LlamaConfig.decoder_sparse_step must be a whole number >= 1, got {step!r}")
+        if (only or step != 1) and self.family != "qwen3_moe":
+            raise ValueError(f"LlamaConfig.mlp_only_layers and decoder_sparse_step are qwen3_moe's; family "
+                             f"{self.family!r} has experts in every layer or in none")
+        outside = [i for i in only if not 0 <= i < self.n_layer]
+        if outside:
+            raise ValueError(f"LlamaConfig.mlp_only_layers holds {outside[0]}, which is no layer of the "
+                             f"{self.n_layer} (0 to {self.n_layer - 1})")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether block i's MLP is a mixture of experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.n_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if self.sparse_layer(i))
 
     @property
     def d_head(self) -> int:

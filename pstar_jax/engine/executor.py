@@ -282,7 +282,9 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         if self._pending_clip is not None:
             self._begin_host_updates(accesses, self._pending_clip)
         grad_norm = float(np.sqrt(sumsq))
-        return StepResult(loss=loss, grad_norm=grad_norm, step_s=end - start,
+        aux = (replicated_value(sum(run.aux)) / len(run.aux)
+               if self.bound[-1].stage.router_aux_coef is not None else None)
+        return StepResult(aux_loss=aux, loss=loss, grad_norm=grad_norm, step_s=end - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
@@ -375,9 +377,10 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         if a.phase == "head":
             self.store.put(key, run.x)
             run.x = None
-            loss, run.g, grads = self.fns.head(self.bound[i])(
+            loss, aux, run.g, grads = self.fns.head(self.bound[i])(
                 params, self._offsets[i], self.store.get(key, Space.DEVICE), run.batch, grads, run.scale)
             run.losses.append(loss)
+            run.aux.append(aux)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
@@ -431,4 +434,5 @@ class _StepState:
     g: Any = None
     batch: Any = None
     losses: list = dataclasses.field(default_factory=list)
+    aux: list = dataclasses.field(default_factory=list)  # each micro-batch's load-balancing loss
     sumsq: list = dataclasses.field(default_factory=list)

@@ -30,6 +30,9 @@ class StepResult:
     trained_tokens: int = 0  # targets in the loss (the loss mask summed over the global batch)
     disk_read_bytes: int = 0  # frozen chunks read from disk (in h2d_bytes too: they go on to the device)
     predicted_disk_read_bytes: int = 0
+    # The routers' load-balancing loss (pstar_jax.model.router_aux), the mean of the micro-batches'
+    # values, where the model adds it (``loss`` holds its coefficient times their sum); else None.
+    aux_loss: float | None = None
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
-from pstar_jax.model.staged import Stage, stage_seeds
+from pstar_jax.model.staged import Stage, head_loss, stage_seeds
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -194,30 +194,38 @@ class StageFunctions:
             donate_argnums=(5,) if first else (4, 5), compiler_options=self._options))
 
     def head(self, bound: BoundStage) -> Callable:
-        """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, gh, grad_chunks).
+        """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, aux, gh, grad_chunks).
 
         ``grad_chunks``: those of the stage's trainable chunks, as in ``backward``.
 
         The last stage's forward and backward in one call. The stage returns the sum of its
         rows' trained token losses; ``scale`` is 1 / the step's global count of trained tokens
         (every micro-batch and device), so the loss and grads of devices and micro-batches just
-        add up to those of the mean over the whole step."""
-        apply, pattern = bound.stage.apply, bound.pattern
+        add up to those of the mean over the whole step.
+
+        Where the chain carries RouterStats (``Stage.router_aux_coef``), h is (h, stats) and the
+        loss adds the coefficient times the micro-batch's load-balancing loss (``aux``, its value
+        is returned too; 0 otherwise), over the rows of every device: the counts are summed over
+        the data axis first, and each device adds its share (pstar_jax.model.router_aux)."""
+        apply, pattern, last = bound.stage.apply, bound.pattern, bound.stage
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
             params = self._params(chunks, offsets, pattern, bound.quant)
             batch = stage_seeds(batch, offsets[-1])
+            totals = (None, None) if last.router_aux_coef is None else (
+                jax.lax.psum(jnp.sum(h[1].counts_1xE, axis=0), "data"), jax.lax.psum(jnp.sum(h[1].rows_1), "data"))
 
             def scaled_loss(trained, h):
-                return apply(_with(params, tensors, trained), h, batch) * scale
-            loss, (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(tuple(params[i] for i in tensors), h)
-            return (jax.lax.psum(loss, "data"), gh,
+                return head_loss(last, apply(_with(params, tensors, trained), h, batch), scale, *totals)
+            (loss, aux), (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)(
+                tuple(params[i] for i in tensors), h)
+            return (jax.lax.psum(loss, "data"), jax.lax.psum(aux, "data"), gh,
                     _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices))
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in bound.grad_chunks)
         return self._get("head", bound, lambda: jax.jit(
-            self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P("data"), grad_specs)),
+            self._shard_map(local, n, (P("data"), P("data"), grad_specs, P()), (P(), P(), P("data"), grad_specs)),
             donate_argnums=(4,), compiler_options=self._options))
 
     def loss(self, bound: BoundStage) -> Callable:
@@ -229,7 +237,8 @@ class StageFunctions:
 
         def local(chunks, offsets, h, batch):
             params = self._params(chunks, offsets, pattern, bound.quant)
-            return jax.lax.psum(apply(params, h, stage_seeds(batch, offsets[-1])), "data")
+            out = apply(params, h, stage_seeds(batch, offsets[-1]))  # (with RouterStats: the loss sum alone)
+            return jax.lax.psum(out if bound.stage.router_aux_coef is None else out[0], "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
             compiler_options=self._options))

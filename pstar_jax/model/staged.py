@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pstar_jax.data.batch import PER_POSITION, Batch, mix_seeds
+from pstar_jax.model.router_aux import add_stats, load_balancing_loss, no_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Stage:
     name: str
     param_names: tuple[str, ...]
     apply: Callable[..., jax.Array]
+    # The last stage of a chain that carries RouterStats (pstar_jax.model.router_aux) beside the
+    # activations: the load-balancing loss's coefficient, and its apply returns (loss sum, the stats).
+    router_aux_coef: float | None = None
 
 
 @runtime_checkable
@@ -146,8 +150,23 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
             apply = remat_block(stage.apply) if remat_block else stage.apply
             h = apply(take(stage), h, stage_seeds(batch, i))
         count = jnp.maximum(jnp.sum(jnp.asarray(batch.loss_mask, jnp.float32)), 1.0)
-        return stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)) / count
+        return head_loss(stages[-1], stages[-1].apply(take(stages[-1]), h, stage_seeds(batch, len(stages) - 1)),
+                         1.0 / count)[0]
     return loss_fn
+
+
+def head_loss(last: Stage, out: Any, scale: Any, counts_E: Any = None, rows: Any = None) -> tuple[Any, Any]:
+    """(loss, aux) of the last stage's output: its loss sum times ``scale``, plus, where the chain
+    carries RouterStats, the coefficient times their load-balancing loss ``aux`` (0 where it does
+    not). ``counts_E`` and ``rows``: the totals over every device's rows (None: these stats'
+    own, one device or a whole-batch jit)."""
+    if last.router_aux_coef is None:
+        return out * scale, jnp.zeros((), jnp.float32)
+    loss_sum, stats = out
+    if counts_E is None:
+        counts_E, rows = jnp.sum(stats.counts_1xE, axis=0), jnp.sum(stats.rows_1)
+    aux = load_balancing_loss(stats, counts_E, rows)
+    return loss_sum * scale + last.router_aux_coef * aux, aux
 
 
 def stage_seeds(batch: Batch, stage_index: Any) -> Batch:
@@ -242,14 +261,21 @@ class NNXStaged:
                  embed: str = "embed", logits: str = "logits", loss_sum: str = "loss_sum"):
         self.make, self.n_layer, self.seq_len, self.vocab_size = make, n_layer, seq_len, vocab_size
         self._decays, self._flops = decays, flops_per_token
-        one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
         outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
+        # Blocks of several kinds (a module's ``block_kind(i)``: Qwen3-MoE's dense layers among its
+        # experts' ones) each get their graph from their kind's first block, and an apply of their own.
+        kind_of = getattr(outer, "block_kind", lambda i: "")
+        self._kind = tuple(kind_of(i) for i in range(n_layer)) or ("",)
+        self._first = {k: self._kind.index(k) for k in dict.fromkeys(self._kind)}
         has_loss_sum = callable(getattr(outer, loss_sum, None))
         self.name = type(outer).__name__
         self.supports_packing = packing = bool(getattr(outer, "supports_packing", False))
-        self._block_graph, block_state = nnx.split(one.blocks[0], nnx.Param)
+        block_states = {}
+        self._block_graphs: dict[str, Any] = {}
+        for k, r in self._first.items():
+            blocks = nnx.eval_shape(lambda: make(nnx.Rngs(0), r + 1)).blocks
+            self._block_graphs[k], block_states[k] = nnx.split(blocks[r], nnx.Param)
         self._outer_graph, outer_state = nnx.split(outer, nnx.Param)
-        block = _flat(block_state)
         outer_flat = _flat(outer_state)
         self._outer_names = tuple(outer_flat)
         self._outer_zeros = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in outer_flat.values())
@@ -259,22 +285,39 @@ class NNXStaged:
         # A module that draws dropout masks (LoRA dropout) says so; the engines then give each
         # row a dropout seed (Batch.dropout_seed), which its blocks get as ``dropout_seed=``.
         self.dropout_seeded = bool(getattr(outer, "dropout_seeded", False))
+        # A mixture of experts whose config asks for the routers' load-balancing loss says so
+        # (``router_aux``: (coefficient, experts)); the stages then carry (h, RouterStats): the
+        # first makes empty stats, each block's ``router_stats=True`` call adds its own (a dense
+        # block returns h alone), the head returns (loss sum, the totals) and the engine adds the loss.
+        router_aux = getattr(outer, "router_aux", None)
+        self.router_aux_coef = None if router_aux is None else float(router_aux[0])
 
-        def embed_call(module: nnx.Module, tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
+        def embed_call(module: nnx.Module, tokens_BxL: jax.Array, batch: Batch) -> Any:
             method = getattr(module, embed)
-            return method(tokens_BxL, positions=batch.positions) if packing else method(tokens_BxL)
+            h = method(tokens_BxL, positions=batch.positions) if packing else method(tokens_BxL)
+            return h if router_aux is None else (h, no_stats(router_aux[1]))
 
-        def block_call(block_module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+        def block_call(block_module: nnx.Module, x: Any, batch: Batch) -> Any:
             seeded = {} if batch.dropout_seed is None else {"dropout_seed": batch.dropout_seed}
+            if router_aux is not None:
+                seeded["router_stats"] = True
+                x, stats = x
             if packing:
-                return block_module(h_BxLxD, segment_ids=batch.segment_ids, positions=batch.positions, **seeded)
-            return block_module(h_BxLxD, **seeded)
+                y = block_module(x, segment_ids=batch.segment_ids, positions=batch.positions, **seeded)
+            else:
+                y = block_module(x, **seeded)
+            if router_aux is None:
+                return y
+            return (y[0], add_stats(stats, y[1])) if isinstance(y, tuple) else (y, stats)
         self._embed_call = embed_call
 
-        def head_call(module: nnx.Module, h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+        def head_call(module: nnx.Module, x: Any, batch: Batch) -> Any:
+            h_BxLxD = x if router_aux is None else x[0]
             if has_loss_sum:
-                return getattr(module, loss_sum)(h_BxLxD, batch.targets, batch.loss_mask)
-            return masked_loss_sum(loss(getattr(module, logits)(h_BxLxD), batch.targets), batch.loss_mask)
+                out = getattr(module, loss_sum)(h_BxLxD, batch.targets, batch.loss_mask)
+            else:
+                out = masked_loss_sum(loss(getattr(module, logits)(h_BxLxD), batch.targets), batch.loss_mask)
+            return out if router_aux is None else (out, x[1])
 
         def outer_embed(v, x, batch):
             return embed_call(_merge(self._outer_graph, self._outer_names, v), x, batch)
@@ -284,25 +327,35 @@ class NNXStaged:
         h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
         self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
         self._head_names = tuple(_first_use(outer_head, self._outer_names, self._outer_zeros, h, fake))
-        def one_block(v, x, batch):
-            return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
-        self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
-        missing = [n for n in block if n not in self._block_names]
-        self._block_names += tuple(missing)  # read by nothing: validate_stages names them
+        self._block_names: dict[str, tuple[str, ...]] = {}
+        block_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        for k, state in block_states.items():
+            block = _flat(state)
+            def one_block(v, x, batch, graph=self._block_graphs[k], names=tuple(block)):
+                return block_call(_merge(graph, names, v), x, batch)
+            read = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
+            # (a tensor read by nothing goes last: validate_stages names it)
+            self._block_names[k] = read + tuple(n for n in block if n not in read)
+            block_shapes[k] = {n: tuple(v.shape) for n, v in block.items()}
         shapes = {n: tuple(outer_flat[n].shape) for n in self._embed_names}
-        shapes.update({f"blocks.{i}.{n}": tuple(block[n].shape) for i in range(n_layer) for n in self._block_names})
+        shapes.update({f"blocks.{i}.{n}": block_shapes[k][n] for i, k in enumerate(self._kind[:n_layer])
+                       for n in self._block_names[k]})
         shapes.update({n: tuple(outer_flat[n].shape) for n in (*self._head_names, *outer_flat) if n not in shapes})
         self._shapes = shapes
         # Initialisation keys: base tensors first, LoRA adapters (nnx.LoRAParam) after them, so a
         # base tensor's key (and value) is the same with or without adapters.
         adapters = {n for n, v in _variables(outer_state).items() if isinstance(v, nnx.LoRAParam)} | {
-            f"blocks.{i}.{n}" for n, v in _variables(block_state).items() if isinstance(v, nnx.LoRAParam)
-            for i in range(n_layer)}
+            f"blocks.{i}.{n}" for i, k in enumerate(self._kind[:n_layer])
+            for n, v in _variables(block_states[k]).items() if isinstance(v, nnx.LoRAParam)}
         self._index = {n: i for i, n in enumerate(sorted(shapes, key=lambda n: n in adapters))}
 
-        def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
-            return block_call(_merge(self._block_graph, self._block_names, params), h_BxLxD, batch)
-        self._block_apply = block_apply  # one object: every block stage shares its compilation
+        def block_apply_of(k: str) -> Callable[..., jax.Array]:
+            def block_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
+                return block_call(_merge(self._block_graphs[k], self._block_names[k], params), h_BxLxD, batch)
+            block_apply.__qualname__ = f"{block_apply.__qualname__}[{k}]"  # (the trace knows a stage by it)
+            return block_apply
+        # one object per kind: every block stage of a kind shares its compilation
+        self._block_applies = {k: block_apply_of(k) for k in self._first}
 
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
@@ -326,20 +379,22 @@ class NNXStaged:
     def stages(self, compute_dtype: Any) -> list[Stage]:
         dtype = jnp.dtype(compute_dtype)
         if dtype not in self._embed_applies:
-            def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
-                return self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch).astype(dtype)
+            def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> Any:
+                out = self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch)
+                return out.astype(dtype) if self.router_aux_coef is None else (out[0].astype(dtype), out[1])
             self._embed_applies[dtype] = embed_apply
-        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names), self._block_apply)
-                  for i in range(self.n_layer)]
+        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names[k]), self._block_applies[k])
+                  for i, k in enumerate(self._kind[:self.n_layer])]
         return [Stage("embed", self._embed_names, self._embed_applies[dtype]), *blocks,
-                Stage("head", self._head_names, self._head_apply)]
+                Stage("head", self._head_names, self._head_apply, self.router_aux_coef)]
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         parts = name.split(".")
         in_block = parts[0] == "blocks" and name not in self._outer_names
-        key = "blocks.0." + ".".join(parts[2:]) if in_block else name
+        first = self._first[self._kind[int(parts[1])]] if in_block else -1  # the first block of its kind
+        key = f"blocks.{first}." + ".".join(parts[2:]) if in_block else name
         if key not in self._init_fns:
-            n_blocks = 1 if in_block else 0
+            n_blocks = first + 1
             self._init_fns[key] = jax.jit(lambda k: jnp.asarray(
                 _flat(nnx.state(self.make(nnx.Rngs(k), n_blocks), nnx.Param))[key], jnp.float32))
         return self._init_fns[key](jax.random.fold_in(jax.random.key(seed), self._index[name]))

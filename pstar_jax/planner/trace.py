@@ -36,6 +36,14 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
+def _shapes(tree: Any) -> tuple:
+    return tuple(x.shape for x in jax.tree.leaves(tree))
+
+
+def _bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _analyse(fn, *args) -> tuple[int, int, float]:
     """(temp bytes, new output bytes, flops) of one compiled call, per device. Outputs written
     into donated inputs (grad chunks, a backward's gradient over the one from above) take no
@@ -75,15 +83,16 @@ class _Tracer:
         # Activation shapes along the chain (abstract evaluation, nothing allocated).
         self.xs = [self.batch.tokens]
         for b in bound[:-1]:
-            key = ("out", self.kind(b), self.xs[-1].shape, len(b.chunks))
+            key = ("out", self.kind(b), _shapes(self.xs[-1]), len(b.chunks))
             if key not in self.cache:
                 self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1],
                                                  self.batch)
-            y = self.cache[key]
-            self.xs.append(_abstract(y.shape, y.dtype, self.dev))
-        # Per device. The first stage's input is the batch itself (its tokens among it).
-        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
-        self.act = [self.batch_bytes] + [x.size * x.dtype.itemsize // self.W for x in self.xs[1:]]
+            # (a pytree where the stages carry more than h: a mixture of experts' RouterStats)
+            self.xs.append(jax.tree.map(lambda y: _abstract(y.shape, y.dtype, self.dev), self.cache[key]))
+        # Per device. The first stage's input is the batch itself (its tokens among it); a stage
+        # input counts every array the stages carry (RouterStats too: the plan places them with h).
+        self.batch_bytes = _bytes(self.batch) // self.W
+        self.act = [self.batch_bytes] + [_bytes(x) // self.W for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
         return _abstract((len(b.offset_data),), jnp.int32, self.rep)
@@ -102,7 +111,7 @@ class _Tracer:
         # Memory barely depends on where tensors sit in chunks, so one compile per
         # (role, stage kind, sizes of its chunks, activation shapes) stands for all such stages.
         key = (role, self.kind(b), tuple(self.numels[c] for c in b.chunks),
-               tuple(getattr(a, "shape", ()) for a in args[2:]))
+               tuple(_shapes(a) for a in args[2:]))
         if key not in self.cache:
             self.cache[key] = _analyse(fn, *args)
         return self.cache[key]
