@@ -359,13 +359,15 @@ def test_grouped_experts_compile_to_about_the_routed_pairs_flops(n_tokens, k, n_
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
-def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does():
+@pytest.mark.parametrize("aux", [False, True], ids=["", "aux_loss"])
+def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does(aux):
     """Routing is per token, so each device routes its own rows: the sharded step equals one
-    device's (fp32, two micro-batches, chunks moving)."""
+    device's (fp32, two micro-batches, chunks moving). The routers' load-balancing loss is one
+    per micro-batch over all its rows, every device's counts summed, not one per device."""
     from frozen_engines import chunked
     from pstar_jax.config import OptimConfig
     optim = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=4, weight_decay=0.1, clip_norm=1.0)
-    model = build_from_hf(MIXTRAL, seq_len=8)
+    model = build_from_hf({**MIXTRAL, "output_router_logits": aux, "router_aux_loss_coef": 0.3}, seq_len=8)
     one, eight = (chunked(model, frozenset(), batch=8, seq=8, optim=optim, chunk=None, micro_batches=2, W=W)
                   for W in (1, 8))
     rng = np.random.default_rng(3)
@@ -374,6 +376,7 @@ def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does():
         batches = [(s[:, :-1], s[:, 1:]) for s in seq]
         a, b = one.step(batches), eight.step(batches)
         np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5)
+        assert (a.aux_loss is None and b.aux_loss is None) if not aux else abs(b.aux_loss - a.aux_loss) < 1e-5
     for name, value in one.params().items():
         np.testing.assert_allclose(eight.params()[name], value, rtol=0, atol=1e-5, err_msg=name)
 

@@ -41,7 +41,7 @@ from pstar_jax.data.batch import PER_POSITION, Batch, as_batch, check_batches, s
 from pstar_jax.config import ConfigError
 from pstar_jax.engine.protocol import NonFiniteLoss, StepResult
 from pstar_jax.engine.optim import TxFactory, clip_factor, clip_scale
-from pstar_jax.model.staged import Stage, StagedModel, decays, stage_seeds
+from pstar_jax.model.staged import Stage, StagedModel, decays, head_loss, lm_loss_sum, stage_seeds
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -126,6 +126,7 @@ class PlainEngine:
         stacked = {n for seg in self._segments if seg.scanned for stage in seg.stages for n in stage.param_names}
         self._named = [n for n in shapes if n not in stacked]
         loss_fn = self._loss_fn(REMAT_POLICIES[remat])
+        self._last = last = self._segments[-1].stages[0]
 
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(self.mesh, P())
@@ -180,11 +181,13 @@ class PlainEngine:
 
             trained, leaves, treedef = split(compute)
 
-            def micro(carry, batch):  # grads of the trainable leaves only
-                loss, grads = jax.value_and_grad(lambda t: loss_fn(merge(t, leaves, treedef), batch) * scale)(trained)
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
-            zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), split(params)[0]))
-            (loss_sum, grads), _ = jax.lax.scan(micro, zeros, batch_MxBxL)
+            def micro(carry, batch):  # grads of the trainable leaves only (and a router loss's value)
+                (loss, aux), grads = jax.value_and_grad(
+                    lambda t: head_loss(last, loss_fn(merge(t, leaves, treedef), batch), scale), has_aux=True)(trained)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, aux, grads)), None
+            zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                                                  split(params)[0]))
+            (loss_sum, aux_sum, grads), _ = jax.lax.scan(micro, zeros, batch_MxBxL)
             sumsq = sum(jnp.sum(jnp.square(g)) for g in grads)
             scale = clip_scale(sumsq, clip_norm)
             # Frozen leaves get zero grads here only for the tree's shape: set_to_zero ignores them.
@@ -195,20 +198,21 @@ class PlainEngine:
             finite = jnp.isfinite(loss_sum) & jnp.isfinite(sumsq)
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
-                    loss_sum, jnp.sqrt(sumsq), count)
+                    loss_sum, jnp.sqrt(sumsq), count, aux_sum / batch_MxBxL.tokens.shape[0])
 
         forward_loss = self._loss_fn(None)  # forward only: nothing is kept for a backward, so no remat
 
         def eval_loss(params, batch_MxBxL):
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            sums = jax.lax.map(lambda batch: forward_loss(compute, batch), batch_MxBxL)
+            # (the language-model loss alone, without a router loss: what a held-out loss compares)
+            sums = jax.lax.map(lambda batch: lm_loss_sum(last, forward_loss(compute, batch)), batch_MxBxL)
             return jnp.sum(sums) / jnp.maximum(jnp.sum(batch_MxBxL.loss_mask), 1.0)
         options = compat.compiler_options(self.mesh.devices.flat[0].platform)
         self._eval = jax.jit(eval_loss, out_shardings=replicated, compiler_options=options)
 
         # Donated: the new params and state are written over the old (XLA aliases them).
         self._step = jax.jit(step, donate_argnums=(0, 1), compiler_options=options,
-                             out_shardings=(replicated, opt_sharding, replicated, replicated, replicated))
+                             out_shardings=(replicated, opt_sharding, replicated, replicated, replicated, replicated))
         self.step_count = 0
 
     def _tree(self, leaf: Callable[[tuple[str, ...]], Any]) -> dict[str, Any]:
@@ -259,7 +263,7 @@ class PlainEngine:
             self._allocate()
         start = time.perf_counter()
         batch = self._put_rows(stack(micro_batches))
-        self._params, self._opt_state, loss, norm, count = self._step(self._params, self._opt_state, batch)
+        self._params, self._opt_state, loss, norm, count, aux = self._step(self._params, self._opt_state, batch)
         loss, grad_norm = replicated_value(loss), replicated_value(norm)  # sync: the time covers the work
         skip = not (np.isfinite(loss) and np.isfinite(grad_norm))
         if skip and not self.skip_nonfinite:  # the step kept params and state as they were
@@ -269,7 +273,8 @@ class PlainEngine:
         return StepResult(loss=loss, grad_norm=grad_norm, step_s=time.perf_counter() - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm),
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip,
-                          trained_tokens=trained_count(replicated_value(count)))
+                          trained_tokens=trained_count(replicated_value(count)),
+                          aux_loss=None if self._last.router_aux_coef is None else replicated_value(aux))
 
     def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
         """The mean loss over the trained tokens of all micro-batches (this process's rows of each),

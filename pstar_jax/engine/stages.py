@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
-from pstar_jax.model.staged import Stage, head_loss, stage_seeds
+from pstar_jax.model.staged import Stage, head_loss, lm_loss_sum, stage_seeds
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -237,8 +237,7 @@ class StageFunctions:
 
         def local(chunks, offsets, h, batch):
             params = self._params(chunks, offsets, pattern, bound.quant)
-            out = apply(params, h, stage_seeds(batch, offsets[-1]))  # (with RouterStats: the loss sum alone)
-            return jax.lax.psum(out if bound.stage.router_aux_coef is None else out[0], "data")
+            return jax.lax.psum(lm_loss_sum(bound.stage, apply(params, h, stage_seeds(batch, offsets[-1]))), "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
             compiler_options=self._options))

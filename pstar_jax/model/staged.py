@@ -155,6 +155,11 @@ def compose_loss(stages: Sequence[Stage], remat_block: Callable[[Callable], Call
     return loss_fn
 
 
+def lm_loss_sum(last: Stage, out: Any) -> Any:
+    """The last stage's loss sum alone (a held-out loss: without a router loss)."""
+    return out if last.router_aux_coef is None else out[0]
+
+
 def head_loss(last: Stage, out: Any, scale: Any, counts_E: Any = None, rows: Any = None) -> tuple[Any, Any]:
     """(loss, aux) of the last stage's output: its loss sum times ``scale``, plus, where the chain
     carries RouterStats, the coefficient times their load-balancing loss ``aux`` (0 where it does
