@@ -383,6 +383,9 @@ def gpt_from_params(config: GPTConfig, params: Mapping[str, jax.Array]) -> GPT:
 
 def build_model(name: str, **overrides: Any) -> StagedGPT:
     """A preset with some fields replaced (None values are ignored): what a CLI builds."""
+    if overrides.pop("output_router_logits", None):
+        raise ValueError("output_router_logits adds a mixture of experts' router loss, and GPT-2 has no experts; "
+                         "drop it")
     config = dataclasses.replace(preset(name), **{k: v for k, v in overrides.items() if v is not None})
     return StagedGPT(config)
 

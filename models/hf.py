@@ -177,6 +177,8 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         qk_norm=family in ("qwen3", "qwen3_moe"), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=None if max_positions == seq_len else max_positions, family=family,
         **experts(config, family))
+    if overrides.get("output_router_logits") is not None:  # a training choice (pstar-train's flag), not a shape
+        derived["output_router_logits"] = overrides["output_router_logits"]
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",

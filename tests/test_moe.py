@@ -412,3 +412,32 @@ def test_dense_layers_among_the_experts_have_their_own_tensors_chunks_and_counts
     layout = build_layout(shapes, model.decays, {"trainable": 2500}, group=lambda n: chunk_group(model, n))
     experts = set(chunk_groups(model, layout.slots)["experts"])
     assert {s.name for s in layout.slots if s.chunk in experts} == {n for n in shapes if ".mlp.experts." in n}
+
+
+@pytest.mark.slow
+def test_the_router_loss_flag_turns_it_on_and_metrics_carry_aux_loss(tmp_path, capsys):
+    """pstar-train --output-router-logits on a checkpoint whose config.json has it false: every
+    step's JSON line and TensorBoard carry aux_loss (near k for a barely trained router), the
+    progress bar shows it; on a GPT-2 preset the flag is one line."""
+    from pstar_jax.cli.train import main as train_main
+    from pstar_jax.run.metrics import Progress
+    from test_hf import write_family_checkpoint
+    from test_metrics import scalars
+    src = tmp_path / "moe"
+    write_family_checkpoint(str(src), build_from_hf(QWEN3_MOE, seq_len=SEQ_LEN))
+    np.random.default_rng(0).integers(0, 109, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "2",
+                       "--batch-size", "4", "--data-parallel", "1", "--seq-len", "16", "--quiet", "--output-router-logits",
+                       "--metrics-out", str(tmp_path / "m.jsonl"), "--tensorboard", str(tmp_path / "tb"),
+                       "--checkpoint-dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(1.5 < r["aux_loss"] < 2.5 for r in records)  # k = 2 when balanced
+    assert {tag for tag, _ in scalars(tmp_path / "tb")} >= {"train/loss", "train/aux_loss"}
+    bar = Progress(1, enabled=False)
+    bar.update({**records[0], "tokens_per_s": 1.0})
+    assert f"aux {records[0]['aux_loss']:.4f}" in bar._bar.postfix
+    bar.close()
+    assert train_main(["--steps", "1", "--quiet", "--output-router-logits"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GPT-2 has no experts" in err[0]
