@@ -441,3 +441,36 @@ def test_the_router_loss_flag_turns_it_on_and_metrics_carry_aux_loss(tmp_path, c
     assert train_main(["--steps", "1", "--quiet", "--output-router-logits"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GPT-2 has no experts" in err[0]
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("source", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_the_router_loss_of_packed_rows_is_transformers_over_its_attention_mask(source):
+    """Packed rows (row 0: examples of 4 and 3 tokens and a padding position; row 1: one example
+    of 8) against transformers given each example as a row of its own, padded, with the
+    attention mask marking its tokens: aux_loss equals its load_balancing_loss_func value, over
+    the non-padding positions only."""
+    torch = pytest.importorskip("torch")
+    from frozen_engines import chunked
+    from pstar_jax.data.batch import Batch
+    from test_hf_models import hf_reference, saved_state, to_pstar
+    config = {**source, "output_router_logits": True}
+    hf_model = hf_reference(config)
+    model = build_from_hf(config, seq_len=8)
+    engine = chunked(model, frozenset(), batch=2, seq=8, chunk=None, init_params=to_pstar(model, saved_state(hf_model)))
+    rng = np.random.default_rng(5)
+    examples = [rng.integers(0, config["vocab_size"], n) for n in (4, 3, 8)]
+    tokens = np.zeros((2, 8), np.int32)
+    tokens[0, :4], tokens[0, 4:7], tokens[1] = examples
+    segments = np.array([[1, 1, 1, 1, 2, 2, 2, 0], [1] * 8], np.int32)
+    positions = np.array([[0, 1, 2, 3, 0, 1, 2, 0], list(range(8))], np.int32)
+    batch = Batch(tokens, np.roll(tokens, -1, axis=1), (segments > 0).astype(np.float32), segments, positions)
+    ours = engine.step([batch]).aux_loss
+    rows, mask = np.zeros((3, 8), np.int64), np.zeros((3, 8), np.int64)
+    for r, ex in enumerate(examples):
+        rows[r, :len(ex)], mask[r, :len(ex)] = ex, 1
+    with torch.no_grad():
+        out = hf_model(torch.from_numpy(rows), attention_mask=torch.from_numpy(mask), output_router_logits=True)
+        unmasked = hf_model(torch.from_numpy(rows), output_router_logits=True).aux_loss  # the padding counted
+    np.testing.assert_allclose(ours, float(out.aux_loss), rtol=2e-6)
+    assert abs(float(unmasked) - ours) > 1e-4
