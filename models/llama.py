@@ -225,12 +225,18 @@ def _qkv_tile(modules: tuple, config: LlamaConfig, x_BxTxD: jax.Array, positions
     return heads(tuple(head_modules), config, norm(x_BxTxD), *rope_tables_of(config, positions_BxT), seeds_BxT)
 
 
+def _attended(o_proj: nnx.Module, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array, seeds_BxT: jax.Array | None
+              ) -> jax.Array:
+    """x + o(out): the residual stream after attention, on one tile."""
+    B, T = out_BxTxHxK.shape[:2]
+    return x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+
+
 def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
               seeds_BxT: jax.Array | None) -> jax.Array:
     """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.))."""
     o_proj, norm, mlp = modules
-    B, T = out_BxTxHxK.shape[:2]
-    h_BxTxD = x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    h_BxTxD = _attended(o_proj, x_BxTxD, out_BxTxHxK, seeds_BxT)
     return h_BxTxD + mlp.plain(norm(h_BxTxD), seeds_BxT)
 
 
@@ -238,8 +244,7 @@ def _out_tile_routed(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
                      seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """``_out_tile`` of a mixture of experts, with the tile's router logits beside its output."""
     o_proj, norm, mlp = modules
-    B, T = out_BxTxHxK.shape[:2]
-    h_BxTxD = x_BxTxD + project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    h_BxTxD = _attended(o_proj, x_BxTxD, out_BxTxHxK, seeds_BxT)
     y_BxTxD, logits_BxTxE = mlp.routed(norm(h_BxTxD))
     return h_BxTxD + y_BxTxD, logits_BxTxE
 

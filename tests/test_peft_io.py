@@ -41,6 +41,9 @@ CASES = {
     # Mixtures of experts: LoRA on attention's projections (the experts and router stay frozen).
     "qwen3_moe": ("qwen3_moe", QWEN3_MOE, dict(rank=4, alpha=8.0, rslora=False, targets=PROJECTIONS["qwen3_moe"]),
                   ()),
+    # Qwen3-MoE with a dense layer 0 (mlp_only_layers): its MLP's mlp.gate_proj... stay frozen too.
+    "qwen3_moe_dense_layer": ("qwen3_moe", {**QWEN3_MOE, "mlp_only_layers": [0]},
+                              dict(rank=2, alpha=4.0, rslora=False, targets=PROJECTIONS["qwen3_moe"]), ()),
     "mixtral_head": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=True, targets=("attn.q", "attn.v")),
                      ("head",)),
     "gpt2": ("gpt2", CHECKPOINTS["gpt2"], dict(rank=4, alpha=4.0, rslora=False,

@@ -19,6 +19,11 @@ takes 2 per parameter off for frozen tensors) and ``supports_packing`` (True whe
 positions follow ``batch.segment_ids`` and ``batch.positions``; a model without it is refused
 packed rows, whose examples it would mix).
 
+A chain may carry more than h between stages: with a mixture of experts' load-balancing loss
+(``Stage.router_aux_coef`` of its last stage) every stage past the first receives and returns
+(h, RouterStats) (pstar_jax.model.router_aux), and the last returns (loss sum, the stats); the
+engines add the loss (``head_loss``).
+
 A stage's ``apply`` receives its tensors as a tuple in ``param_names`` order, already in the
 compute dtype. Stages that share one ``apply`` object (the identical transformer blocks) share
 one compiled function, so ``apply`` must depend only on shapes. A tensor may be read by more
@@ -245,7 +250,8 @@ class NNXStaged:
 
     ``make(rngs, n_blocks)`` builds the module with ``n_blocks`` blocks (its init scales still
     follow the real depth ``n_layer``). The module provides a method ``embed(tokens_BxL) ->
-    h_BxLxD``, a list attribute ``blocks`` of identical blocks (``block(h) -> h``) and a method
+    h_BxLxD``, a list attribute ``blocks`` of blocks (``block(h) -> h``; identical, or of the kinds
+    the module's ``block_kind(i)`` names, each kind compiled once) and a method
     ``logits(h_BxLxD) -> logits_BxLxV`` (other method names: ``embed=``, ``logits=``). A module
     whose class sets ``supports_packing = True`` is called ``embed(tokens, positions=...)`` and
     ``block(h, segment_ids=..., positions=...)`` with the batch's [B, L] arrays (attention then
@@ -258,7 +264,9 @@ class NNXStaged:
     Tensor names are the module's state paths joined with '.'
     ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
     initialised alone by the module's own initialisers (a jit that builds the module and keeps
-    one tensor; XLA drops the rest), from a key folded from the seed and the tensor's index."""
+    one tensor; XLA drops the rest), from a key folded from the seed and the tensor's index.
+    A module with ``router_aux`` (coefficient, experts), not None, carries RouterStats: its blocks
+    are called with ``router_stats=True`` and a block with experts returns (h, its stats)."""
 
     def __init__(self, make: Callable[[nnx.Rngs, int], nnx.Module], n_layer: int, *, seq_len: int,
                  vocab_size: int, loss: Callable[[jax.Array, jax.Array], jax.Array] = token_cross_entropy,
