@@ -213,7 +213,7 @@ TRAINED = {"qwen3_moe": QWEN3_MOE, "qwen3_moe_top1_of_8": SPARSE, "mixtral": MIX
            # The routers' load-balancing loss added (a coefficient large enough that its gradient
            # shows); Qwen3-MoE with a dense layer 0, whose MLP has no router to count.
            "qwen3_moe_aux_loss_dense_layer_0": {**QWEN3_MOE, "output_router_logits": True, "router_aux_loss_coef": 0.3,
-                                                "mlp_only_layers": [0], "num_hidden_layers": 3},
+                                                "mlp_only_layers": [0]},
            "mixtral_aux_loss": {**MIXTRAL, "output_router_logits": True, "router_aux_loss_coef": 0.3}}
 
 

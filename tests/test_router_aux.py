@@ -45,7 +45,6 @@ def test_the_summed_stats_give_load_balancing_loss_func_and_device_shares_add_up
     np.testing.assert_allclose(grad[0], 5 * whole.counts_1xE[0] / 24.0 ** 2, rtol=1e-6)
 
 
-@pytest.mark.slow
 def test_the_router_loss_flag_turns_it_on_and_metrics_carry_aux_loss(tmp_path, capsys):
     """pstar-train --output-router-logits on a checkpoint whose config.json has it false: every
     step's JSON line and TensorBoard carry aux_loss (near k for a barely trained router), the
@@ -130,3 +129,27 @@ def test_the_router_stats_the_stages_carry_are_counted_with_their_inputs(W):
     plain, carried = shapes
     assert plain.input_bytes[1:] == (4 * 8 * 36 * 4 // W,) * 3  # h: rows x positions x width, float32
     assert carried.input_bytes == (0, *(b + (4 + 4 + 1) * 4 for b in plain.input_bytes[1:]))
+
+
+def test_the_plain_engine_adds_the_router_loss_as_the_chunked_one_does():
+    """Qwen3-MoE of 5 layers, layer 0 dense and the others sparse (the plain engine scans layers
+    1-4 as one run), two micro-batches each adding its own loss: the plain engine's losses,
+    aux_loss values and params equal the chunked engine's, and the held-out loss leaves the
+    router loss out."""
+    from frozen_engines import chunked, plain
+    model = build_from_hf({**QWEN3_MOE, "num_hidden_layers": 5, "mlp_only_layers": [0], "output_router_logits": True,
+                           "router_aux_loss_coef": 0.3}, seq_len=8)
+    a, b = chunked(model, frozenset(), batch=4, seq=8, chunk=None, micro_batches=2), plain(model, frozenset(), 2)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        seq = rng.integers(0, QWEN3_MOE["vocab_size"], (2, 4, 9)).astype(np.int32)
+        batches = [(s[:, :-1], s[:, 1:]) for s in seq]
+        x, y = a.step(batches), b.step(batches)
+        np.testing.assert_allclose(y.loss, x.loss, rtol=1e-6)
+        np.testing.assert_allclose(y.aux_loss, x.aux_loss, rtol=1e-6)
+        assert x.loss > 2 * 0.3 * 1.5  # two micro-batches' coef * aux (near k = 2) inside the loss
+    for name, value in a.params().items():
+        np.testing.assert_allclose(b.params()[name], value, rtol=0, atol=1e-6, err_msg=name)
+    held_out = a.evaluate(batches)
+    np.testing.assert_allclose(b.evaluate(batches), held_out, rtol=1e-6)
+    assert held_out < x.loss - 2 * 0.3 * 1.5
