@@ -5,7 +5,8 @@ checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inp
 every stage). A stage input is an item of the store beside the chunks (key ("act", stage,
 micro-batch)): the plan keeps it on the device or sends it to pinned host memory after its
 forward and fetches it back ahead of its backward, and the store counts its bytes. The last stage computes its loss sum, scaled by 1 / the step's global count of
-trained tokens, and its gradient in one call;
+trained tokens, and its gradient in one call (with a mixture of experts' load-balancing loss the
+stage inputs carry its per-expert sums beside h, and the head adds it: model/router_aux.py);
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
 are dropped and its grad takes their place (14 bytes per parameter in all).
@@ -284,12 +285,12 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         grad_norm = float(np.sqrt(sumsq))
         aux = (replicated_value(sum(run.aux)) / len(run.aux)
                if self.bound[-1].stage.router_aux_coef is not None else None)
-        return StepResult(aux_loss=aux, loss=loss, grad_norm=grad_norm, step_s=end - start,
+        return StepResult(loss=loss, grad_norm=grad_norm, step_s=end - start,
                           clip_scale=clip_factor(grad_norm, self.clip_norm), h2d_bytes=self.store.traffic.h2d_bytes, d2h_bytes=self.store.traffic.d2h_bytes,
                           device_chunk_peak_bytes=self.store.peak_device_bytes,
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
                           trained_tokens=trained, disk_read_bytes=self.store.traffic.disk_read_bytes,
-                          predicted_disk_read_bytes=plan.disk_read_bytes)
+                          predicted_disk_read_bytes=plan.disk_read_bytes, aux_loss=aux)
 
     def _begin_reads(self, plan: Plan) -> None:
         """Schedule the reads of the chunks ``plan``'s moments fetch from disk, in that order (reads

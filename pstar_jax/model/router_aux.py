@@ -13,6 +13,9 @@ first). Over several devices each holds its rows' sums (a leading axis of one, s
 rows): the totals of C and rows are summed over the devices and each device's loss is its share,
 linear in its own S (``load_balancing_loss``), so the shares add up to the loss of the whole
 micro-batch, whatever the device count.
+
+The softmax here is float32 (the routing's own); transformers' load_balancing_loss_func takes it
+in the logits' dtype, so a bf16 run's value differs from its by bf16 rounding (fp32: equal).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def layer_stats(logits_NxE: jax.Array, k: int, mask_N: jax.Array) -> RouterStats
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
     _, chosen_NxK = jax.lax.top_k(probs_NxE, k)
     mask_N = mask_N.astype(jnp.float32)
-    counts_E = jnp.sum(jax.nn.one_hot(chosen_NxK, logits_NxE.shape[-1], dtype=jnp.float32), axis=1).T @ mask_N
+    # (a scatter of the N x k choices: one-hot [N, k, E] would be a large temporary at 128 experts)
+    counts_E = jnp.zeros(logits_NxE.shape[-1:], jnp.float32).at[chosen_NxK.reshape(-1)].add(
+        jnp.repeat(mask_N, k))
     probs_E = mask_N @ probs_NxE
     return RouterStats(jax.lax.stop_gradient(counts_E)[None], probs_E[None], jnp.sum(mask_N)[None])
 
