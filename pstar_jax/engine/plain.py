@@ -184,6 +184,7 @@ class PlainEngine:
             def micro(carry, batch):  # grads of the trainable leaves only (and a router loss's value)
                 (loss, aux), grads = jax.value_and_grad(
                     lambda t: head_loss(last, loss_fn(merge(t, leaves, treedef), batch), scale), has_aux=True)(trained)
+                aux = jnp.zeros((), jnp.float32) if aux is None else aux  # (no router loss: a zero to carry)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, aux, grads)), None
             zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                                                   split(params)[0]))

@@ -205,7 +205,7 @@ class StageFunctions:
 
         Where the chain carries RouterStats (``Stage.router_aux_coef``), h is (h, stats) and the
         loss adds the coefficient times the micro-batch's load-balancing loss (``aux``, its value
-        is returned too; 0 otherwise), over the rows of every device: the counts are summed over
+        is returned too; None otherwise), over the rows of every device: the counts are summed over
         the data axis first, and each device adds its share (pstar_jax.model.router_aux)."""
         apply, pattern, last = bound.stage.apply, bound.pattern, bound.stage
         tensors, grad_pattern = _trainable_pattern(bound)
@@ -220,7 +220,7 @@ class StageFunctions:
                 return head_loss(last, apply(_with(params, tensors, trained), h, batch), scale, *totals)
             (loss, aux), (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)(
                 tuple(params[i] for i in tensors), h)
-            return (jax.lax.psum(loss, "data"), jax.lax.psum(aux, "data"), gh,
+            return (jax.lax.psum(loss, "data"), None if aux is None else jax.lax.psum(aux, "data"), gh,
                     _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices))
         n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in bound.grad_chunks)

@@ -167,11 +167,11 @@ def lm_loss_sum(last: Stage, out: Any) -> Any:
 
 def head_loss(last: Stage, out: Any, scale: Any, counts_E: Any = None, rows: Any = None) -> tuple[Any, Any]:
     """(loss, aux) of the last stage's output: its loss sum times ``scale``, plus, where the chain
-    carries RouterStats, the coefficient times their load-balancing loss ``aux`` (0 where it does
-    not). ``counts_E`` and ``rows``: the totals over every device's rows (None: these stats'
+    carries RouterStats, the coefficient times their load-balancing loss ``aux`` (None where it
+    does not). ``counts_E`` and ``rows``: the totals over every device's rows (None: these stats'
     own, one device or a whole-batch jit)."""
     if last.router_aux_coef is None:
-        return out * scale, jnp.zeros((), jnp.float32)
+        return out * scale, None
     loss_sum, stats = out
     if counts_E is None:
         counts_E, rows = jnp.sum(stats.counts_1xE, axis=0), jnp.sum(stats.rows_1)
