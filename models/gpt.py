@@ -26,7 +26,8 @@ from flax import nnx
 from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path, position_seeds, project
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.loss import linear_cross_entropy_sum, linear_target_logps
-from pstar_jax.model.staged import NNXStaged, cross_entropy
+from pstar_jax.model.nnx_staged import NNXStaged
+from pstar_jax.model.staged import cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile, tiled_over_sequence
 
 LN_EPS = 1e-5
@@ -401,6 +402,9 @@ def gpt_from_params(config: GPTConfig, params: Mapping[str, jax.Array]) -> GPT:
 
 def build_model(name: str, **overrides: Any) -> StagedGPT:
     """A preset with some fields replaced (None values are ignored): what a CLI builds."""
+    if overrides.pop("output_router_logits", None):
+        raise ValueError("output_router_logits adds a mixture of experts' router loss, and GPT-2 has no experts; "
+                         "drop it")
     config = dataclasses.replace(preset(name), **{k: v for k, v in overrides.items() if v is not None})
     return StagedGPT(config)
 

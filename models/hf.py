@@ -174,6 +174,8 @@ def _llama_config(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ll
         **experts(config, family))
     if gemma:
         derived.update(gemma_fields(config, n_layer))
+    if overrides.get("output_router_logits") is not None:  # a training choice (pstar-train's flag), not a shape
+        derived["output_router_logits"] = overrides["output_router_logits"]
     return _with_overrides(LlamaConfig, derived, overrides, {
         "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads", "d_ff": "intermediate_size",
@@ -396,7 +398,7 @@ def hf_tensor(family: str, name: str) -> HFTensor:
         if i.isdigit() and moe is not None:
             return HFTensor(f"{prefix}.{i}.{moe}", True, False)
         block = GEMMA_BLOCK if family == GEMMA else block
-        if i.isdigit() and rest in block and not (family in MOE_FAMILIES and rest.startswith("mlp.")):
+        if i.isdigit() and rest in block and not (family == "mixtral" and rest.startswith("mlp.")):
             return HFTensor(f"{prefix}.{i}.{block[rest]}", rest.endswith("kernel") and not gpt, False)
     elif name in top:
         return top[name]

@@ -50,7 +50,9 @@ from pstar_models.moe import SparseMoE
 from pstar_models.gpt import (KVCache, _linear, attention_segments, decode_blocks, head_loss_sum, head_target_logps,
                                logits, tiled_mlp, tiled_modules, write_cache)
 from pstar_jax.model.attention import causal_attention
-from pstar_jax.model.staged import NNXStaged, cross_entropy
+from pstar_jax.model.router_aux import RouterStats, layer_stats
+from pstar_jax.model.nnx_staged import NNXStaged
+from pstar_jax.model.staged import cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
 
 # -- modules ---------------------------------------------------------------------------------
@@ -172,15 +174,33 @@ def _qkv_tile(modules: tuple, config: LlamaConfig, local: bool, x_BxTxD: jax.Arr
                  seeds_BxT)
 
 
+def _attended(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array, seeds_BxT: jax.Array | None
+              ) -> jax.Array:
+    """x + o(out) (Gemma: x + attn_post_norm(o(out))): the residual stream after attention, on one tile."""
+    o_proj, _, _, *post = modules
+    B, T = out_BxTxHxK.shape[:2]
+    a_BxTxD = project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT)
+    return x_BxTxD + (post[0](a_BxTxD) if post else a_BxTxD)
+
+
 def _out_tile(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
               seeds_BxT: jax.Array | None) -> jax.Array:
     """The rest of the block on one tile: x + o(out), then + mlp(mlp_norm(.)); with Gemma's post-norms
     (two more modules) x + attn_post_norm(o(out)), then + mlp_post_norm(mlp(mlp_norm(.)))."""
-    o_proj, norm, mlp, *post = modules
-    post_attn, post_mlp = post if post else (lambda a: a, lambda a: a)
-    B, T = out_BxTxHxK.shape[:2]
-    h_BxTxD = x_BxTxD + post_attn(project(o_proj, out_BxTxHxK.reshape(B, T, -1), seeds_BxT))
-    return h_BxTxD + post_mlp(mlp.plain(norm(h_BxTxD), seeds_BxT))
+    _, norm, mlp, *post = modules
+    h_BxTxD = _attended(modules, x_BxTxD, out_BxTxHxK, seeds_BxT)
+    y_BxTxD = mlp.plain(norm(h_BxTxD), seeds_BxT)
+    return h_BxTxD + (post[1](y_BxTxD) if post else y_BxTxD)
+
+
+def _out_tile_routed(modules: tuple, x_BxTxD: jax.Array, out_BxTxHxK: jax.Array,
+                     seeds_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``_out_tile`` of a mixture of experts (no post-norms: Gemma has no experts), with the tile's
+    router logits beside its output."""
+    _, norm, mlp = modules
+    h_BxTxD = _attended(modules, x_BxTxD, out_BxTxHxK, seeds_BxT)
+    y_BxTxD, logits_BxTxE = mlp.routed(norm(h_BxTxD), seeds_BxT)
+    return h_BxTxD + y_BxTxD, logits_BxTxE
 
 
 class Block(nnx.Module):
@@ -195,7 +215,7 @@ class Block(nnx.Module):
         if gemma:
             self.attn_post_norm = RMSNorm(D, eps, gemma)
         self.mlp_norm = RMSNorm(D, eps, gemma)
-        ffn = SparseMoE if config.n_experts else MLP
+        ffn = SparseMoE if config.sparse_layer(layer) else MLP  # (Qwen3-MoE's mlp_only_layers are dense)
         self.mlp = ffn(config, _residual_std(config), rngs=rngs, tiling=tiling)
         if gemma:
             self.mlp_post_norm = RMSNorm(D, eps, gemma)
@@ -206,9 +226,12 @@ class Block(nnx.Module):
         return (self.attn.o, self.mlp_norm, self.mlp, *post)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None,
+                 router_stats: bool = False) -> jax.Array | tuple[jax.Array, RouterStats]:
         """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at 0..L-1);
         ``dropout_seed`` [B] (this stage's, pstar_jax.data.batch) draws LoRA dropout's masks (None: none).
+        ``router_stats``: a mixture of experts' block also returns its router's RouterStats over the
+        non-padding positions (segment id > 0; pstar_jax.model.router_aux); a dense one only h.
 
         Three passes, so that only a few [B, L, D]-sized arrays are ever whole: the position-wise
         parts (norm, q/k/v with RoPE; o projection, residuals, norm, MLP) run over sequence tiles,
@@ -225,7 +248,12 @@ class Block(nnx.Module):
         q, k, v = tiled_modules((self.attn_norm, *self.attn.head_modules()),
                                 lambda m, *x: _qkv_tile(m, config, local, *x), (x_BxLxD, positions, seeds), tile)
         out_BxLxHxK = self.attn.attend(q, k, v, segment_ids)
-        return tiled_modules(self.out_modules(), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        if not (router_stats and isinstance(self.mlp, SparseMoE)):
+            return tiled_modules(self.out_modules(), _out_tile, (x_BxLxD, out_BxLxHxK, seeds), tile)
+        h_BxLxD, logits_BxLxE = tiled_modules(self.out_modules(), _out_tile_routed, (x_BxLxD, out_BxLxHxK, seeds),
+                                              tile)
+        mask_BxL = jnp.ones((B, L), jnp.float32) if segment_ids is None else segment_ids > 0
+        return h_BxLxD, layer_stats(logits_BxLxE.reshape(B * L, -1), self.mlp.n_experts_per_tok, mask_BxL.reshape(-1))
 
     def decode(self, x_BxTxD: jax.Array, cache: KVCache, pos: jax.Array | int) -> tuple[jax.Array, KVCache]:
         a, cache = self.attn.decode(self.attn_norm(x_BxTxD), cache, pos)
@@ -249,6 +277,9 @@ class Llama(nnx.Module):
                  tiling: TileBudget = TileBudget(), first_block: int = 0):
         self.config, self.tiling = config, tiling
         self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
+        # (coefficient, experts) of the routers' load-balancing loss when the config asks for it
+        # (transformers' output_router_logits): the stages then carry RouterStats (pstar_jax.model.staged)
+        self.router_aux = (config.router_aux_loss_coef, config.n_experts) if config.output_router_logits else None
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
@@ -337,7 +368,7 @@ class StagedLlama(NNXStaged):
         super().__init__(lambda rngs, n_blocks, first_block=0: Llama(config, rngs=rngs, n_blocks=n_blocks,
                                                                       tiling=tiling, first_block=first_block),
                          config.n_layer, seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens",
-                         block_kinds=tuple(map(config.sliding, range(config.n_layer))))
+                         block_kinds=tuple(map(config.block_kind, range(config.n_layer))))
 
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         """One fp32 tensor, made alone: normal(0.02) for matrices and embeddings, 0.02/sqrt(2*n_layer)

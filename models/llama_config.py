@@ -11,7 +11,7 @@ from typing import Mapping
 from pstar_models.lora import LoraSpec, check_spec
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")  # the HF model_type
-MOE_FAMILIES = ("qwen3_moe", "mixtral")  # every block's MLP a mixture of experts
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # blocks whose MLP is a mixture of experts (qwen3_moe: not every one)
 GEMMA = "gemma3_text"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we implement
 
@@ -84,6 +84,14 @@ class LlamaConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None  # None: head_dim
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (final_logit_softcapping)
+    # Qwen3-MoE's dense layers: layer i has experts iff i is not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0; the others a dense SwiGLU MLP of width d_ff.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # The routers' load-balancing loss (transformers' output_router_logits): router_aux_loss_coef
+    # times it is added to the training loss when output_router_logits (models/moe.py).
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
@@ -134,6 +142,15 @@ class LlamaConfig:
         if self.family == "mixtral" and not self.norm_topk_prob:
             raise ValueError("LlamaConfig.norm_topk_prob=False does not fit family 'mixtral', which always "
                              "renormalises its top-k routing weights")
+        self._check_layer_pattern()
+        if not isinstance(self.output_router_logits, bool):
+            raise ValueError(f"LlamaConfig.output_router_logits must be True or False, got {self.output_router_logits!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        if self.output_router_logits and not self.sparse_layers:
+            raise ValueError("LlamaConfig.output_router_logits needs a layer with experts (a router to balance); "
+                             f"{'this model has none' if self.n_experts else 'family ' + repr(self.family) + ' has no experts'}")
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
             raise ValueError(f"LlamaConfig.lora must be a LoraSpec or None, got {self.lora!r}")
         check_spec(self.lora, projections(self), self.family)
@@ -183,6 +200,33 @@ class LlamaConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.d_head) ** -0.5
 
+    def _check_layer_pattern(self) -> None:
+        only, step = self.mlp_only_layers, self.decoder_sparse_step
+        if not isinstance(only, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"LlamaConfig.mlp_only_layers must be a tuple of layer indices, got {only!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"LlamaConfig.decoder_sparse_step must be a whole number >= 1, got {step!r}")
+        if (only or step != 1) and self.family != "qwen3_moe":
+            raise ValueError(f"LlamaConfig.mlp_only_layers and decoder_sparse_step are qwen3_moe's; family "
+                             f"{self.family!r} has experts in every layer or in none")
+        outside = [i for i in only if not 0 <= i < self.n_layer]
+        if outside:
+            raise ValueError(f"LlamaConfig.mlp_only_layers holds {outside[0]}, which is no layer of the "
+                             f"{self.n_layer} (0 to {self.n_layer - 1})")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether block i's MLP is a mixture of experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.n_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def block_kind(self, i: int) -> tuple[bool, bool]:
+        """What sets block i apart from others (pstar_jax.model.staged's block kinds): whether it
+        slides (Gemma 3's local layers) and whether its MLP has experts (Qwen3-MoE's dense layers)."""
+        return self.sliding(i), self.sparse_layer(i)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if self.sparse_layer(i))
+
     @property
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
@@ -201,22 +245,25 @@ def config_from_fields(fields: Mapping[str, object]) -> LlamaConfig:
     if isinstance(scaling, dict):
         kind = Llama3RopeScaling if "low_freq_factor" in scaling else LinearRopeScaling
         fields["rope_scaling"] = kind(**scaling)
-    if isinstance(fields.get("layer_types"), list):
-        fields["layer_types"] = tuple(fields["layer_types"])  # type: ignore[arg-type]
+    for field in ("layer_types", "mlp_only_layers"):
+        if isinstance(fields.get(field), list):
+            fields[field] = tuple(fields[field])  # type: ignore[arg-type]
     return LlamaConfig(**fields)  # type: ignore[arg-type]
 
 
 def projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
     """Every projection of a block that LoRA may target: path -> (in, out) features. A mixture of
-    experts offers every expert's three matrices (``mlp.experts.{e}.gate``); its router is no
-    target (an adapter there would move the routing, and peft users leave it out)."""
+    experts offers every expert's three matrices (``mlp.experts.{e}.gate``), and its dense layers'
+    MLP where it has some; its router is no target (an adapter there would move the routing, and peft users leave it out)."""
     D, F, HK, NK = config.d_model, config.d_ff, config.n_head * config.d_head, config.n_kv_head * config.d_head
     attention = {"attn.q": (D, HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D)}
-    if config.n_experts:
+    dense = {"mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
+    if config.n_experts:  # (Qwen3-MoE's mlp_only_layers and decoder_sparse_step leave dense layers among them)
         I = config.expert_width
-        return {**attention, **{f"mlp.experts.{e}.{m}": shape for e in range(config.n_experts)
-                                for m, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}}
-    return {**attention, "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
+        experts = {f"mlp.experts.{e}.{m}": shape for e in range(config.n_experts)
+                   for m, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}
+        return {**attention, **experts, **(dense if len(config.sparse_layers) < config.n_layer else {})}
+    return {**attention, **dense}
 
 
 def _llama3(factor: float) -> Llama3RopeScaling:

@@ -180,13 +180,19 @@ class SparseMoE(nnx.Module):
                                         layers[0].lora_dropout, jnp.asarray([l.lora_salt for l in layers], jnp.uint32))
         return out
 
-    def plain(self, x_BxTxD: jax.Array, dropout_seeds_BxT: jax.Array | None = None) -> jax.Array:
+    def routed(self, x_BxTxD: jax.Array, dropout_seeds_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(the output [B, T, D], the router logits [B, T, E] in x's dtype: what the load-balancing
+        loss reads, pstar_jax.model.router_aux)."""
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D)
-        weights_NxK, experts_NxK = route(self.router(x_NxD), self.n_experts_per_tok, self.normalise, x_NxD.dtype)
+        logits_NxE = self.router(x_NxD)
+        weights_NxK, experts_NxK = route(logits_NxE, self.n_experts_per_tok, self.normalise, x_NxD.dtype)
         seeds_N = None if dropout_seeds_BxT is None else dropout_seeds_BxT.reshape(B * T)
         y_NxKxD = grouped_swiglu(x_NxD, experts_NxK, *self.stacked(), self.adapters(), seeds_N)
-        return jnp.sum(y_NxKxD * weights_NxK[..., None], axis=1).reshape(B, T, D)
+        return jnp.sum(y_NxKxD * weights_NxK[..., None], axis=1).reshape(B, T, D), logits_NxE.reshape(B, T, -1)
+
+    def plain(self, x_BxTxD: jax.Array, dropout_seeds_BxT: jax.Array | None = None) -> jax.Array:
+        return self.routed(x_BxTxD, dropout_seeds_BxT)[0]
 
     def __call__(self, x_BxLxD: jax.Array, dropout_seeds_BxL: jax.Array | None = None) -> jax.Array:
         return tiled_mlp(self, x_BxLxD, self.d_ff, self.tiling.mlp_bytes, dropout_seeds_BxL)

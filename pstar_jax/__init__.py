@@ -32,7 +32,7 @@ _LAZY = {
     "Engine": "engine.protocol", "NonFiniteLoss": "engine.protocol", "StepResult": "engine.protocol",
     "Run": "run.loop", "load_model": "io.models",
     "JsonlWriter": "run.metrics", "MetricsWriter": "run.metrics", "TensorBoardWriter": "run.metrics",
-    "NNXStaged": "model.staged", "Stage": "model.staged", "StagedModel": "model.staged",
+    "NNXStaged": "model.nnx_staged", "Stage": "model.staged", "StagedModel": "model.staged",
     "default_tx": "engine.optim",
     "PlanReport": "planner.report", "plan_report": "planner.report",
     "Planned": "planner.build", "build_engine": "planner.build", "plan_model": "planner.build",

@@ -22,11 +22,12 @@ MODELS = {
     "qwen3": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=2, n_head=4, n_kv_head=2,
                                              d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="qwen3",
                                              tie_embeddings=True, rope_theta=1e6)),
-    # 4 experts, 2 per token (not renormalised): the cache's tokens are routed one at a time
-    "qwen3_moe": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=2, n_head=4, n_kv_head=2,
+    # 4 experts, 2 per token (not renormalised): the cache's tokens are routed one at a time;
+    # layer 1 dense (mlp_only_layers), so the streamed decoder runs two kinds of block
+    "qwen3_moe": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=3, n_head=4, n_kv_head=2,
                                                  d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="qwen3_moe",
                                                  n_experts=4, n_experts_per_tok=2, d_ff_expert=20,
-                                                 norm_topk_prob=False, rope_theta=1e6)),
+                                                 norm_topk_prob=False, rope_theta=1e6, mlp_only_layers=(1,))),
     # sliding layers (window 4, shorter than the prompt plus the new tokens) beside a global one
     "gemma3": lambda: StagedLlama(LlamaConfig(vocab_size=89, d_model=32, n_layer=3, n_head=4, n_kv_head=2,
                                               d_ff=48, seq_len=24, head_dim=12, qk_norm=True, family="gemma3_text",

@@ -14,7 +14,8 @@ from pstar_jax import compat
 from pstar_jax.model.attention import causal_attention, tile_queries
 from pstar_jax.data.batch import Batch, from_rows
 from pstar_jax.model.loss import tile_positions
-from pstar_jax.model.staged import NNXStaged, compose_loss, masked_loss_sum, token_cross_entropy
+from pstar_jax.model.nnx_staged import NNXStaged
+from pstar_jax.model.staged import compose_loss, masked_loss_sum, token_cross_entropy
 from pstar_jax.model.tiling import TileBudget, mlp_tile
 
 EPS32 = float(np.finfo(np.float32).eps)

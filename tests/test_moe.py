@@ -35,6 +35,10 @@ CHECKPOINTS = {
     "qwen3_moe_unnormalised": {**QWEN3_MOE, "norm_topk_prob": False, "num_experts_per_tok": 3},  # the class default
     "qwen3_moe_tied": {**QWEN3_MOE, "tie_word_embeddings": True},
     "mixtral": MIXTRAL,
+    # Dense layers among the experts' (transformers' Qwen3MoeDecoderLayer rule): layer 0 listed
+    # in mlp_only_layers; every 2nd layer sparse, so of 3 only layer 1 has experts.
+    "qwen3_moe_mlp_only_layer_0": {**QWEN3_MOE, "mlp_only_layers": [0]},
+    "qwen3_moe_sparse_step_2": {**QWEN3_MOE, "num_hidden_layers": 3, "decoder_sparse_step": 2},
 }
 
 
@@ -111,9 +115,14 @@ def test_moe_tensors_have_the_hub_names_and_configs_round_trip():
 
 
 @pytest.mark.parametrize("config,match", [
-    ({**QWEN3_MOE, "output_router_logits": True}, "output_router_logits is true"),
-    ({**QWEN3_MOE, "mlp_only_layers": [1]}, r"mlp_only_layers \[1\]"),
-    ({**QWEN3_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+    ({**QWEN3_MOE, "output_router_logits": "yes"}, "output_router_logits is 'yes'; it must be true or false"),
+    ({**QWEN3_MOE, "router_aux_loss_coef": -1}, "router_aux_loss_coef is -1; it must be a number >= 0"),
+    ({**QWEN3_MOE, "mlp_only_layers": [2]}, r"mlp_only_layers holds 2, which is no layer of the 2 \(num_hidden_layers"),
+    ({**QWEN3_MOE, "mlp_only_layers": [-1]}, "mlp_only_layers holds -1, which is no layer"),
+    ({**QWEN3_MOE, "mlp_only_layers": "0"}, "mlp_only_layers is 0; it must be a list of layer indices"),
+    ({**QWEN3_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step is 0; it must be a whole number >= 1"),
+    ({**QWEN3_MOE, "decoder_sparse_step": 3, "output_router_logits": True}, "output_router_logits needs a layer "
+                                                                              "with experts"),
     ({**QWEN3_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4"),
     ({**QWEN3_MOE, "num_experts": 0}, "num_experts is 0"),
     ({**MIXTRAL, "router_jitter_noise": 0.01}, "router_jitter_noise 0.01"),
@@ -203,7 +212,13 @@ def test_experts_keep_to_chunks_of_their_own_and_the_plan_reports_their_share():
 # renormalised: a lone choice renormalised weighs exactly 1, so the router would get no gradient
 # but rounding noise, which Adam scales up to full-size steps differently on either side.)
 SPARSE = {**QWEN3_MOE, "num_experts": 8, "num_experts_per_tok": 1, "norm_topk_prob": False}
-TRAINED = {"qwen3_moe": QWEN3_MOE, "qwen3_moe_top1_of_8": SPARSE, "mixtral": MIXTRAL}
+TRAINED = {"qwen3_moe": QWEN3_MOE, "qwen3_moe_top1_of_8": SPARSE, "mixtral": MIXTRAL,
+           # The routers' load-balancing loss added (a coefficient large enough that its gradient
+           # shows); Qwen3-MoE with a dense last layer, whose MLP has no router to count and which
+           # passes the stats on to the head.
+           "qwen3_moe_aux_loss_dense_layer_1": {**QWEN3_MOE, "output_router_logits": True, "router_aux_loss_coef": 0.3,
+                                                "mlp_only_layers": [1]},
+           "mixtral_aux_loss": {**MIXTRAL, "output_router_logits": True, "router_aux_loss_coef": 0.3}}
 
 
 @pytest.mark.hf_reference
@@ -216,14 +231,25 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     An expert no token chose has a zero gradient here, and AdamW still decays its moments and
     its weights: that is torch AdamW over transformers 5.x, whose experts are one fused tensor.
     transformers 4.57 runs only the experts a token chose, so the others' .grad stays None and
-    torch skips them: the reference then fills those grads with zeros, as 5.x has them."""
+    torch skips them: the reference then fills those grads with zeros, as 5.x has them.
+
+    With output_router_logits the loss is transformers' own when training: the language-model
+    loss plus router_aux_loss_coef times its aux_loss (load_balancing_loss_func over the sparse
+    layers' router logits), which the engine reports as aux_loss.
+
+    The weights come from a fixed torch seed (transformers initialises from torch's global
+    generator), so a case does not depend on which tests ran before it: Adam divides each
+    element's gradient by its own scale, so an element whose gradient falls near rounding noise
+    by chance (an embedding element's 1e-7 against terms of 1e-2, in some weight draws) ends ten
+    steps up to 1e-5 apart on the two sides, past this check's 2e-6."""
     torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
     from torch_adamw import assert_trained_alike, chunked_and_reference
     B, T, steps = 2, 8, 10
     hf_model, model, engine, opt, lr_at = chunked_and_reference(config, B, T)
     params = list(hf_model.parameters())
     rng = np.random.default_rng(1)
-    unrouted, ours, theirs = 0, [], []
+    unrouted, ours, theirs, aux_theirs = 0, [], [], []
     for _ in range(steps):
         seq = rng.integers(0, config["vocab_size"], (B, T + 1)).astype(np.int32)
         ours.append(engine.step([(seq[:, :-1], seq[:, 1:])]))
@@ -231,6 +257,10 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
         out = hf_model(torch.from_numpy(seq[:, :-1]).long(), output_router_logits=True)
         loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
                                                  torch.from_numpy(seq[:, 1:]).long().reshape(-1))
+        if config["output_router_logits"]:
+            assert len(out.router_logits) == len(model.config.sparse_layers)
+            loss = loss + config["router_aux_loss_coef"] * out.aux_loss
+            aux_theirs.append(float(out.aux_loss.detach()))
         loss.backward()
         k = config["num_experts_per_tok"]
         chosen = [set(torch.topk(logits, k, dim=-1).indices.reshape(-1).tolist()) for logits in out.router_logits]
@@ -244,6 +274,10 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     if config is SPARSE:
         assert unrouted > 0, "the case meant to leave an expert without a token routed every one"
     assert_trained_alike(engine, model, hf_model, ours, theirs)
+    if config["output_router_logits"]:  # aux near k (balanced routing): a few ulps of it
+        np.testing.assert_allclose([r.metrics["aux_loss"] for r in ours], aux_theirs, rtol=2e-6)
+    else:
+        assert all("aux_loss" not in r.metrics for r in ours)
 
 
 @pytest.mark.parametrize("tool", ["pstar-train", "pstar-plan"])
@@ -310,21 +344,19 @@ def test_grouped_experts_compile_to_about_the_routed_pairs_flops(n_tokens, k, n_
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs conftest's 8 fake devices")
-def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does():
+@pytest.mark.parametrize("aux", [False, True], ids=["", "aux_loss"])
+def test_zero_over_8_devices_trains_a_mixture_of_experts_as_one_device_does(aux):
     """Routing is per token, so each device routes its own rows: the sharded step equals one
-    device's (fp32, two micro-batches, chunks moving)."""
+    device's (fp32, two micro-batches, chunks moving). The routers' load-balancing loss is one
+    per micro-batch over all its rows, every device's counts summed, not one per device."""
     from frozen_engines import chunked
     from pstar_jax.config import OptimConfig
     optim = OptimConfig(lr=3e-3, warmup_steps=1, total_steps=4, weight_decay=0.1, clip_norm=1.0)
-    model = build_from_hf(MIXTRAL, seq_len=8)
+    model = build_from_hf({**MIXTRAL, "output_router_logits": aux, "router_aux_loss_coef": 0.3}, seq_len=8)
     one, eight = (chunked(model, frozenset(), batch=8, seq=8, optim=optim, chunk=None, micro_batches=2, W=W)
                   for W in (1, 8))
-    rng = np.random.default_rng(3)
-    for _ in range(3):
-        seq = rng.integers(0, MIXTRAL["vocab_size"], (2, 8, 9)).astype(np.int32)
-        batches = [(s[:, :-1], s[:, 1:]) for s in seq]
-        a, b = one.step(batches), eight.step(batches)
-        np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5)
+    last, _ = steps_agree(one, eight, MIXTRAL["vocab_size"], (2, 8, 9), 3, 3, 1e-5)
+    assert ("aux_loss" in last.metrics) == aux
     for name, value in one.params().items():
         np.testing.assert_allclose(eight.params()[name], value, rtol=0, atol=1e-5, err_msg=name)
 
@@ -377,3 +409,52 @@ def test_lora_leaves_the_experts_frozen_unless_a_target_names_them():
     assert adapted(()) == {"attn.q", "attn.k", "attn.v", "attn.o"}
     assert adapted(("mlp.experts.*.down",)) == {f"mlp.experts.{e}.down" for e in range(4)}
     assert len(adapted(("attn.*", "mlp.experts.*"))) == 4 + 3 * 4
+
+
+def test_dense_layers_among_the_experts_have_their_own_tensors_chunks_and_counts():
+    """Qwen3-MoE with layer 0 in mlp_only_layers: its MLP is dense (gate/up/down of
+    intermediate_size, hub names mlp.*_proj), layer 1 holds the experts; only expert tensors go to
+    the experts' chunks, the FLOPs leave out the idle experts of the sparse layer alone, the
+    config round-trips, and pstar-plan's experts share is layer 1's."""
+    from pstar_jax.engine.chunks import build_layout
+    from pstar_jax.model.staged import chunk_group, chunk_groups
+    source = {**QWEN3_MOE, "mlp_only_layers": [0]}
+    model = build_from_hf(source, seq_len=SEQ_LEN)
+    c, shapes = model.config, model.param_shapes()
+    stages = model.stages(jnp.float32)
+    assert c.sparse_layers == (1,) and stages[1].apply is not stages[2].apply  # two kinds of block, two compiles
+    assert shapes["blocks.0.mlp.gate.kernel"] == (32, 56) and shapes["blocks.0.mlp.down.kernel"] == (56, 32)
+    assert not any(n.startswith("blocks.0.mlp.experts.") or n == "blocks.0.mlp.router.kernel" for n in shapes)
+    assert shapes["blocks.1.mlp.experts.3.up.kernel"] == (32, 20) and "blocks.1.mlp.gate.kernel" not in shapes
+    names = hf_tensors(model)
+    assert names["blocks.0.mlp.up.kernel"].name == "model.layers.0.mlp.up_proj.weight"
+    assert names["blocks.1.mlp.router.kernel"].name == "model.layers.1.mlp.gate.weight"
+    exported = hf_config(model, torch_dtype="float32", source=source)
+    assert exported["mlp_only_layers"] == [0] and build_from_hf(exported, seq_len=SEQ_LEN).config == c
+    step = build_from_hf({**QWEN3_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2}, seq_len=SEQ_LEN)
+    assert step.config.sparse_layers == (1, 3)
+    assert hf_config(step, torch_dtype="float32")["decoder_sparse_step"] == 2
+    # Parameters: the dense layer's 3 matrices and the sparse one's router and 4 experts.
+    attention = sum(np.prod(s) for n, s in shapes.items() if n.startswith("blocks.0.") and ".mlp." not in n)
+    assert model.n_params() == (2 * 109 * 32 + 32 + 2 * attention + 3 * 32 * 56 + 32 * 4 + 4 * 3 * 32 * 20)
+    idle = 1 * 2 * 3 * 32 * 20  # layer 1's 2 unchosen experts of 4; layer 0 has none
+    assert model.flops_per_token() == 6.0 * (model.n_params() - 109 * 32 - idle) + 6.0 * 2 * SEQ_LEN * 4 * 12
+    layout = build_layout(shapes, model.decays, {"trainable": 2500}, group=lambda n: chunk_group(model, n))
+    experts = set(chunk_groups(model, layout.slots)["experts"])
+    assert {s.name for s in layout.slots if s.chunk in experts} == {n for n in shapes if ".mlp.experts." in n}
+
+
+def steps_agree(a, b, vocab, shape_MxBxL1, steps, seed, rtol):
+    """Both engines step on the same random micro-batches (``shape_MxBxL1``: micro-batches, rows,
+    positions + 1) with equal losses and router losses (both None or both close); the last
+    step's result of ``a`` and its micro-batches."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        seq = rng.integers(0, vocab, shape_MxBxL1).astype(np.int32)
+        batches = [(s[:, :-1], s[:, 1:]) for s in seq]
+        x, y = a.step(batches), b.step(batches)
+        np.testing.assert_allclose(y.loss, x.loss, rtol=rtol)
+        assert x.metrics.keys() == y.metrics.keys()
+        if "aux_loss" in x.metrics:
+            np.testing.assert_allclose(y.metrics["aux_loss"], x.metrics["aux_loss"], rtol=rtol)
+    return x, batches

@@ -44,6 +44,10 @@ CASES = {
                   ()),
     "mixtral_experts": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=False,
                                                  targets=("attn.o", "mlp.experts.*.gate", "mlp.experts.*.up")), ()),
+    # Qwen3-MoE with a dense layer 0 (mlp_only_layers): attention adapted, the MLPs frozen (adapters
+    # on its experts are refused at export: peft's names cannot leave the dense layer's out).
+    "qwen3_moe_dense_layer": ("qwen3_moe", {**QWEN3_MOE, "mlp_only_layers": [0]},
+                              dict(rank=2, alpha=4.0, rslora=False, targets=("attn.*",)), ()),
     "mixtral_head": ("mixtral", MIXTRAL, dict(rank=2, alpha=4.0, rslora=True, targets=("attn.q", "attn.v")),
                      ("head",)),
     "gpt2": ("gpt2", CHECKPOINTS["gpt2"], dict(rank=4, alpha=4.0, rslora=False,
@@ -410,3 +414,15 @@ def test_from_peft_refuses_a_base_tensor_of_another_shape():
     with pytest.raises(AdapterError) as err:
         from_peft({"base_model.model.lm_head.weight": np.zeros((3, 48), np.float32)}, "llama", shapes, 4)
     assert "need (101, 48)" in one_line(err)
+
+
+def test_expert_adapters_of_a_moe_with_dense_layers_are_refused_at_export(tmp_path):
+    """Qwen3-MoE with a dense layer 0: the experts' adapters cover layer 1 only, which peft's short
+    module names (gate_proj: the dense MLP's too) cannot say; one line, nothing written."""
+    shapes = shapes_of({**QWEN3_MOE, "mlp_only_layers": [0]})
+    targets = ("attn.*", "mlp.experts.*")
+    tensors = random_adapters(shapes, "qwen3_moe", 2, targets)
+    with pytest.raises(ConfigError) as err:
+        write_adapter(str(tmp_path / "out"), tensors, rank=2, alpha=4.0, dropout=0.0, rslora=False,
+                      targets=targets, family="qwen3_moe", base_model_name_or_path=None)
+    assert "dense layers" in one_line(err) and not (tmp_path / "out").exists()

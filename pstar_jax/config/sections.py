@@ -29,6 +29,10 @@ class ModelConfig:
     seq_len: int | None = option(None, "override the preset's sequence length", math_changing=True)
     tie_embeddings: bool | None = option(None, "share the token embedding with the output head",
                                          math_changing=True)
+    output_router_logits: bool | None = option(None, "add a mixture of experts' router load-balancing loss "
+                                               "(times config.json's router_aux_loss_coef) to the training loss, "
+                                               "as transformers does with output_router_logits (default: as "
+                                               "config.json says)", math_changing=True)
     init_from_flax: str | None = option(None, "start from a plain Flax export (--export-flax)", metavar="DIR")
     init_from_hf: str | None = option(None, "start from a Hugging Face checkpoint directory (config.json and "
                                       "safetensors; gpt2, llama, qwen2, mistral, qwen3): the model is built from its "
@@ -49,7 +53,7 @@ class ModelConfig:
 
     def overrides(self) -> dict[str, Any]:
         """The preset fields this config replaces (None: keep the preset's)."""
-        fields = (*MODEL_SHAPE, "tie_embeddings")
+        fields = (*MODEL_SHAPE, "tie_embeddings", "output_router_logits")
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 

@@ -20,8 +20,9 @@ smallest set of tokens whose probability reaches ``top_p`` (nucleus); the key of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from pstar_jax.config import ConfigError
-from pstar_jax.model.staged import NNXStaged
+from pstar_jax.model.nnx_staged import NNXStaged
 
 
 @runtime_checkable
@@ -190,12 +191,21 @@ class StreamedDecoder:
         self.stage_names = [s.param_names for s in stages]
         self.outer_graph, _ = decoder_shell(model, 0)
         decoder_shell(model, 1)  # refuses a module that cannot decode
-        self.block_paths = [n.split(".", 2)[2] for n in stages[1].param_names]  # 'blocks.<i>.<path>'
+        # Per block stage its compiled decode, one per kind of block (stages sharing an apply:
+        # Gemma's sliding and global layers, Qwen3-MoE's dense and sparse ones), with its kind's
+        # graph and tensor paths.
+        kinds: dict[Any, Callable] = {}
+        self._blocks = []
+        for i, stage in enumerate(stages[1:-1]):
+            if stage.apply not in kinds:
+                paths = [n.split(".", 2)[2] for n in stage.param_names]  # 'blocks.<i>.<path>'
+                kinds[stage.apply] = jax.jit(functools.partial(self._block_fn, model.block_graph(i), paths),
+                                             donate_argnums=(2,))
+            self._blocks.append(kinds[stage.apply])
         self.outer_zeros = {n: jax.ShapeDtypeStruct(s, self.dtype) for n, s in model.param_shapes().items()
                             if not n.startswith("blocks.")}
         self.host: list[tuple[jax.Array, ...]] = []  # per stage, filled by load()
         self._embed = jax.jit(self._embed_fn)
-        self._block = jax.jit(self._block_fn, static_argnums=(0,), donate_argnums=(3,))
         self._head = jax.jit(self._head_fn)
         self._sample = jax.jit(_step, static_argnums=(4,))
 
@@ -229,8 +239,9 @@ class StreamedDecoder:
     def _embed_fn(self, params, tokens_BxT, pos):
         return self._outer(self.stage_names[0], params).decode_embed(tokens_BxT, pos)
 
-    def _block_fn(self, graph, params, h_BxTxD, layer_cache, pos):
-        block = _merge(graph, dict(zip(self.block_paths, params)))
+    @staticmethod
+    def _block_fn(graph, paths, params, h_BxTxD, layer_cache, pos):
+        block = _merge(graph, dict(zip(paths, params)))
         return block.decode(h_BxTxD, layer_cache, pos)
 
     def _head_fn(self, params, h_BxTxD):
@@ -254,7 +265,7 @@ class StreamedDecoder:
                 return self._head(params, h)
             else:
                 layer = jax.device_put(cache[s - 1], self.on_device)
-                h, layer = self._block(self.model.block_graph(s - 1), params, h, layer, pos_)
+                h, layer = self._blocks[s - 1](params, h, layer, pos_)
                 cache[s - 1] = jax.device_put(layer, self.on_host)
         raise AssertionError("unreachable")
 

@@ -4,8 +4,10 @@ Per micro-batch: forward through the stages, keeping only each stage's input (ac
 checkpointing at stage boundaries) and the micro-batch's ``Batch`` (its side inputs, read by
 every stage). A stage input is an item of the store beside the chunks (key ("act", stage,
 micro-batch)): the plan keeps it on the device or sends it to pinned host memory after its
-forward and fetches it back ahead of its backward, and the store counts its bytes. The last stage computes its loss sum, scaled by 1 / the step's global count of
-trained tokens, and its gradient in one call;
+forward and fetches it back ahead of its backward, and the store counts its bytes. The last
+stage computes its loss sum, scaled by 1 / the step's global count of trained tokens, and its
+gradient in one call (with a mixture of experts' load-balancing loss the
+stage inputs carry its per-expert sums beside h, and the head adds it: model/router_aux.py);
 backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
 into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
 are dropped and its grad takes their place (14 bytes per parameter in all).
@@ -51,7 +53,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -289,7 +290,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                           predicted_h2d_bytes=plan.h2d_bytes, predicted_d2h_bytes=plan.d2h_bytes, skipped=skip,
                           trained_tokens=trained, disk_read_bytes=self.store.traffic.disk_read_bytes,
                           predicted_disk_read_bytes=plan.disk_read_bytes,
-                          metrics=step_metrics(self.model, run.metrics, counts))
+                          metrics=step_metrics(self.model, run.metrics, counts, len(micro_batches)))
 
     def _begin_reads(self, plan: Plan) -> None:
         """Schedule the reads of the chunks ``plan``'s moments fetch from disk, in that order (reads

@@ -42,7 +42,7 @@ from pstar_jax.data.batch import (PER_POSITION, Batch, as_batch, check_batches, 
 from pstar_jax.config import ConfigError
 from pstar_jax.engine.protocol import NonFiniteLoss, StepResult, step_metrics
 from pstar_jax.engine.optim import TxFactory, clip_factor, clip_scale
-from pstar_jax.model.staged import Stage, StagedModel, decays, loss_terms, stage_seeds
+from pstar_jax.model.staged import Stage, StagedModel, decays, head_loss, head_sums, stage_seeds
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -127,6 +127,7 @@ class PlainEngine:
         stacked = {n for seg in self._segments if seg.scanned for stage in seg.stages for n in stage.param_names}
         self._named = [n for n in shapes if n not in stacked]
         loss_fn = self._loss_fn(REMAT_POLICIES[remat])
+        self._last = last = self._segments[-1].stages[0]
 
         self.mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         replicated = NamedSharding(self.mesh, P())
@@ -182,9 +183,8 @@ class PlainEngine:
 
             trained, leaves, treedef = split(compute)
 
-            def scaled(t, batch):
-                sums, metrics = loss_terms(loss_fn(merge(t, leaves, treedef), batch))
-                return jnp.sum(sums * scale), metrics
+            def scaled(t, batch):  # (loss, metric sums: the objective's, a router loss's value)
+                return head_loss(last, loss_fn(merge(t, leaves, treedef), batch), scale)
 
             def micro(carry, batch):  # grads of the trainable leaves only; the metric sums per micro-batch
                 (loss, metrics), grads = jax.value_and_grad(scaled, has_aux=True)(trained, batch)
@@ -207,7 +207,8 @@ class PlainEngine:
 
         def eval_loss(params, batch_MxBxL, counts_MxBxK):
             compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-            sums = jax.lax.map(lambda batch: loss_terms(forward_loss(compute, batch))[0], batch_MxBxL)
+            # (the language-model loss alone, without a router loss: what a held-out loss compares)
+            sums = jax.lax.map(lambda batch: head_sums(last, forward_loss(compute, batch)), batch_MxBxL)
             return jnp.sum(jnp.sum(sums, axis=0) / jnp.maximum(jnp.sum(counts_MxBxK, axis=(0, 1)), 1.0))
         options = compat.compiler_options(self.mesh.devices.flat[0].platform)
         self._eval = jax.jit(eval_loss, out_shardings=replicated, compiler_options=options)
@@ -279,7 +280,8 @@ class PlainEngine:
                           clip_scale=clip_factor(grad_norm, self.clip_norm),
                           h2d_bytes=0, d2h_bytes=0, device_chunk_peak_bytes=model_bytes, skipped=skip,
                           trained_tokens=trained_count(to_numpy(count)[-1]),
-                          metrics=step_metrics(self.model, [metrics] if metrics else [], to_numpy(count)))
+                          metrics=step_metrics(self.model, [metrics] if metrics else [], to_numpy(count),
+                                               len(micro_batches)))
 
     def evaluate(self, micro_batches: Sequence[Batch | tuple[np.ndarray, np.ndarray]]) -> float:
         """The mean loss over the trained tokens of all micro-batches (this process's rows of each),

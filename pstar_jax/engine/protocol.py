@@ -34,15 +34,21 @@ class StepResult:
     metrics: dict = dataclasses.field(default_factory=dict)  # the objective's own (preference: TRL's rewards/...)
 
 
-def step_metrics(model: Any, metric_sums: Sequence[Mapping[str, Any]], counts: Any) -> dict[str, float]:
-    """The objective's metrics of a step from its heads' metric sums (per micro-batch, each added
-    over the devices) and the step's global counts: the model's ``step_metrics`` where it has
+def step_metrics(model: Any, metric_sums: Sequence[Mapping[str, Any]], counts: Any, micro_batches: int
+                 ) -> dict[str, float]:
+    """A step's metrics from its heads' metric sums (per micro-batch, each added over the
+    devices, or already added over the micro-batches) and the step's global counts: the routers'
+    load-balancing loss ``aux_loss`` as the mean of the ``micro_batches`` values (transformers
+    computes it per forward), the objective's through the model's ``step_metrics`` where it has
     one; a plain head has none."""
-    finish = getattr(model, "step_metrics", None)
-    if finish is None or not metric_sums:
+    if not metric_sums:
         return {}
     totals = {name: float(sum(np.asarray(replicated_value(m[name])) for m in metric_sums)) for name in metric_sums[0]}
-    return finish(totals, np.asarray(counts))
+    out = {"aux_loss": totals.pop("aux_loss") / micro_batches} if "aux_loss" in totals else {}
+    finish = getattr(model, "step_metrics", None)
+    if finish is not None and totals:
+        out.update(finish(totals, np.asarray(counts)))
+    return out
 
 
 class NonFiniteLoss(FloatingPointError):

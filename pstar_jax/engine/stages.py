@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
-from pstar_jax.model.staged import Stage, loss_terms, stage_seeds
+from pstar_jax.model.staged import Stage, head_loss, head_sums, stage_seeds
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -203,17 +203,23 @@ class StageFunctions:
         rows' trained token losses (or K sums and metric sums: ``loss_terms``); ``scale`` [K] is
         1 / the step's global counts (every micro-batch and device), so the loss and grads of
         devices and micro-batches just add up to those of the mean over the whole step. The
-        metric sums are added over the devices."""
-        apply, pattern = bound.stage.apply, bound.pattern
+        metric sums are added over the devices.
+
+        Where the chain carries RouterStats (``Stage.router_aux_coef``), h is (h, stats) and the
+        loss adds the coefficient times the micro-batch's load-balancing loss (the metric
+        ``aux_loss``), over the rows of every device: the counts are summed over the data axis
+        first, and each device adds its share (pstar_jax.model.router_aux)."""
+        apply, pattern, last = bound.stage.apply, bound.pattern, bound.stage
         tensors, grad_pattern = _trainable_pattern(bound)
 
         def local(chunks, offsets, h, batch, grad_chunks, scale):
             params = self._params(chunks, offsets, pattern, bound.quant)
             batch = stage_seeds(batch, offsets[-1])
+            totals = (None, None) if last.router_aux_coef is None else (
+                jax.lax.psum(jnp.sum(h[1].counts_1xE, axis=0), "data"), jax.lax.psum(jnp.sum(h[1].rows_1), "data"))
 
             def scaled_loss(trained, h):
-                sums, metrics = loss_terms(apply(_with(params, tensors, trained), h, batch))
-                return jnp.sum(sums * scale), metrics
+                return head_loss(last, apply(_with(params, tensors, trained), h, batch), scale, *totals)
             (loss, metrics), (gp, gh) = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)(
                 tuple(params[i] for i in tensors), h)
             return (jax.lax.psum(loss, "data"), jax.lax.psum(metrics, "data"), gh,
@@ -233,7 +239,7 @@ class StageFunctions:
 
         def local(chunks, offsets, h, batch):
             params = self._params(chunks, offsets, pattern, bound.quant)
-            return jax.lax.psum(loss_terms(apply(params, h, stage_seeds(batch, offsets[-1])))[0], "data")
+            return jax.lax.psum(head_sums(bound.stage, apply(params, h, stage_seeds(batch, offsets[-1]))), "data")
         return self._get("loss", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), P()),
             compiler_options=self._options))

@@ -261,6 +261,10 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
     if not blocks:
         raise ConfigError("the export got no adapter tensors (names ending in .lora.lora_a / .lora.lora_b)")
     first = next(iter(blocks.values()))
+    if any(b != first for b in blocks.values()) and any("experts" in p for p in blocks):
+        raise ConfigError("the experts' adapters cover the layers with experts only, and this model also has dense "
+                          "layers (mlp_only_layers or decoder_sparse_step), which peft's target_modules cannot tell "
+                          "apart yet; export adapters on attention only, or merge them with --export-hf")
     if any(b != first for b in blocks.values()) or first != set(range(len(first))):
         raise ConfigError("the adapters do not cover the same blocks 0..N-1 in every projection "
                           f"({ {p: sorted(b) for p, b in blocks.items()} }); peft's format names one set of modules")

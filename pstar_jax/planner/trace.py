@@ -36,6 +36,10 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
+def _bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _analyse(fn, *args) -> tuple[int, int, float]:
     """(temp bytes, new output bytes, flops) of one compiled call, per device. Outputs written
     into donated inputs (grad chunks, a backward's gradient over the one from above) take no
@@ -84,12 +88,13 @@ class _Tracer:
             if key not in self.cache:
                 self.cache[key] = jax.eval_shape(fns.forward(b), self.chunks(b), self.offsets(b), self.xs[-1],
                                                  self.batch)
-            y = self.cache[key]  # an array, or a pytree of them (a preference objective's (h, h_ref))
-            self.xs.append(jax.tree.map(lambda leaf: _abstract(leaf.shape, leaf.dtype, self.dev), y))
-        # Per device. The first stage's input is the batch itself (its tokens among it).
-        self.batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.batch)) // self.W
-        self.act = [self.batch_bytes] + [sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(x)) // self.W
-                                         for x in self.xs[1:]]
+            # (a pytree where the stages carry more than h: a preference objective's (h, h_ref), a
+            # mixture of experts' RouterStats)
+            self.xs.append(jax.tree.map(lambda y: _abstract(y.shape, y.dtype, self.dev), self.cache[key]))
+        # Per device. The first stage's input is the batch itself (its tokens among it); a stage
+        # input counts every array the stages carry (RouterStats too: the plan places them with h).
+        self.batch_bytes = _bytes(self.batch) // self.W
+        self.act = [self.batch_bytes] + [_bytes(x) // self.W for x in self.xs[1:]]
 
     def offsets(self, b: BoundStage):
         return _abstract((len(b.offset_data),), jnp.int32, self.rep)

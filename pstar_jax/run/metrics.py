@@ -1,8 +1,10 @@
 """Per-step metrics: writers (JSON lines, TensorBoard, any object with ``write_scalars``) and a
 live progress bar.
 
-A step's record (``step_record``): ``step`` (0-based), ``loss``, ``lr`` (the learning rate of the
-step's update; left out for an optimizer factory whose schedule is not known), ``grad_norm``,
+A step's record (``step_record``): ``step`` (0-based), ``loss``, ``aux_loss`` (the routers'
+load-balancing loss, where the model adds it: ``loss`` holds its coefficient times it), ``lr``
+(the learning rate of the step's update; left out for an optimizer factory whose schedule is not
+known), ``grad_norm``,
 ``clip_scale`` (the factor global-norm clipping applied, 1.0 when not clipped), ``step_s``,
 ``tokens_per_s``, ``model_tflops``, the copies and memory of the step (``h2d_bytes``,
 ``d2h_bytes``, ``device_chunk_peak_bytes``, ``predicted_h2d_bytes``, ``predicted_d2h_bytes``;
@@ -38,7 +40,8 @@ def step_record(step: int, result: StepResult, tokens: int, flops_per_token: flo
     """The metrics of one step (``step`` counts from 0): the StepResult's fields plus throughput:
     ``tokens_per_s`` of every position, ``trained_tokens_per_s`` of those in the loss (fewer on
     SFT data, where prompts and padding are not trained)."""
-    return {"step": step, "loss": result.loss, **({"lr": lr} if lr is not None else {}),
+    return {"step": step, "loss": result.loss,
+            **({"lr": lr} if lr is not None else {}),
             "grad_norm": result.grad_norm, "clip_scale": result.clip_scale, "step_s": result.step_s,
             "tokens_per_s": tokens / result.step_s,
             "trained_tokens": result.trained_tokens, "trained_tokens_per_s": result.trained_tokens / result.step_s,
@@ -134,7 +137,8 @@ class Progress:
                          dynamic_ncols=True, mininterval=0.5)
 
     def update(self, record: dict) -> None:
-        extra = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        extra = f" | aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
+        extra += f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
         if "rewards/accuracies" in record:  # preference tuning: TRL's headline metrics
             extra += f" | acc {record['rewards/accuracies']:.2f} margin {record['rewards/margins']:.3f}"
         lr = f" | lr {record['lr']:.2e}" if "lr" in record else ""
