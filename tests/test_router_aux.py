@@ -147,3 +147,17 @@ def test_the_plain_engine_adds_the_router_loss_as_the_chunked_one_does():
     held_out = a.evaluate(batches)
     np.testing.assert_allclose(b.evaluate(batches), held_out, rtol=1e-6)
     assert held_out < x.loss - 2 * 0.3 * 1.5
+
+
+def test_preference_tuning_refuses_the_router_loss_in_one_line():
+    """DPO over a mixture of experts trains without the router loss (TRL's DPOTrainer adds it; not
+    built here): asked for both, the run stops in one line naming the flag, before any work."""
+    from pstar_jax.config import ConfigError
+    from pstar_jax.config.preference import PreferenceConfig
+    from pstar_jax.config.run import RunConfig
+    from pstar_jax.run.objective import trained_model
+    config = RunConfig(preference=PreferenceConfig(objective="dpo"))
+    with pytest.raises(ConfigError, match="--no-output-router-logits") as err:
+        trained_model(config, build_from_hf({**MIXTRAL, "output_router_logits": True}, seq_len=SEQ_LEN))
+    assert "\n" not in str(err.value)
+    assert trained_model(config, build_from_hf(MIXTRAL, seq_len=SEQ_LEN)).base is not None  # without it: trained

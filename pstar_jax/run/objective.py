@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pstar_jax.config import RunConfig
-from pstar_jax.config.errors import DataError
+from pstar_jax.config.errors import ConfigError, DataError
 
 
 def is_preference(data: Any) -> bool:
@@ -36,5 +36,9 @@ def trained_model(config: RunConfig, model: Any) -> Any:
     the preference head, its reference the base with the adapters off in a LoRA run."""
     if config.preference.objective != "dpo":
         return model
+    if getattr(model, "router_aux_coef", None) is not None:
+        raise ConfigError("PreferenceConfig.objective dpo does not add a mixture of experts' router loss (TRL's "
+                          "DPOTrainer would); train without it: --no-output-router-logits, or "
+                          "output_router_logits false in config.json")
     from pstar_jax.model.preference import PreferenceModel
     return PreferenceModel(model, config.preference, adapters_off=config.lora.enabled)
