@@ -65,16 +65,28 @@ def _host_checksum(x: np.ndarray) -> int:
 
 def checksums(state: Any) -> list[int]:
     """Per array: device-resident ones summed on the device; host-resident ones read in place
-    with numpy (a pass over host memory, not a host computation inside XLA or a copy down)."""
-    sums = []
+    with numpy (a pass over host memory, not a host computation inside XLA or a copy down).
+
+    An array of this process alone is summed shard by shard (one replica of each), each shard on
+    its own device, and the sums added mod 2**32 here: a sum over the sharded array would be one
+    program over every device with a collective, and a row of those dispatched back to back
+    deadlocked the CPU client with 8 fake devices on 2 cores (tests/test_checkpoint.py hung
+    there under load). An array spread over processes needs that collective."""
+    sums: list[Any] = []
     for x in jax.tree.leaves(state):
         if isinstance(x, np.ndarray):
             sums.append(_host_checksum(x))
         elif x.sharding.memory_kind == "pinned_host" and x.is_fully_addressable:
             sums.append(_host_checksum(to_numpy(x)))
+        elif x.is_fully_addressable:  # dispatched now, read below
+            sums.append([_checksum(s.data) for s in x.addressable_shards if s.replica_id == 0])
         else:
-            sums.append(_checksum(x))  # dispatched now, read below
-    return [s if isinstance(s, int) else int(to_numpy(s)) for s in sums]
+            sums.append(_checksum(x))
+    return [s if isinstance(s, int) else _read_sum(s) for s in sums]
+
+
+def _read_sum(parts: Any) -> int:
+    return sum(int(to_numpy(p)) for p in (parts if isinstance(parts, list) else [parts])) % 2**32
 
 
 class Checkpointer:
