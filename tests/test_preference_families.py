@@ -20,12 +20,10 @@ from pstar_jax.config.preference import PreferenceConfig
 from pstar_jax.model.staged import hidden, stage_seeds
 from pstar_models import build_from_hf, hf_tensors
 from pstar_models.lora import LoraSpec
-from test_gemma import CHECKPOINTS as GEMMA_CHECKPOINTS
 from test_hf_models import hf_reference, to_pstar
 from test_moe import QWEN3_MOE
-from test_preference_loss import ROWS, SEQ_LEN, assert_metrics_match, pack, random_pairs, require_trl, trl_trainer
+from test_preference_loss import GEMMA_SOFTCAP, ROWS, SEQ_LEN, assert_metrics_match, pack, random_pairs, require_trl, trl_trainer
 
-GEMMA_SOFTCAP = GEMMA_CHECKPOINTS["gemma3_final_softcap"]  # window 5 under SEQ_LEN: packed pairs meet it
 EXPERTS = ("attn.*", "mlp.experts.*")
 # id: (config.json, LoRA targets (() every projection but the experts), our preference settings)
 CASES = {
