@@ -22,7 +22,8 @@ from pstar_models import build_from_hf, hf_tensors
 from pstar_models.lora import LoraSpec
 from test_hf_models import hf_reference, to_pstar
 from test_moe import QWEN3_MOE
-from test_preference_loss import GEMMA_SOFTCAP, ROWS, SEQ_LEN, assert_metrics_match, pack, random_pairs, require_trl, trl_trainer
+from test_preference_loss import (GEMMA_SOFTCAP, ROWS, SEQ_LEN, assert_metrics_match, pack, random_pairs, require_trl,
+                                  trl_trainer)
 
 EXPERTS = ("attn.*", "mlp.experts.*")
 # id: (config.json, LoRA targets (() every projection but the experts), our preference settings)
