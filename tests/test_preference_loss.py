@@ -146,6 +146,7 @@ CASES = {  # id: (checkpoint, our settings)
     # window of 5 over two packed pairs; Qwen3-MoE's routing (output_router_logits false: no aux loss)
     "gemma3_softcap_sigmoid": (GEMMA_SOFTCAP, dict(loss="sigmoid", beta=0.1)),
     "qwen3_moe_ipo_rpo": (QWEN3_MOE, dict(loss="ipo", beta=0.1, sft_weight=0.5)),
+    "gpt2_sigmoid": ("gpt2", dict(loss="sigmoid", beta=0.1)),  # TRL turns its dropout off (disable_dropout)
 }
 
 
