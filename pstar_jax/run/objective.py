@@ -24,6 +24,10 @@ def is_preference(data: Any) -> bool:
 def check_data(config: RunConfig, data: Any, what: str) -> None:
     """DataError (one line) when ``data`` (the file ``what`` names) does not suit the objective."""
     dpo = config.preference.objective == "dpo"
+    if dpo and not is_preference(data) and what == "DataConfig.path" and config.data.path is None:
+        raise DataError("PreferenceConfig.objective dpo trains on pairs of chosen and rejected answers, but without "
+                        "DataConfig.path the data is the built-in corpus, which holds none; give DataConfig.path, "
+                        "a preference file made with pstar-tokens --preference")
     if dpo and not is_preference(data):
         raise DataError(f"{what} is not a preference file (its sidecar does not say \"preference\": true), but "
                         "PreferenceConfig.objective dpo trains on pairs of chosen and rejected answers; make one "
