@@ -3,7 +3,8 @@ layers, the final logit soft-cap in every log-prob) and a tiny Qwen3-MoE (expert
 LoRA's step-0 DPO loss, TRL's metrics and every adapter's gradient equal TRL's DPOTrainer's over a
 peft model with ``ref_model=None`` (the reference is the base with the adapters off), fp32; the
 chunked engine, chunks moving, gives the same step. Full fine-tuning against a reference copy:
-test_preference_loss.py's CASES. The MoE configs keep ``output_router_logits`` false: with it true
+test_preference_loss.py's CASES; its stored reference, computed by the chunked engine's forward-only
+pass with chunks streaming, equals a direct forward's here. The MoE configs keep ``output_router_logits`` false: with it true
 TRL adds ``router_aux_loss_coef`` x the router's load-balancing loss of its concatenated
 chosen + rejected forward to the loss (and logs ``aux_loss``), which pstar_jax's DPO does not yet.
 torch/transformers/peft/trl are references only (test extra)."""
@@ -151,3 +152,34 @@ def test_the_chunked_engine_gives_the_same_lora_step_with_chunks_moving(case):
     for name, value in metrics.items():
         np.testing.assert_allclose(first.metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     assert metrics["rewards/margins"] != 0.0
+
+
+@pytest.mark.slow  # 20 s and 40 s on a loaded 2-core machine
+@pytest.mark.parametrize("config", [GEMMA_SOFTCAP, QWEN3_MOE], ids=["gemma3_softcap", "qwen3_moe"])
+def test_full_fine_tunings_stored_reference_pass_streams_chunks_and_gives_the_direct_values(config):
+    """The forward-only pass before step 0 (pstar_jax.data.ref_logps), the experts' chunks streamed
+    as the rest: each pair's sums equal a direct forward's of the same rows."""
+    from pstar_jax.config import EngineConfig, OptimConfig
+    from pstar_jax.data.ref_logps import reference_values
+    from pstar_jax.data.rows import Rows
+    from pstar_jax.engine.optim import default_tx
+    from pstar_jax.model.preference import PreferenceModel, compose_logps
+    from pstar_jax.plan.machine import H200
+    from pstar_jax.planner.build import chunked_engine
+    from test_preference_loss import pack_rows
+    model = build_from_hf(config, seq_len=SEQ_LEN)
+    params = model.init_params(0)
+    pairs = random_pairs(config["vocab_size"]) + random_pairs(config["vocab_size"], seed=1)[:3]
+    rows = Rows(*pack_rows(pairs, [[0, 1], [3], [2, 5], [4, 6]], SEQ_LEN + 1))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    engine = chunked_engine(PreferenceModel(model, PreferenceConfig(objective="dpo")),
+                            EngineConfig(chunk_numel=4096, precision="fp32", micro_batches=2),
+                            default_tx(OptimConfig(lr=1e-3)), mesh, (2, SEQ_LEN), H200, clip_norm=None,
+                            init_params=params)
+    values = np.concatenate(list(reference_values(rows, engine.reference_logps, 2, 2)))
+    assert engine.store.traffic.h2d_bytes > 0, "the chunks should stream"
+    logps = jax.jit(compose_logps(model))
+    expected = np.concatenate(list(reference_values(
+        rows, lambda batches: [np.asarray(logps(params, jax.tree.map(jnp.asarray, b))) for b in batches], 4)))
+    assert values.shape == (len(pairs), 2)
+    np.testing.assert_allclose(values, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
