@@ -154,7 +154,6 @@ def test_the_chunked_engine_gives_the_same_lora_step_with_chunks_moving(case):
     assert metrics["rewards/margins"] != 0.0
 
 
-@pytest.mark.slow  # 20 s and 40 s on a loaded 2-core machine
 @pytest.mark.parametrize("config", [GEMMA_SOFTCAP, QWEN3_MOE], ids=["gemma3_softcap", "qwen3_moe"])
 def test_full_fine_tunings_stored_reference_pass_streams_chunks_and_gives_the_direct_values(config):
     """The forward-only pass before step 0 (pstar_jax.data.ref_logps), the experts' chunks streamed
