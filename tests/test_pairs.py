@@ -17,7 +17,7 @@ def damaged(tmp_path, change):
     rows = load_packed(preference_file(tmp_path / "good.sft.u16.bin", n_rows=8))
     tokens, segments, labels = (np.array(a) for a in (rows.tokens, rows.segments, rows.labels))
     info = {k: rows.info[k] for k in ("vocab_size", "preference", "pairs")}
-    change(segments, labels, info)
+    change(segments, labels, info, *([tokens] if change.__code__.co_argcount == 4 else []))
     path = tmp_path / "bad.sft.u16.bin"
     write_packed(path, PackedRows(tokens, segments, labels), info)
     return path
@@ -42,6 +42,16 @@ def gap_before_pair_two(segments, labels, info):  # row 2: padding between pair 
     segments[2, first], labels[2, first] = 0, 0
 
 
+def other_prompt_token(segments, labels, info, tokens):  # row 4: pair 2's rejected sequence starts elsewhere
+    first = int(np.flatnonzero(segments[4] == 4)[0])
+    tokens[4, first] = tokens[4, first] % 255 + 1
+
+
+def shorter_prompt(segments, labels, info, tokens):  # row 7: pair 1's chosen has its prompt's last token labelled
+    first = int(np.flatnonzero((segments[7] == 1) & (labels[7] != 0))[0])
+    labels[7, first - 1] = 1
+
+
 def miscount(segments, labels, info):
     info["pairs"] = 15
 
@@ -52,11 +62,14 @@ CASES = {
     "out_of_order": (swap_chosen_and_rejected, "row 6: its segment ids do not run 1, 2, 3"),
     "gap": (gap_before_pair_two, "row 2: its segment ids do not run 1, 2, 3"),
     "sidecar": (miscount, "sidecar says it holds 15 pairs but its rows hold 16"),
+    "prompt_token": (other_prompt_token, "row 4: pair 2's chosen and rejected sequences .3 and 4. do not share their "
+                                         "prompt"),
+    "prompt_length": (shorter_prompt, "row 7: pair 1's chosen and rejected sequences .1 and 2. do not share"),
 }
 
 
 def test_whole_pairs_are_counted():
-    rows = PackedRows(*(np.asarray(a) for a in ([[5, 6, 7, 8, 9, 0]] * 2, [[1, 1, 2, 2, 0, 0], [0] * 6],
+    rows = PackedRows(*(np.asarray(a) for a in ([[5, 6, 5, 8, 9, 0]] * 2, [[1, 1, 2, 2, 0, 0], [0] * 6],
                                                  [[0, 1, 0, 1, 0, 0], [0] * 6])), {"pairs": 1})
     assert check_pairs(rows, "f") == 1  # a row of padding alone holds no pair and is no error
 
