@@ -2,13 +2,14 @@
 
 pstar-tokens --preference writes each row as pairs k = 1, 2, ...: segment 2k - 1 (prompt + chosen)
 then segment 2k (prompt + rejected), each one run of positions, from the row's start, padding (0)
-after the last, each training at least one target (its completion), the two of a pair with the same
-untrained prompt tokens before their completions, and the sidecar's ``"pairs"`` their total. The loss reads pairs off the segment ids alone (pstar_jax.model.preference), so a
-file that breaks this (edited by hand, an SFT file whose sidecar was made to say ``"preference":
-true``, a damaged write) would train silently wrong: a chosen answer without its rejected one
-scored against a log-prob of 0, one pair's chosen answer against another's rejected. The check reads
-the rows a block at a time (a memory-mapped file stays out of memory), about 50 ns a position on one
-loaded CPU core (3 s for 60M positions, measured), and names the first bad row.
+after the last, each training at least one target (its completion), the two of a pair with the
+same untrained prompt tokens before their completions, and the sidecar's ``"pairs"`` their total.
+The loss reads pairs off the segment ids alone (pstar_jax.model.preference), so a file that breaks
+this (edited by hand, an SFT file whose sidecar was made to say ``"preference": true``, a damaged
+write) would train silently wrong: a chosen answer without its rejected one scored against a
+log-prob of 0, one pair's chosen answer against another's rejected. The check reads the rows a
+block at a time (a memory-mapped file stays out of memory), about 50 ns a position on one loaded
+CPU core (3 s for 60M positions, measured), and names the first bad row.
 """
 
 from __future__ import annotations
