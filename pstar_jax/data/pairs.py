@@ -72,7 +72,8 @@ def _row_problem(tokens_BxR: np.ndarray, seg_BxR: np.ndarray, labels_BxR: np.nda
     if not runs[r]:
         return r, "its segment ids do not run 1, 2, 3, ... from the row's start, one run each, then padding (0)"
     if top[r] % 2 == 1:
-        return r, f"it ends with sequence {top[r]}, the chosen answer of pair {(top[r] + 1) // 2}, without a rejected one"
+        return r, (f"it ends with sequence {top[r]}, the chosen answer of pair {(top[r] + 1) // 2}, without a "
+                   "rejected one")
     if untrained[r].any():
         s = int(np.argmax(untrained[r]))
         side = "chosen" if s % 2 == 1 else "rejected"
