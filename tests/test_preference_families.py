@@ -4,7 +4,8 @@ LoRA's step-0 DPO loss, TRL's metrics and every adapter's gradient equal TRL's D
 peft model with ``ref_model=None`` (the reference is the base with the adapters off), fp32; the
 chunked engine, chunks moving, gives the same step. Full fine-tuning against a reference copy:
 test_preference_loss.py's CASES; its stored reference, computed by the chunked engine's forward-only
-pass with chunks streaming, equals a direct forward's here. The MoE configs keep ``output_router_logits`` false: with it true
+pass with chunks streaming, equals a direct forward's here; and pstar-train on checkpoints of both
+families (LoRA over the experts, Gemma's full fine-tuning). The MoE configs keep ``output_router_logits`` false: with it true
 TRL adds ``router_aux_loss_coef`` x the router's load-balancing loss of its concatenated
 chosen + rejected forward to the loss (and logs ``aux_loss``), which pstar_jax's DPO does not yet.
 torch/transformers/peft/trl are references only (test extra)."""
@@ -182,3 +183,33 @@ def test_full_fine_tunings_stored_reference_pass_streams_chunks_and_gives_the_di
         rows, lambda batches: [np.asarray(logps(params, jax.tree.map(jnp.asarray, b))) for b in batches], 4)))
     assert values.shape == (len(pairs), 2)
     np.testing.assert_allclose(values, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, flags", [
+    (QWEN3_MOE, ("--lora-rank", "4", "--lora-targets", "attn.*,mlp.experts.*", "--export-lora", "adapter")),
+    (GEMMA_SOFTCAP, ()),  # full fine-tuning: the stored reference, computed before step 0
+], ids=["qwen3_moe_lora_experts", "gemma3_full"])
+def test_pstar_train_tunes_a_checkpoint_of_the_family_on_pairs(tmp_path, capsys, config, flags):
+    """From a checkpoint on disk: step 0's policy is the reference (LoRA's adapters start at zero; full
+    fine-tuning's reference is the initial model), so its loss is log 2 and its margin 0; the loss
+    then moves, and a LoRA run exports adapters on every expert."""
+    import json
+    from pstar_jax.cli.train import main as train_main
+    from test_hf import write_family_checkpoint
+    from test_preference_training import preference_file
+    write_family_checkpoint(str(tmp_path / "src"), build_from_hf(config, seq_len=64))
+    data = preference_file(tmp_path / "pairs.sft.u16.bin", n_rows=8, seq=64, vocab=config["vocab_size"])
+    code = train_main(["--init-from-hf", str(tmp_path / "src"), "--objective", "dpo", "--data", str(data),
+                       "--seq-len", "64", "--steps", "3", "--batch-size", "8", "--lr", "1e-2", "--precision", "fp32",
+                       "--metrics-out", str(tmp_path / "m.jsonl"), "--quiet",
+                       *(str(tmp_path / f) if f == "adapter" else f for f in flags)])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(rows[0]["loss"], np.log(2.0), rtol=1e-6)
+    assert abs(rows[0]["rewards/margins"]) < 1e-6 and rows[-1]["loss"] != rows[0]["loss"]
+    if flags:
+        adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert {"gate_proj", "up_proj", "down_proj", "q_proj"} <= set(adapter["target_modules"])
+    else:
+        assert (tmp_path / "pairs.ref.f32").stat().st_size == 16 * 8  # 16 pairs, chosen and rejected
