@@ -13,6 +13,7 @@ from pstar_jax.config.errors import DataError
 from pstar_jax.data import chat, preference
 from pstar_jax.data.batch import trained_targets
 from pstar_jax.data.packing import load_packed
+from pstar_jax.data.pairs import check_pairs
 
 
 def user(text):
@@ -92,7 +93,7 @@ def file_pairs(path):
             assert where[0] == np.flatnonzero(segments[r] == k)[-1] + 1  # rejected right after chosen
             assert seqs[0][0] == seqs[1][0]  # one prompt
             pairs.append((seqs[0][0], seqs[0][1], seqs[1][1]))
-    assert rows.info["pairs"] == len(pairs)
+    assert rows.info["pairs"] == len(pairs) == check_pairs(rows, str(path))  # what training checks of it
     return pairs
 
 

@@ -1,8 +1,9 @@
 """Preference losses (pstar_jax.model.preference; the data half's tests are test_preference.py) on
 packed preference rows: the per-position log-prob head against plain autodiff, the pair sums, the
 config's one-line errors; the step-0 loss, gradients and logged metrics against TRL 0.27's
-DPOTrainer (sigmoid, label smoothing, IPO, rpo_alpha) and CPOTrainer (SimPO) on tiny random Llama
-and Qwen2 models made with transformers, in fp32. Training on them: test_preference_training.py.
+DPOTrainer (sigmoid, label smoothing, IPO, rpo_alpha) and CPOTrainer (SimPO) on tiny random Llama,
+Qwen2, Gemma 3 and Qwen3-MoE models made with transformers, in fp32 (LoRA's in-step reference over
+Gemma 3 and the experts: test_preference_families.py). Training on them: test_preference_training.py.
 torch/transformers/peft/trl are references only (test extra)."""
 
 import warnings
@@ -18,9 +19,14 @@ from pstar_jax.data.batch import from_rows
 from pstar_jax.model.loss import linear_target_logps
 from pstar_jax.model.preference import compose_logps, compose_preference, pair_count, preference_sums, step_metrics
 from pstar_models import build_from_hf
+from test_gemma import GEMMA
 from test_hf_models import CHECKPOINTS, hf_reference, to_pstar
+from test_moe import QWEN3_MOE
 
 SEQ_LEN = 24
+# A soft-cap well inside these random models' logits (about 1): without it the completions' log-probs
+# move by about 3e-3 of their size, 300 times the comparisons' tolerance (3.0 moved them 1e-4).
+GEMMA_SOFTCAP = {**GEMMA, "final_logit_softcapping": 0.5}
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -136,6 +142,11 @@ CASES = {  # id: (checkpoint, our settings)
     "llama_simpo": ("llama3", dict(loss="simpo", beta=2.0, simpo_gamma=0.8)),
     "qwen2_simpo_sft_smoothed": ("qwen2_tied", dict(loss="simpo", beta=2.0, simpo_gamma=0.5, sft_weight=0.5,
                                                     label_smoothing=0.1)),
+    # the newer families (config.json dicts): Gemma 3's final soft-cap in every log-prob and its sliding
+    # window of 5 over two packed pairs; Qwen3-MoE's routing (output_router_logits false: no aux loss)
+    "gemma3_softcap_sigmoid": (GEMMA_SOFTCAP, dict(loss="sigmoid", beta=0.1)),
+    "qwen3_moe_ipo_rpo": (QWEN3_MOE, dict(loss="ipo", beta=0.1, sft_weight=0.5)),
+    "gpt2_sigmoid": ("gpt2", dict(loss="sigmoid", beta=0.1)),  # TRL turns its dropout off (disable_dropout)
 }
 
 
@@ -211,12 +222,13 @@ def stored_ref_logp(model, ref_params, rows_arrays, tmp_path):
 def test_step_zero_loss_gradients_and_metrics_equal_trls(case, tmp_path):
     """Full fine-tuning against a reference model (TRL with ``ref_model``; SimPO has none): the
     same pairs give TRL's loss, its logged metrics and torch's gradients of every tensor."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     require_trl()
     checkpoint, settings = case
-    config = CHECKPOINTS[checkpoint]
+    config = CHECKPOINTS[checkpoint] if isinstance(checkpoint, str) else checkpoint  # a name, or a config.json
     cfg = PreferenceConfig(**settings)
     model = build_from_hf(config, seq_len=SEQ_LEN)
+    torch.manual_seed(0)  # the MoE's routing: seeded weights without a near-tie between torch and XLA
     policy, ref = hf_reference(config, seed=0), hf_reference(config, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's and datasets' own notices

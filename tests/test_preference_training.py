@@ -253,6 +253,22 @@ def test_the_wrong_kind_of_file_is_one_line(tmp_path, capsys, flags, preference,
     assert match in err and "--data" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("objective, data, eval_data, match", [
+    ("dpo", "pairs", "sft", "--eval-data is not a preference file"),
+    ("sft", "sft", "pairs", "--eval-data is a preference file"),
+    ("dpo", None, None, "without --data the data is the built-in corpus, which holds none"),
+])
+def test_the_wrong_kind_of_eval_file_or_no_file_is_one_line(tmp_path, capsys, objective, data, eval_data, match):
+    from pstar_jax.cli.train import main as train_main
+    files = {"pairs": preference_file(tmp_path / "p.sft.u16.bin", n_rows=4),
+             "sft": preference_file(tmp_path / "s.sft.u16.bin", n_rows=4, preference=False)}
+    flags = ["--objective", objective, *(["--data", str(files[data])] if data else []),
+             *(["--eval-every", "1", "--eval-data", str(files[eval_data])] if eval_data else [])]
+    assert train_main([*flags, "--steps", "1", "--batch-size", "8", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow
 def test_pstar_plan_counts_the_reference_forward_and_its_activations(capsys):
     """pstar-plan --objective dpo on a LoRA model: the label says where the reference comes from,

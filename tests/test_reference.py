@@ -61,6 +61,8 @@ def test_a_reference_made_for_another_base_or_precision_is_refused_in_one_line(t
 @pytest.mark.parametrize("flags, match", [
     (["--dpo-loss", "simpo", "--ref-logps", "x.ref.f32"], "the simpo loss has none"),
     (["--lora-rank", "4", "--ref-logps", "x.ref.f32"], "drop --ref-logps"),
+    # the data file itself (whose sidecar a stale-reference error would tell the user to delete)
+    (["--ref-logps", "pairs.sft.u16.bin"], "--ref-logps must name a NAME.ref.f32 file"),
 ])
 def test_flags_a_stored_reference_does_not_go_with_are_one_line(tmp_path, capsys, flags, match):
     data = preference_file(tmp_path / "pairs.sft.u16.bin", n_rows=4)

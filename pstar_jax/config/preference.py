@@ -75,6 +75,10 @@ class PreferenceConfig:
         if self.ref_logps is not None and not self.uses_reference:
             raise ConfigError("PreferenceConfig.ref_logps names a reference, but the simpo loss has none; drop "
                               "--ref-logps or pick the sigmoid or ipo loss")
+        # Only a file pstar-train wrote: the errors about a stale one tell the user to delete it.
+        if self.ref_logps is not None and not str(self.ref_logps).endswith(".ref.f32"):
+            raise ConfigError(f"PreferenceConfig.ref_logps must name a NAME.ref.f32 file, the reference pstar-train "
+                              f"writes beside a preference file, got {self.ref_logps!r}")
 
     def given(self) -> list[str]:
         """The preference settings that differ from their defaults (an SFT run refuses them)."""
