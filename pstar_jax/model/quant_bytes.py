@@ -27,6 +27,7 @@ from pstar_jax.model.quant import (SCALE_BLOCK, Int8Tensor, Kind, NF4Tensor, che
                                    quantize_nf4, quantized_bytes)
 
 QUANT_BLOCK = 64  # nf4's block, as QLoRA and bitsandbytes' default
+ROUTER = ".mlp.router.kernel"  # a mixture of experts' router (models/moe.py), kept unquantized
 
 
 def stored_shape(kernel_shape: tuple[int, ...], kind: Kind) -> tuple[int, ...]:
@@ -45,21 +46,22 @@ def slot_bytes(kernel_shape: tuple[int, ...], kind: Kind, name: str = "tensor") 
 def quant_rule(kind: str | None, shapes: Mapping[str, Sequence[int]],
                trainable: Callable[[str], bool] | None) -> Callable[[str], str] | None:
     """What EngineConfig.base_quant stores quantized (chunks.build_layout's ``quant``): every
-    frozen 2-D kernel of a block ("blocks.N.<projection>.kernel"); norms, biases, embeddings and
-    the head stay in the compute dtype. None without a kind. A kind with no frozen kernel to hold
-    is a one-line ConfigError."""
+    frozen 2-D kernel of a block ("blocks.N.<projection>.kernel"), a mixture of experts' expert
+    kernels each on its own (model/quant_grouped.py); norms, biases, embeddings, the head and a
+    mixture of experts' router ("blocks.N.mlp.router.kernel") stay in the compute dtype. None
+    without a kind. A kind with no frozen kernel to hold is a one-line ConfigError.
+
+    The router: transformers 4.57's BitsAndBytesConfig would quantize it (an nn.Linear, ``gate``)
+    unless ``llm_int8_skip_modules`` names it, as QLoRA recipes for MoE models do (Unsloth skips
+    "gate"). Kept here: it is D x E, under 0.1% of a layer, and its logits choose the experts,
+    so its rounding would change which experts a token meets, not only their outputs."""
     if not kind:
         return None
     chosen = {n for n, s in shapes.items() if n.startswith("blocks.") and n.endswith(".kernel") and len(s) == 2
-              and trainable is not None and not trainable(n)}
+              and not n.endswith(ROUTER) and trainable is not None and not trainable(n)}
     if not chosen:
         raise ConfigError(f"EngineConfig.base_quant {kind} quantizes a frozen base, but no block kernel is frozen: "
                           "train LoRA adapters (--lora-rank) or freeze the blocks (--freeze), or drop --base-quant")
-    experts = sorted(n for n in chosen if ".mlp.experts." in n)
-    if experts:  # the grouped expert matmul (models/moe.py) has no quantized path yet
-        raise ConfigError(f"EngineConfig.base_quant {kind} cannot store a mixture of experts' expert kernels "
-                          f"quantized yet ({len(experts)} of them, such as {experts[0]}); train over the bf16 base "
-                          "(drop --base-quant), with --disk-memory if host memory runs short")
     return lambda name: kind if name in chosen else ""
 
 
