@@ -40,7 +40,13 @@ def slot_bytes(kernel_shape: tuple[int, ...], kind: Kind, name: str = "tensor") 
     ``kind`` cannot hold it, as for nf4 of a size that is not a multiple of the block)."""
     if len(kernel_shape) != 2:
         check_quantizable(tuple(kernel_shape), "int8", name=name)  # (refuses anything but a matrix)
-    return quantized_bytes(stored_shape(tuple(kernel_shape), kind), kind, QUANT_BLOCK, True, name)
+    try:
+        return quantized_bytes(stored_shape(tuple(kernel_shape), kind), kind, QUANT_BLOCK, True, name)
+    except ConfigError as err:  # the one kernel cannot be left out of --base-quant: say what can change
+        if kind != "nf4":
+            raise
+        raise ConfigError(f"{err} (EngineConfig.base_quant nf4 quantizes every frozen block kernel: use int8, "
+                          "which has no block, or drop --base-quant)") from None
 
 
 def quant_rule(kind: str | None, shapes: Mapping[str, Sequence[int]],
