@@ -35,6 +35,7 @@ from flax import nnx
 
 from pstar_jax.data.batch import mix_seeds
 from pstar_jax.model.quant import Int8Tensor, NF4Tensor, quant_matmul
+from pstar_jax.model.quant_bytes import QuantSlot
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -158,6 +159,8 @@ def base_linear(layer: nnx.Linear, x: jax.Array, out_sharding: Any = None) -> ja
     EngineConfig.base_quant: its stage passes the quantized form, pstar_jax.model.quant_bytes)
     the matmul that dequantizes it one tile at a time, plus the bias."""
     kernel = layer.kernel.get_value() if hasattr(layer.kernel, "get_value") else layer.kernel.value
+    if isinstance(kernel, QuantSlot):
+        kernel = kernel.tensor()
     if not isinstance(kernel, (NF4Tensor, Int8Tensor)):
         return nnx.Linear.__call__(layer, x, out_sharding=out_sharding)
     y = quant_matmul(x, kernel)

@@ -2,8 +2,9 @@
 
 Each expert's kernel is stored as any quantized kernel is (model/quant.py: nf4 of the torch weight
 [out, in], int8 of the kernel [in, out]), one per expert; a stage stacks the E of one matrix into
-one quantized tensor whose arrays gain a leading expert axis (``stack_kernels``), 1/4 (nf4) or
-1/2 (int8) of the bytes a bf16 stack would copy.
+one quantized tensor whose arrays gain a leading expert axis (``stack_kernels``: the slots'
+bytes stacked, then read as the quantized form), 1/4 (nf4) or 1/2 (int8) of the bytes a bf16
+stack would copy.
 
 ``grouped_quant_matmul`` multiplies tiles of rows, each tile one expert's (models/moe.py's
 ``grouped_matmul``), by their experts' kernels dequantized on the device a few tiles at a time:
@@ -25,6 +26,7 @@ import numpy as np
 
 from pstar_jax.model import quant
 from pstar_jax.model.quant import Int8Tensor, Kind, NF4Tensor, in_out, kind_of, over_tiles, tile_weights
+from pstar_jax.model.quant_bytes import QuantSlot
 
 
 def is_quantized(w: Any) -> bool:
@@ -33,8 +35,11 @@ def is_quantized(w: Any) -> bool:
 
 def stack_kernels(kernels: Sequence[Any]) -> Any:
     """E kernels of one shape as one: [E, *shape], or for quantized ones (a stage's frozen base
-    under EngineConfig.base_quant) the quantized tensor whose arrays have a leading expert axis
-    (its ``shape`` stays one expert's)."""
+    under EngineConfig.base_quant: QuantSlots, stacked as bytes and read once; or quantized
+    tensors) the quantized tensor whose arrays have a leading expert axis (its ``shape`` stays
+    one expert's)."""
+    if isinstance(kernels[0], QuantSlot):
+        return QuantSlot.stack(kernels)
     if not is_quantized(kernels[0]):
         return jnp.stack(kernels)
     return jax.tree.map(lambda *parts: jnp.stack(parts), *kernels)
