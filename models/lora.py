@@ -156,7 +156,7 @@ def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int | jax.Array, rat
 
 def base_linear(layer: nnx.Linear, x: jax.Array, out_sharding: Any = None) -> jax.Array:
     """``nnx.Linear``'s output; with a kernel stored quantized (a frozen base under
-    EngineConfig.base_quant: its stage passes the quantized form, pstar_jax.model.quant_bytes)
+    EngineConfig.base_quant: its stage passes the slot's bytes, pstar_jax.model.quant_bytes.QuantSlot)
     the matmul that dequantizes it one tile at a time, plus the bias."""
     kernel = layer.kernel.get_value() if hasattr(layer.kernel, "get_value") else layer.kernel.value
     if isinstance(kernel, QuantSlot):

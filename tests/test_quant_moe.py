@@ -112,7 +112,8 @@ def test_an_expert_off_the_nf4_block_is_one_line_naming_it(kind, tmp_path, capsy
         return
     err = captured.err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "Traceback" not in err[0], captured.err
-    assert "nf4 quantizes whole blocks of 64" in err[0] and ".mlp.experts." in err[0] and "(19, 32)" in err[0] and "use int8" in err[0]
+    assert "nf4 quantizes whole blocks of 64" in err[0] and ".mlp.experts." in err[0] and "(19, 32)" in err[0]
+    assert "use int8" in err[0] and "drop --base-quant" in err[0]
 
 
 def test_quant_rule_keeps_the_router_and_needs_a_frozen_kernel():

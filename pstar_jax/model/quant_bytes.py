@@ -117,7 +117,7 @@ class QuantSlot:
     """A quantized kernel as a stage reads it: its slot's bytes (uint8 [slot_bytes]), read as its
     quantized form where it is used (``tensor``). Kept as bytes until then so that a mixture of
     experts stacks its E kernels of a matrix as one array of bytes (``stack``) and reads them once:
-    stacking the four parts of each expert's form took XLA 4x as long to compile (128 experts)."""
+    a block's 384 nf4 expert views (128 experts) compiled in 27 s stacked part by part, 4 s so."""
     buf: Any
     kernel_shape: tuple[int, ...]
     kind: str
@@ -144,4 +144,5 @@ def dequantized(buf_u8: np.ndarray, kernel_shape: tuple[int, ...], kind: Kind, d
     return np.asarray(whole.astype(dtype))
 
 
-__all__ = ["QUANT_BLOCK", "QuantSlot", "quant_rule", "dequantized", "stored_shape", "slot_bytes", "to_bytes", "from_bytes"]
+__all__ = ["QUANT_BLOCK", "QuantSlot", "quant_rule", "dequantized", "stored_shape", "slot_bytes", "to_bytes",
+           "from_bytes"]
