@@ -9,39 +9,44 @@ import numpy as np
 import pytest
 
 from pstar_jax.model import quant
-from pstar_jax.model.quant import quant_tile_bytes, quantize_int8, quantize_nf4
+from pstar_jax.model.quant import quant_tile_bytes
 from pstar_jax.model.quant_grouped import grouped_quant_matmul, grouped_tile_bytes, grouped_tiles, stack_kernels
-from pstar_jax.model.quant_bytes import dequantized, from_bytes, to_bytes
+from pstar_jax.model.quant_bytes import QuantSlot, dequantized, from_bytes, stored_shape, to_bytes
 from pstar_models.moe import grouped_swiglu, route
 
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def experts(kind, E, D, I, seed=0):
-    """E quantized kernels [D, I] as a stage reads them (slot bytes), stacked, and their full
-    dequantization [E, D, I]."""
+def experts(kind, E, D, I, seed=0, slots=True):
+    """E quantized kernels [D, I] stacked as a stage stacks them (their slots' bytes, QuantSlot), or
+    as quantized tensors, and their full dequantization [E, D, I]."""
     rng = np.random.default_rng(seed)
-    slots = [to_bytes(rng.standard_normal((D, I)).astype(np.float32), kind) for _ in range(E)]
-    stacked = stack_kernels([from_bytes(jnp.asarray(s), (D, I), kind, jnp.float32) for s in slots])
-    return stacked, jnp.stack([dequantized(s, (D, I), kind, np.float32) for s in slots])
+    stored = [to_bytes(rng.standard_normal((D, I)).astype(np.float32), kind) for _ in range(E)]
+    if slots:
+        stacked = stack_kernels([QuantSlot(jnp.asarray(s), (D, I), kind, jnp.float32) for s in stored])
+    else:
+        stacked = stack_kernels([from_bytes(jnp.asarray(s), (D, I), kind, jnp.float32) for s in stored])
+    return stacked, jnp.stack([dequantized(s, (D, I), kind, np.float32) for s in stored])
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "tensors"])
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_grouped_quant_matmul_equals_the_dequantized_experts_in_every_split(kind, monkeypatch):
+def test_grouped_quant_matmul_equals_the_dequantized_experts_in_every_split(kind, slots, monkeypatch):
     E, D, I, T, R = 5, 64, 48, 7, 8
-    q_E, w_ExDxI = experts(kind, E, D, I)
+    q_E, w_ExDxI = experts(kind, E, D, I, slots=slots)
+    shape = stored_shape((D, I), kind)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((T, R, D)), jnp.float32)
     expert_T = jnp.asarray([0, 2, 2, 4, 1, 4, 4])  # expert 3 has no tile
     probe = jnp.asarray(rng.standard_normal((T, R, I)), jnp.float32)
     want = jnp.einsum("trd,tdi->tri", x, w_ExDxI[expert_T])
     want_dx = jax.grad(lambda x: jnp.sum(jnp.einsum("trd,tdi->tri", x, w_ExDxI[expert_T]) * probe))(x)
-    one = quant_tile_bytes(q_E.shape, kind, I, jnp.float32)
+    one = quant_tile_bytes(shape, kind, I, jnp.float32)
     # every tile at once; 3 experts a step (a remainder of 1); one expert in channel tiles of 16
-    for budget, split in [(32 * 2**20, (7, I)), (3 * one, (3, I)), (quant_tile_bytes(q_E.shape, kind, 16, jnp.float32),
+    for budget, split in [(32 * 2**20, (7, I)), (3 * one, (3, I)), (quant_tile_bytes(shape, kind, 16, jnp.float32),
                                                                       (1, 16))]:
         monkeypatch.setattr(quant, "QUANT_TILE_BYTES", budget)
-        assert grouped_tiles(q_E.shape, kind, T, jnp.float32) == split
+        assert grouped_tiles(shape, kind, T, jnp.float32) == split
         got = jax.jit(lambda x, q, e: grouped_quant_matmul(x, q, e))(x, q_E, expert_T)
         # sums over D of the same products, in whatever order XLA's dot takes: float32 roundings
         np.testing.assert_allclose(got, want, rtol=0, atol=D * EPS32 * float(jnp.abs(want).max()), err_msg=str(split))
@@ -52,13 +57,11 @@ def test_grouped_quant_matmul_equals_the_dequantized_experts_in_every_split(kind
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_grouped_swiglu_over_quantized_experts_equals_it_over_their_dequantization(kind):
     """Routing, tiles and the three matrices: the quantized stacks give the dequantized ones'
-    output and input gradient; the frozen kernels get no cotangent."""
+    output and input gradient."""
     N, D, I, E, k = 24, 32, 64, 4, 2
     (gate, gate_w), (up, up_w) = experts(kind, E, D, I, 2), experts(kind, E, D, I, 3)
     rng = np.random.default_rng(4)
-    slots = [to_bytes(rng.standard_normal((I, D)).astype(np.float32), kind) for _ in range(E)]
-    down = stack_kernels([from_bytes(jnp.asarray(s), (I, D), kind, jnp.float32) for s in slots])
-    down_w = jnp.stack([dequantized(s, (I, D), kind, np.float32) for s in slots])
+    down, down_w = experts(kind, E, I, D, 4)
     x = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
     _, chosen = route(jnp.asarray(rng.standard_normal((N, E))).at[:, 1].set(-30.0), k, True, x.dtype)
     probe = jnp.asarray(rng.standard_normal((N, k, D)), jnp.float32)
@@ -78,15 +81,15 @@ def test_grouped_quant_matmul_keeps_a_few_tiles_live(kind, monkeypatch):
     (``grouped_tile_bytes``) plus the activations (x, y, dx), whether a step holds whole experts
     or a channel tile of one; never the 32 MiB of all experts, nor each tile's gathered matrix."""
     E, D, I, T, R = 16, 512, 1024, 12, 8
+    q_E, _ = experts(kind, E, D, I, 5)
+    shape = stored_shape((D, I), kind)
     rng = np.random.default_rng(5)
-    kernels = [rng.standard_normal((D, I)).astype(np.float32) for _ in range(E)]
-    q_E = stack_kernels([quantize_nf4(w.T) if kind == "nf4" else quantize_int8(w) for w in kernels])
     x = jnp.asarray(rng.standard_normal((T, R, D)), jnp.float32)
     expert_T = jnp.asarray(rng.integers(0, E, T))
     whole = E * D * I * 4
     for budget in (2 * 2**21 + 2**17, 2**19):
         monkeypatch.setattr(quant, "QUANT_TILE_BYTES", budget)
-        bound = 2 * grouped_tile_bytes(q_E.shape, kind, T, jnp.float32) + 4 * 2 * T * R * (D + I)
+        bound = 2 * grouped_tile_bytes(shape, kind, T, jnp.float32) + 4 * 2 * T * R * (D + I)
         assert bound < whole / 3
         forward = jax.jit(lambda x, q, e: grouped_quant_matmul(x, q, e))
         backward = jax.jit(jax.grad(lambda x, q, e: jnp.sum(grouped_quant_matmul(x, q, e))))

@@ -88,27 +88,24 @@ def to_bytes(kernel: Any, kind: Kind, name: str = "tensor") -> np.ndarray:
 
 
 def _f32(buf_u8: jax.Array, start: int, n: int) -> jax.Array:
-    """n float32 values from the bytes [start, start + 4n) of ``buf_u8``'s last axis."""
-    return jax.lax.bitcast_convert_type(buf_u8[..., start:start + 4 * n].reshape(*buf_u8.shape[:-1], n, 4),
-                                        jnp.float32)
+    """n float32 values from the bytes [start, start + 4n) of ``buf_u8``."""
+    return jax.lax.bitcast_convert_type(buf_u8[start:start + 4 * n].reshape(n, 4), jnp.float32)
 
 
 def from_bytes(buf_u8: jax.Array, kernel_shape: tuple[int, ...], kind: Kind, dtype: Any) -> NF4Tensor | Int8Tensor:
     """The quantized tensor in a slot's bytes (a jax uint8 vector, of ``slot_bytes``), jittable:
-    views and bitcasts, no arithmetic. ``dtype`` is what dequantization gives (the compute dtype).
-    Leading axes of ``buf_u8`` (stacked slots, ``QuantSlot.stack``) lead every array of the result."""
+    views and bitcasts, no arithmetic. ``dtype`` is what dequantization gives (the compute dtype)."""
     shape = stored_shape(tuple(kernel_shape), kind)
-    lead = buf_u8.shape[:-1]
     numel = math.prod(shape)
     if kind == "int8":
-        codes = jax.lax.bitcast_convert_type(buf_u8[..., :numel], jnp.int8).reshape(*lead, *shape)
+        codes = jax.lax.bitcast_convert_type(buf_u8[:numel], jnp.int8).reshape(shape)
         return Int8Tensor(codes, _f32(buf_u8, numel, shape[-1]), shape, jnp.dtype(dtype))
     blocks = numel // QUANT_BLOCK
     scales = -(-blocks // SCALE_BLOCK)
-    codes = buf_u8[..., :numel // 2]
-    absmax = buf_u8[..., numel // 2:numel // 2 + blocks]
+    codes = buf_u8[:numel // 2]
+    absmax = buf_u8[numel // 2:numel // 2 + blocks]
     at = numel // 2 + blocks
-    return NF4Tensor(codes, absmax, _f32(buf_u8, at, scales), _f32(buf_u8, at + 4 * scales, 1).reshape(lead), shape,
+    return NF4Tensor(codes, absmax, _f32(buf_u8, at, scales), _f32(buf_u8, at + 4 * scales, 1).reshape(()), shape,
                      jnp.dtype(dtype), QUANT_BLOCK)
 
 
@@ -116,7 +113,7 @@ def from_bytes(buf_u8: jax.Array, kernel_shape: tuple[int, ...], kind: Kind, dty
 class QuantSlot:
     """A quantized kernel as a stage reads it: its slot's bytes (uint8 [slot_bytes]), read as its
     quantized form where it is used (``tensor``). Kept as bytes until then so that a mixture of
-    experts stacks its E kernels of a matrix as one array of bytes (``stack``) and reads them once:
+    experts stacks a matrix's E kernels as one array of bytes (model/quant_grouped.stack_kernels):
     a block's 384 nf4 expert views (128 experts) compiled in 27 s stacked part by part, 4 s so."""
     buf: Any
     kernel_shape: tuple[int, ...]
@@ -125,12 +122,6 @@ class QuantSlot:
 
     def tensor(self) -> NF4Tensor | Int8Tensor:
         return from_bytes(self.buf, self.kernel_shape, self.kind, self.dtype)
-
-    @staticmethod
-    def stack(slots: Sequence[QuantSlot]) -> NF4Tensor | Int8Tensor:
-        """Slots of one shape and kind as one quantized tensor whose arrays lead with their index."""
-        first = slots[0]
-        return from_bytes(jnp.stack([s.buf for s in slots]), first.kernel_shape, first.kind, first.dtype)
 
 
 jax.tree_util.register_dataclass(QuantSlot, data_fields=["buf"], meta_fields=["kernel_shape", "kind", "dtype"])

@@ -2,9 +2,8 @@
 
 Each expert's kernel is stored as any quantized kernel is (model/quant.py: nf4 of the torch weight
 [out, in], int8 of the kernel [in, out]), one per expert; a stage stacks the E of one matrix into
-one quantized tensor whose arrays gain a leading expert axis (``stack_kernels``: the slots'
-bytes stacked, then read as the quantized form), 1/4 (nf4) or 1/2 (int8) of the bytes a bf16
-stack would copy.
+one array of their slots' bytes, [E, slot bytes] (``stack_kernels``), 1/4 (nf4) or 1/2 (int8)
+of the bytes a bf16 stack would copy, read as an expert's quantized form inside the loop.
 
 ``grouped_quant_matmul`` multiplies tiles of rows, each tile one expert's (models/moe.py's
 ``grouped_matmul``), by their experts' kernels dequantized on the device a few tiles at a time:
@@ -17,6 +16,7 @@ when one is bigger), never the whole [E, in, out]; the backward recomputes the t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -26,23 +26,31 @@ import numpy as np
 
 from pstar_jax.model import quant
 from pstar_jax.model.quant import Int8Tensor, Kind, NF4Tensor, in_out, kind_of, over_tiles, tile_weights
-from pstar_jax.model.quant_bytes import QuantSlot
+from pstar_jax.model.quant_bytes import QUANT_BLOCK, QuantSlot, stored_shape
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, (NF4Tensor, Int8Tensor))
+    return isinstance(w, (NF4Tensor, Int8Tensor, QuantSlot))
 
 
 def stack_kernels(kernels: Sequence[Any]) -> Any:
-    """E kernels of one shape as one: [E, *shape], or for quantized ones (a stage's frozen base
-    under EngineConfig.base_quant: QuantSlots, stacked as bytes and read once; or quantized
-    tensors) the quantized tensor whose arrays have a leading expert axis (its ``shape`` stays
-    one expert's)."""
+    """E kernels of one shape as one: [E, *shape]; a stage's quantized ones (QuantSlots, a frozen
+    base under EngineConfig.base_quant) as one QuantSlot of their bytes [E, slot bytes], read
+    one expert at a time inside the grouped matmul's loop, so that only those bytes are copied;
+    quantized tensors as one whose arrays lead with the expert axis."""
     if isinstance(kernels[0], QuantSlot):
-        return QuantSlot.stack(kernels)
+        return dataclasses.replace(kernels[0], buf=jnp.stack([k.buf for k in kernels]))
     if not is_quantized(kernels[0]):
         return jnp.stack(kernels)
     return jax.tree.map(lambda *parts: jnp.stack(parts), *kernels)
+
+
+def _form(q_E: Any) -> tuple[tuple[int, ...], Kind, int]:
+    """(shape, kind, nf4 block) of one expert's quantized kernel in a stack."""
+    if isinstance(q_E, QuantSlot):
+        return stored_shape(q_E.kernel_shape, q_E.kind), q_E.kind, QUANT_BLOCK
+    kind = kind_of(q_E)
+    return q_E.shape, kind, q_E.block if kind == "nf4" else QUANT_BLOCK
 
 
 def grouped_tiles(q_shape: tuple[int, ...], kind: Kind, n_tiles: int, dtype: Any = jnp.bfloat16,
@@ -67,7 +75,10 @@ def grouped_tile_bytes(q_shape: tuple[int, ...], kind: Kind, n_tiles: int, dtype
 
 def _experts_tile(q_E: Any, experts_G: jax.Array, o0: Any, n: int, dtype: Any) -> jax.Array:
     """Output channels [o0, o0 + n) of the kernels of experts ``experts_G``, dequantized: [G, in, n]."""
-    return jax.vmap(lambda e: tile_weights(jax.tree.map(lambda a: a[e], q_E), o0, n, dtype))(experts_G)
+    def one(e):
+        q = jax.tree.map(lambda a: a[e], q_E)
+        return tile_weights(q.tensor() if isinstance(q, QuantSlot) else q, o0, n, dtype)
+    return jax.vmap(one)(experts_G)
 
 
 def _slice(x: jax.Array, start: Any, size: int, axis: int = 0) -> jax.Array:
@@ -79,7 +90,8 @@ def _slice(x: jax.Array, start: Any, size: int, axis: int = 0) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _grouped(group: int, tile: int, x_dtype: np.dtype, x_TxRxD: jax.Array, q_E: Any, expert_T: jax.Array) -> jax.Array:
     T, R, _ = x_TxRxD.shape
-    _, n_out = in_out(q_E.shape, kind_of(q_E))
+    shape, kind, _ = _form(q_E)
+    _, n_out = in_out(shape, kind)
 
     def tiles(t0, g, y):
         x_g, experts_G = _slice(x_TxRxD, t0, g), _slice(expert_T, t0, g)
@@ -98,7 +110,8 @@ def _grouped_fwd(group, tile, x_dtype, x_TxRxD, q_E, expert_T):
 def _grouped_bwd(group, tile, x_dtype, residuals, g_TxRxI):
     q_E, expert_T = residuals
     T, R, _ = g_TxRxI.shape
-    n_in, n_out = in_out(q_E.shape, kind_of(q_E))
+    shape, kind, _ = _form(q_E)
+    n_in, n_out = in_out(shape, kind)
 
     def tiles(t0, g, dx):
         g_g, experts_G = _slice(g_TxRxI, t0, g), _slice(expert_T, t0, g)
@@ -116,18 +129,18 @@ def _grouped_bwd(group, tile, x_dtype, residuals, g_TxRxI):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def grouped_quant_matmul(x_TxRxD: jax.Array, q_E: NF4Tensor | Int8Tensor, expert_T: jax.Array) -> jax.Array:
+def grouped_quant_matmul(x_TxRxD: jax.Array, q_E: Any, expert_T: jax.Array) -> jax.Array:
     """Tile t of rows times expert ``expert_T[t]``'s kernel: [T, R, out] in x's dtype, for a
     stack of quantized kernels ``q_E`` (``stack_kernels``). The experts are dequantized into x's
     dtype ``grouped_tiles`` at a time and multiplied as jnp.einsum does; differentiable in x only,
     its backward summing each channel tile's ``g @ W.T`` in float32, cast once."""
-    kind = kind_of(q_E)
-    n_in, _ = in_out(q_E.shape, kind)
+    shape, kind, block = _form(q_E)
+    n_in, _ = in_out(shape, kind)
     if x_TxRxD.ndim != 3 or x_TxRxD.shape[-1] != n_in:
-        raise ValueError(f"grouped_quant_matmul of rows {x_TxRxD.shape} with expert kernels {q_E.shape} needs "
+        raise ValueError(f"grouped_quant_matmul of rows {x_TxRxD.shape} with expert kernels {shape} needs "
                          f"[tiles, rows, {n_in}]")
     x_dtype = jnp.dtype(x_TxRxD.dtype)
-    group, tile = grouped_tiles(q_E.shape, kind, x_TxRxD.shape[0], x_dtype, q_E.block if kind == "nf4" else 64)
+    group, tile = grouped_tiles(shape, kind, x_TxRxD.shape[0], x_dtype, block)
     return _grouped(group, tile, x_dtype, x_TxRxD, q_E, expert_T)
 
 
