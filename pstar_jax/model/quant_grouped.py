@@ -85,22 +85,31 @@ def _slice(x: jax.Array, start: Any, size: int, axis: int = 0) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def _each_step(q_E: Any, expert_T: jax.Array, group: int, tile: int, dtype: Any, step: Any, carry: Any) -> Any:
+    """``carry = step(t0, g, o0, n, w_GxINxN, carry)`` for each group of ``group`` row tiles (the
+    last may be smaller) and each ``tile`` of output channels, w those tiles' experts' channels
+    [o0, o0 + n) dequantized into ``dtype``: one step's tiles live at a time."""
+    shape, kind, _ = _form(q_E)
+    _, n_out = in_out(shape, kind)
+
+    def tiles(t0, g, carry):
+        experts_G = _slice(expert_T, t0, g)
+        return over_tiles(n_out, tile, lambda o0, n, c: step(t0, g, o0, n, _experts_tile(q_E, experts_G, o0, n,
+                                                                                             dtype), c), carry)
+    return over_tiles(expert_T.shape[0], group, tiles, carry)
+
+
 # As quant_matmul's: a custom_vjp, so that autodiff keeps no dequantized tile and the frozen
 # kernels get no cotangent; group, tile and x's dtype are static.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _grouped(group: int, tile: int, x_dtype: np.dtype, x_TxRxD: jax.Array, q_E: Any, expert_T: jax.Array) -> jax.Array:
     T, R, _ = x_TxRxD.shape
-    shape, kind, _ = _form(q_E)
-    _, n_out = in_out(shape, kind)
 
-    def tiles(t0, g, y):
-        x_g, experts_G = _slice(x_TxRxD, t0, g), _slice(expert_T, t0, g)
-
-        def channels(o0, n, y):
-            y_t = jnp.einsum("trd,tdi->tri", x_g, _experts_tile(q_E, experts_G, o0, n, x_dtype))
-            return jax.lax.dynamic_update_slice(y, y_t.astype(x_dtype), (t0, 0, o0))
-        return over_tiles(n_out, tile, channels, y)
-    return over_tiles(T, group, tiles, jnp.zeros((T, R, n_out), x_dtype))
+    def step(t0, g, o0, n, w_GxDxN, y):
+        y_t = jnp.einsum("trd,tdi->tri", _slice(x_TxRxD, t0, g), w_GxDxN)
+        return jax.lax.dynamic_update_slice(y, y_t.astype(x_dtype), (t0, 0, o0))
+    n_out = in_out(*_form(q_E)[:2])[1]
+    return _each_step(q_E, expert_T, group, tile, x_dtype, step, jnp.zeros((T, R, n_out), x_dtype))
 
 
 def _grouped_fwd(group, tile, x_dtype, x_TxRxD, q_E, expert_T):
@@ -110,19 +119,14 @@ def _grouped_fwd(group, tile, x_dtype, x_TxRxD, q_E, expert_T):
 def _grouped_bwd(group, tile, x_dtype, residuals, g_TxRxI):
     q_E, expert_T = residuals
     T, R, _ = g_TxRxI.shape
-    shape, kind, _ = _form(q_E)
-    n_in, n_out = in_out(shape, kind)
+    n_in = in_out(*_form(q_E)[:2])[0]
 
-    def tiles(t0, g, dx):
-        g_g, experts_G = _slice(g_TxRxI, t0, g), _slice(expert_T, t0, g)
-
-        def channels(o0, n, dx_g):
-            w_t = _experts_tile(q_E, experts_G, o0, n, x_dtype)  # recomputed, as in the forward
-            g_t = _slice(g_g, o0, n, axis=2).astype(x_dtype)
-            return dx_g + jnp.einsum("tri,tdi->trd", g_t, w_t, preferred_element_type=jnp.float32)
-        dx_g = over_tiles(n_out, tile, channels, jnp.zeros((g, R, n_in), jnp.float32))
+    def step(t0, g, o0, n, w_GxDxN, dx):  # the tiles recomputed, as in the forward
+        g_t = jax.lax.dynamic_slice(g_TxRxI, (t0, 0, o0), (g, R, n)).astype(x_dtype)
+        dx_g = jax.lax.dynamic_slice(dx, (t0, 0, 0), (g, R, n_in))
+        dx_g = dx_g + jnp.einsum("tri,tdi->trd", g_t, w_GxDxN, preferred_element_type=jnp.float32)
         return jax.lax.dynamic_update_slice(dx, dx_g, (t0, 0, 0))
-    dx = over_tiles(T, group, tiles, jnp.zeros((T, R, n_in), jnp.float32))
+    dx = _each_step(q_E, expert_T, group, tile, x_dtype, step, jnp.zeros((T, R, n_in), jnp.float32))
     return dx.astype(x_dtype), None, None  # frozen kernels, integer experts: no cotangents
 
 
