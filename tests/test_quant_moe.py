@@ -36,7 +36,7 @@ def lora_moe(config, targets=None):
     return m, init, frozen_for_lora(m, LoraConfig(rank=4, alpha=16.0, targets=targets))
 
 
-@pytest.mark.slow  # two tiny-MoE engines traced and trained per case: about 20 s on 2 cores
+@pytest.mark.slow  # two tiny-MoE engines traced and trained per case: 25-45 s on 2 cores
 @pytest.mark.parametrize("config,targets,kind", [(QWEN, None, "nf4"), (MIX, "attn.*,mlp.experts.*", "nf4"),
                                                  (QWEN, "attn.*,mlp.experts.*", "int8")],
                          ids=["qwen3_moe-attn-nf4", "mixtral-experts-nf4", "qwen3_moe-experts-int8"])
@@ -117,7 +117,7 @@ def test_quant_rule_keeps_the_router_and_needs_a_frozen_kernel():
         quant_rule("nf4", shapes, trainable(frozenset()))
 
 
-@pytest.mark.slow  # a tiny-Mixtral run traced, trained and exported: about 10 s on 2 cores
+@pytest.mark.slow  # a tiny-Mixtral run traced, trained and exported: about 20 s on 2 cores
 @pytest.mark.hf_reference
 def test_export_hf_over_an_nf4_mixture_of_experts_merges_into_the_dequantized_base(tmp_path, capsys):
     """pstar-train --base-quant nf4 --lora-targets attn.*,mlp.experts.* on a Mixtral checkpoint:
