@@ -35,6 +35,7 @@ from flax import nnx
 
 from pstar_jax.data.batch import mix_seeds
 from pstar_jax.model.quant import Int8Tensor, NF4Tensor, quant_matmul
+from pstar_jax.model.quant_bytes import QuantSlot
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -155,9 +156,11 @@ def dropout(x_BxTxD: jax.Array, seeds_BxT: jax.Array, salt: int | jax.Array, rat
 
 def base_linear(layer: nnx.Linear, x: jax.Array, out_sharding: Any = None) -> jax.Array:
     """``nnx.Linear``'s output; with a kernel stored quantized (a frozen base under
-    EngineConfig.base_quant: its stage passes the quantized form, pstar_jax.model.quant_bytes)
+    EngineConfig.base_quant: its stage passes the slot's bytes, pstar_jax.model.quant_bytes.QuantSlot)
     the matmul that dequantizes it one tile at a time, plus the bias."""
     kernel = layer.kernel.get_value() if hasattr(layer.kernel, "get_value") else layer.kernel.value
+    if isinstance(kernel, QuantSlot):
+        kernel = kernel.tensor()
     if not isinstance(kernel, (NF4Tensor, Int8Tensor)):
         return nnx.Linear.__call__(layer, x, out_sharding=out_sharding)
     y = quant_matmul(x, kernel)

@@ -31,6 +31,7 @@ Shapes: N tokens (B x T flattened), E experts, k choices per token, D model widt
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from flax import nnx
 from pstar_models.gpt import _linear, tiled_mlp
 from pstar_models.llama_config import LlamaConfig
 from pstar_models.lora import LoraLinear, LoraSpec, dropout
+from pstar_jax.model.quant_grouped import grouped_quant_matmul, is_quantized, stack_kernels
 from pstar_jax.model.tiling import TileBudget
 
 MATRICES = ("gate", "up", "down")
@@ -85,14 +87,20 @@ def tiles_for(sizes_E: jax.Array, n_pairs: int) -> Tiles:
     return Tiles(dest, expert_T, rows, n_tiles)
 
 
-def grouped_matmul(xs_PxD: jax.Array, w_ExDxI: jax.Array, tiles: Tiles) -> jax.Array:
+def grouped_matmul(xs_PxD: jax.Array, w_ExDxI: Any, tiles: Tiles) -> jax.Array:
     """Each row of ``xs`` (pairs sorted by expert) times its expert's matrix: [P, I]. The rows go
     to tiles of one expert each, every tile is multiplied by its expert's matrix (a batched
     matmul over the tiles, the matrices gathered per tile), and the rows come back. FLOPs: the
-    pairs' own plus at most one partly empty tile per expert."""
+    pairs' own plus at most one partly empty tile per expert. Quantized frozen experts
+    (``stack_kernels`` of a stage's nf4/int8 kernels) are dequantized a few tiles' experts at a
+    time instead of gathered (pstar_jax.model.quant_grouped)."""
     D = xs_PxD.shape[1]
     x_TxRxD = jnp.zeros((tiles.n_tiles * tiles.rows, D), xs_PxD.dtype).at[tiles.dest].set(xs_PxD)
-    y_TxRxI = jnp.einsum("trd,tdi->tri", x_TxRxD.reshape(tiles.n_tiles, tiles.rows, D), w_ExDxI[tiles.expert_T])
+    x_TxRxD = x_TxRxD.reshape(tiles.n_tiles, tiles.rows, D)
+    if is_quantized(w_ExDxI):
+        y_TxRxI = grouped_quant_matmul(x_TxRxD, w_ExDxI, tiles.expert_T)
+    else:
+        y_TxRxI = jnp.einsum("trd,tdi->tri", x_TxRxD, w_ExDxI[tiles.expert_T])
     return y_TxRxI.reshape(tiles.n_tiles * tiles.rows, -1)[tiles.dest]
 
 
@@ -127,7 +135,7 @@ def grouped_swiglu(x_NxD: jax.Array, experts_NxK: jax.Array, gate_ExDxI: jax.Arr
     ``adapters`` (by matrix name) add LoRA branches; ``seeds_N`` (each token's dropout seed) draws
     their dropout masks, per pair and expert."""
     N, k = experts_NxK.shape
-    E = gate_ExDxI.shape[0]
+    E = jax.tree.leaves(gate_ExDxI)[0].shape[0]  # (a quantized stack's arrays lead with the experts too)
     adapters = adapters or {}
     flat = experts_NxK.reshape(N * k)
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert, tokens in order inside
@@ -165,9 +173,10 @@ class SparseMoE(nnx.Module):
         # The hidden activations per token, for sizing the block's tiles: k experts' widths.
         self.d_ff = config.n_experts_per_tok * config.expert_width
 
-    def stacked(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The experts' gate, up and down kernels as [E, D, I], [E, D, I], [E, I, D]."""
-        return tuple(jnp.stack([getattr(e, m).kernel[...] for e in self.experts]) for m in MATRICES)
+    def stacked(self) -> tuple[Any, Any, Any]:
+        """The experts' gate, up and down kernels as [E, D, I], [E, D, I], [E, I, D] (quantized ones
+        stacked in their quantized form, ``stack_kernels``)."""
+        return tuple(stack_kernels([getattr(e, m).kernel.get_value() for e in self.experts]) for m in MATRICES)
 
     def adapters(self) -> dict[str, ExpertAdapters]:
         """The experts' LoRA adapters by matrix (LlamaConfig allows all experts of a matrix or none)."""

@@ -280,31 +280,6 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
         assert all("aux_loss" not in r.metrics for r in ours)
 
 
-@pytest.mark.parametrize("tool", ["pstar-train", "pstar-plan"])
-def test_a_quantized_base_with_experts_is_one_line_before_anything_is_built(tool, tmp_path, capsys):
-    """The grouped expert matmul has no quantized path: --base-quant over a mixture of experts is
-    refused in one line naming an expert kernel, by either tool, before a chunk exists."""
-    from pstar_jax.cli.plan import main as plan_main
-    from pstar_jax.cli.train import main as train_main
-    from test_hf import write_family_checkpoint
-    src = tmp_path / "moe"
-    write_family_checkpoint(str(src), build_from_hf(QWEN3_MOE, seq_len=SEQ_LEN))
-    if tool == "pstar-train":
-        np.random.default_rng(0).integers(0, 109, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
-        code = train_main(["--init-from-hf", str(src), "--data", str(tmp_path / "d.u16.bin"), "--steps", "1",
-                           "--batch-size", "2", "--data-parallel", "1", "--seq-len", "16", "--lora-rank", "4", "--base-quant", "nf4",
-                           "--quiet", "--checkpoint-dir", str(tmp_path / "run")])
-    else:
-        code = plan_main(["--init-from-hf", str(src), "--lora-rank", "4", "--base-quant", "int8", "--seq-len", "16",
-                          "--batch-size", "2", "--no-search"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(err) == 1 and "Traceback" not in err[0]
-    assert "cannot store a mixture of experts' expert kernels quantized yet" in err[0]
-    assert "blocks.0.mlp.experts." in err[0] and "drop --base-quant" in err[0]
-    run = tmp_path / "run"
-    assert not run.exists() or [p.name for p in run.iterdir()] == [".pstar-run.lock"]  # no checkpoint begun
-
-
 def test_a_lora_run_over_experts_exports_its_adapter_and_the_merged_model(tmp_path, capsys):
     """pstar-train --lora-rank on a Mixtral checkpoint with --lora-targets naming the experts: the
     adapter (attention's projections and each expert's three matrices; the router frozen) and the

@@ -44,6 +44,21 @@ def tight(m, init, frozen, quant=None):
     return build(m, init, frozen, quant, shape.busiest_non_model_bytes + 2 * reads + max(shape.chunk_bytes))
 
 
+def train_alike(plain, quantized, n_steps):
+    """``n_steps`` steps of both engines: equal losses and grad norms in fp32, the quantized one
+    moving the bytes it predicted and compiling nothing its trace did not."""
+    traced = {key for key in quantized.fns._cache if isinstance(key, tuple)}
+    for i, step in enumerate(batches(n_steps, seed=3)):
+        a, b = plain.step(step), quantized.step(step)
+        # fp32 sums over one tile of output channels at a time (model/quant.quant_matmul, and the
+        # grouped experts' model/quant_grouped.py) against whole matmuls: the losses agree to a few
+        # float32 roundings at their scale (~5.5).
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss), (i, a.loss, b.loss)
+        assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm, (i, a.grad_norm, b.grad_norm)
+        assert b.h2d_bytes == b.predicted_h2d_bytes, i
+    assert {key for key in quantized.fns._cache if isinstance(key, tuple)} == traced
+
+
 @pytest.mark.slow  # two tiny-Llama engines traced and trained per kind: about 15 s on 2 cores
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_a_quantized_base_trains_as_lora_over_its_dequantized_kernels(tmp_path, kind):
@@ -73,15 +88,7 @@ def test_a_quantized_base_trains_as_lora_over_its_dequantized_kernels(tmp_path, 
         lambda event, secs, **kw: compiled.append(kw.get("fun_name", event))
         if event == "/jax/core/compile/backend_compile_duration" else None)
     try:
-        traced = {key for key in quantized.fns._cache if isinstance(key, tuple)}
-        for i, step in enumerate(batches(5, seed=3)):
-            a, b = plain.step(step), quantized.step(step)
-            # fp32 sums over one tile of output channels at a time (model/quant.quant_matmul) against
-            # whole matmuls: the losses agree to a few float32 roundings at their scale (~5.5).
-            assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss), (i, a.loss, b.loss)
-            assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm, (i, a.grad_norm, b.grad_norm)
-            assert b.h2d_bytes == b.predicted_h2d_bytes, i
-        assert {key for key in quantized.fns._cache if isinstance(key, tuple)} == traced
+        train_alike(plain, quantized, 5)
     finally:
         jax.monitoring.clear_event_listeners()
     held_out = batches(1, seed=9)[0]

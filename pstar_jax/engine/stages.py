@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
-from pstar_jax.model.quant_bytes import from_bytes, slot_bytes
+from pstar_jax.model.quant_bytes import QuantSlot, slot_bytes
 from pstar_jax.model.staged import Stage, head_loss, head_sums, stage_seeds
 
 
@@ -78,12 +78,12 @@ def _with(params: tuple, tensors: tuple[int, ...], trained: tuple) -> tuple:
 
 
 def _views(full_chunks, offsets, pattern, quant=()):
-    """The stage's tensors: slices of its chunks, a quantized kernel's bytes read as its quantized
-    form (model/quant_bytes.py), which the projection dequantizes a tile at a time."""
+    """The stage's tensors: slices of its chunks, a quantized kernel's bytes as a QuantSlot
+    (model/quant_bytes.py), which the projection reads and dequantizes a tile at a time."""
     def view(i, j, shape):
         if quant and quant[i]:
             buf = jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (slot_bytes(shape, quant[i]),))
-            return from_bytes(buf, shape, quant[i], jnp.float32)
+            return QuantSlot(buf, shape, quant[i], jnp.float32)
         return jax.lax.dynamic_slice(full_chunks[j], (offsets[i],), (math.prod(shape),)).reshape(shape)
     return tuple(view(i, j, shape) for i, (j, shape) in enumerate(pattern))
 

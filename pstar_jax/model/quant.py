@@ -305,14 +305,14 @@ def dequantize_int8(q: Int8Tensor, dtype: Any = None) -> jax.Array:
 QUANT_TILE_BYTES = 32 * 2**20  # default most working bytes of one quant_matmul tile
 
 
-def _in_out(q_shape: tuple[int, ...], kind: Kind) -> tuple[int, int]:
+def in_out(q_shape: tuple[int, ...], kind: Kind) -> tuple[int, int]:
     """(in, out) of a kernel: nf4 holds the torch weight [out, in], int8 the kernel [in, out]."""
     if len(q_shape) != 2:
         raise ValueError(f"quant_matmul needs a kernel of 2 axes, but this one has shape {tuple(q_shape)}")
     return (q_shape[1], q_shape[0]) if kind == "nf4" else (q_shape[0], q_shape[1])
 
 
-def _kind(q: NF4Tensor | Int8Tensor) -> Kind:
+def kind_of(q: NF4Tensor | Int8Tensor) -> Kind:
     return "nf4" if isinstance(q, NF4Tensor) else "int8"
 
 
@@ -322,7 +322,7 @@ def quant_tile_bytes(q_shape: tuple[int, ...], kind: Kind, tile: int, dtype: Any
     ``tile`` output channels dequantized into ``dtype`` with their scales, ``dequant_tile_bytes``
     of [tile, in] (nf4, ``q_shape`` [out, in]) or [in, tile] (int8, [in, out]). The tile's
     products [..., tile] are activations and counted with them."""
-    n_in, _ = _in_out(q_shape, kind)
+    n_in, _ = in_out(q_shape, kind)
     if kind == "nf4":
         return dequant_tile_bytes(tile, n_in, kind, dtype, block)
     return dequant_tile_bytes(n_in, tile, kind, dtype, block)
@@ -334,7 +334,7 @@ def quant_tile(q_shape: tuple[int, ...], kind: Kind, dtype: Any = jnp.bfloat16, 
     or by default the most whose ``quant_tile_bytes`` fit QUANT_TILE_BYTES, a divisor of ``out``
     when one lies within half of that (no remainder tile, at most twice the tiles), else that
     most with a remainder. nf4 tiles are multiples of ``unit`` rows, to hold whole blocks."""
-    n_in, n_out = _in_out(q_shape, kind)
+    n_in, n_out = in_out(q_shape, kind)
     unit = block // math.gcd(n_in, block) if kind == "nf4" else 1
     if tile is not None:
         if isinstance(tile, bool) or not (isinstance(tile, (int, np.integer)) and 0 < tile <= n_out
@@ -350,14 +350,14 @@ def quant_tile(q_shape: tuple[int, ...], kind: Kind, dtype: Any = jnp.bfloat16, 
     return next((t for t in range(most, most // 2, -unit) if n_out % t == 0), most)
 
 
-def _tile_weights(q: NF4Tensor | Int8Tensor, o0: Any, n: int, dtype: Any) -> jax.Array:
+def tile_weights(q: NF4Tensor | Int8Tensor, o0: Any, n: int, dtype: Any) -> jax.Array:
     """Output channels [o0, o0 + n) of the kernel dequantized into ``dtype``, as [in, n]."""
     if isinstance(q, NF4Tensor):
         return dequantize_nf4_tile(q, o0, n, dtype=dtype).T
     return dequantize_int8_tile(q, 0, q.shape[0], o0, n, dtype)
 
 
-def _over_tiles(n_out: int, tile: int, step: Any, carry: Any) -> Any:
+def over_tiles(n_out: int, tile: int, step: Any, carry: Any) -> Any:
     """``carry = step(o0, n, carry)`` for each tile: a loop over the whole ones (o0 traced, one
     tile live at a time) and a static remainder."""
     n_full, rest = divmod(n_out, tile)
@@ -369,12 +369,12 @@ def _over_tiles(n_out: int, tile: int, step: Any, carry: Any) -> Any:
 # the frozen kernel no cotangent. The dtypes are static arguments since residuals hold only arrays.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _tiled_matmul(tile: int, dtype: np.dtype, x_dtype: np.dtype, x: jax.Array, q: Any) -> jax.Array:
-    _, n_out = _in_out(q.shape, _kind(q))
+    _, n_out = in_out(q.shape, kind_of(q))
 
     def step(o0, n, y):
-        y_t = jnp.matmul(x, _tile_weights(q, o0, n, x_dtype))
+        y_t = jnp.matmul(x, tile_weights(q, o0, n, x_dtype))
         return jax.lax.dynamic_update_slice_in_dim(y, y_t.astype(dtype), o0, axis=y.ndim - 1)
-    return _over_tiles(n_out, tile, step, jnp.zeros((*x.shape[:-1], n_out), dtype))
+    return over_tiles(n_out, tile, step, jnp.zeros((*x.shape[:-1], n_out), dtype))
 
 
 def _tiled_matmul_fwd(tile, dtype, x_dtype, x, q):
@@ -382,13 +382,13 @@ def _tiled_matmul_fwd(tile, dtype, x_dtype, x, q):
 
 
 def _tiled_matmul_bwd(tile, dtype, x_dtype, q, g):
-    n_in, n_out = _in_out(q.shape, _kind(q))
+    n_in, n_out = in_out(q.shape, kind_of(q))
 
     def step(o0, n, dx):
         g_t = jax.lax.dynamic_slice_in_dim(g, o0, n, axis=g.ndim - 1).astype(x_dtype)
-        w_t = _tile_weights(q, o0, n, x_dtype)  # recomputed, as in the forward
+        w_t = tile_weights(q, o0, n, x_dtype)  # recomputed, as in the forward
         return dx + jnp.matmul(g_t, w_t.T, preferred_element_type=jnp.float32)
-    dx = _over_tiles(n_out, tile, step, jnp.zeros((*g.shape[:-1], n_in), jnp.float32))
+    dx = over_tiles(n_out, tile, step, jnp.zeros((*g.shape[:-1], n_in), jnp.float32))
     return dx.astype(x_dtype), None  # the kernel is frozen: no cotangent (zeros, float0 for codes)
 
 
@@ -402,8 +402,8 @@ def quant_matmul(x: jax.Array, q: NF4Tensor | Int8Tensor, tile: int | None = Non
     within QUANT_TILE_BYTES) are dequantized into x's dtype and multiplied as jnp.matmul does;
     the last tile may be smaller. Differentiable in ``x`` only: its backward recomputes each tile
     and sums ``g_tile @ W_tile.T`` in float32, cast to x's dtype once."""
-    kind = _kind(q)
-    n_in, _ = _in_out(q.shape, kind)
+    kind = kind_of(q)
+    n_in, _ = in_out(q.shape, kind)
     if x.shape[-1] != n_in:
         raise ValueError(f"quant_matmul of x {x.shape} with kernel {q.shape} needs x's last axis to be {n_in}")
     x_dtype = jnp.dtype(x.dtype)

@@ -14,6 +14,7 @@ int8 quantizes the flax kernel [in, out] per column, which is per output channel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from pstar_jax.model.quant import (SCALE_BLOCK, Int8Tensor, Kind, NF4Tensor, che
                                    quantize_nf4, quantized_bytes)
 
 QUANT_BLOCK = 64  # nf4's block, as QLoRA and bitsandbytes' default
+ROUTER = ".mlp.router.kernel"  # a mixture of experts' router (models/moe.py), kept unquantized
 
 
 def stored_shape(kernel_shape: tuple[int, ...], kind: Kind) -> tuple[int, ...]:
@@ -39,27 +41,34 @@ def slot_bytes(kernel_shape: tuple[int, ...], kind: Kind, name: str = "tensor") 
     ``kind`` cannot hold it, as for nf4 of a size that is not a multiple of the block)."""
     if len(kernel_shape) != 2:
         check_quantizable(tuple(kernel_shape), "int8", name=name)  # (refuses anything but a matrix)
-    return quantized_bytes(stored_shape(tuple(kernel_shape), kind), kind, QUANT_BLOCK, True, name)
+    try:
+        return quantized_bytes(stored_shape(tuple(kernel_shape), kind), kind, QUANT_BLOCK, True, name)
+    except ConfigError as err:  # the one kernel cannot be left out of --base-quant: say what can change
+        if kind != "nf4":
+            raise
+        raise ConfigError(f"{err} (EngineConfig.base_quant nf4 quantizes every frozen block kernel: use int8, "
+                          "which has no block, or drop --base-quant)") from None
 
 
 def quant_rule(kind: str | None, shapes: Mapping[str, Sequence[int]],
                trainable: Callable[[str], bool] | None) -> Callable[[str], str] | None:
     """What EngineConfig.base_quant stores quantized (chunks.build_layout's ``quant``): every
-    frozen 2-D kernel of a block ("blocks.N.<projection>.kernel"); norms, biases, embeddings and
-    the head stay in the compute dtype. None without a kind. A kind with no frozen kernel to hold
-    is a one-line ConfigError."""
+    frozen 2-D kernel of a block ("blocks.N.<projection>.kernel"), a mixture of experts' expert
+    kernels each on its own (model/quant_grouped.py); norms, biases, embeddings, the head and a
+    mixture of experts' router ("blocks.N.mlp.router.kernel") stay in the compute dtype. None
+    without a kind. A kind with no frozen kernel to hold is a one-line ConfigError.
+
+    The router: transformers 4.57's BitsAndBytesConfig would quantize it (an nn.Linear, ``gate``)
+    unless ``llm_int8_skip_modules`` names it, as QLoRA recipes for MoE models do (Unsloth skips
+    "gate"). Kept here: it is D x E, under 0.1% of a layer, and its logits choose the experts,
+    so its rounding would change which experts a token meets, not only their outputs."""
     if not kind:
         return None
     chosen = {n for n, s in shapes.items() if n.startswith("blocks.") and n.endswith(".kernel") and len(s) == 2
-              and trainable is not None and not trainable(n)}
+              and not n.endswith(ROUTER) and trainable is not None and not trainable(n)}
     if not chosen:
         raise ConfigError(f"EngineConfig.base_quant {kind} quantizes a frozen base, but no block kernel is frozen: "
                           "train LoRA adapters (--lora-rank) or freeze the blocks (--freeze), or drop --base-quant")
-    experts = sorted(n for n in chosen if ".mlp.experts." in n)
-    if experts:  # the grouped expert matmul (models/moe.py) has no quantized path yet
-        raise ConfigError(f"EngineConfig.base_quant {kind} cannot store a mixture of experts' expert kernels "
-                          f"quantized yet ({len(experts)} of them, such as {experts[0]}); train over the bf16 base "
-                          "(drop --base-quant), with --disk-memory if host memory runs short")
     return lambda name: kind if name in chosen else ""
 
 
@@ -100,6 +109,24 @@ def from_bytes(buf_u8: jax.Array, kernel_shape: tuple[int, ...], kind: Kind, dty
                      jnp.dtype(dtype), QUANT_BLOCK)
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantSlot:
+    """A quantized kernel as a stage reads it: its slot's bytes (uint8 [slot_bytes]), read as its
+    quantized form where it is used (``tensor``). Kept as bytes until then so that a mixture of
+    experts stacks a matrix's E kernels as one array of bytes (model/quant_grouped.stack_kernels):
+    a block's 384 nf4 expert views (128 experts) compiled in 27 s stacked part by part, 4 s so."""
+    buf: Any
+    kernel_shape: tuple[int, ...]
+    kind: str
+    dtype: Any
+
+    def tensor(self) -> NF4Tensor | Int8Tensor:
+        return from_bytes(self.buf, self.kernel_shape, self.kind, self.dtype)
+
+
+jax.tree_util.register_dataclass(QuantSlot, data_fields=["buf"], meta_fields=["kernel_shape", "kind", "dtype"])
+
+
 def dequantized(buf_u8: np.ndarray, kernel_shape: tuple[int, ...], kind: Kind, dtype: Any) -> np.ndarray:
     """The kernel [in, out] a slot's bytes hold, dequantized in full into ``dtype`` (numpy): what
     exports and ``params()`` read, the values the stages compute with."""
@@ -108,4 +135,5 @@ def dequantized(buf_u8: np.ndarray, kernel_shape: tuple[int, ...], kind: Kind, d
     return np.asarray(whole.astype(dtype))
 
 
-__all__ = ["QUANT_BLOCK", "quant_rule", "dequantized", "stored_shape", "slot_bytes", "to_bytes", "from_bytes"]
+__all__ = ["QUANT_BLOCK", "QuantSlot", "quant_rule", "dequantized", "stored_shape", "slot_bytes", "to_bytes",
+           "from_bytes"]
