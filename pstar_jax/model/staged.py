@@ -250,10 +250,11 @@ class NNXStaged:
     module likes (the models here tile it, pstar_jax.model.loss, so N x V logits never exist). A
     module without it is read through ``logits``: ``loss(logits, targets)`` gives each token's
     loss ([B, L]) and the head returns their sum over the loss mask.
-    ``block_kinds`` (one hashable per layer; None: all alike) says which blocks differ in what they
-    compute though not in their tensors (Gemma's sliding and global layers): ``make(rngs, 1,
-    first_block=i)`` must then build a module whose one block is layer i's, and each kind gets
-    a compiled block of its own (``block_graph(i)``).
+    ``block_kinds`` (one hashable per layer; None: all alike) says which blocks differ, in what
+    they compute (Gemma's sliding and global layers) or in their tensors too (Qwen3-MoE's dense
+    layers among its experts' ones): ``make(rngs, 1, first_block=i)`` must then build a module
+    whose one block is layer i's. Each kind gets its tensors' names and order from its first
+    layer's block, and a compiled block of its own (``block_graph(i)``).
     Tensor names are the module's state paths joined with '.'
     ('blocks.3.attn.q.kernel'), in the order the forward first reads them. Each tensor is
     initialised alone by the module's own initialisers (a jit that builds the module and keeps
@@ -269,14 +270,18 @@ class NNXStaged:
         if len(self.block_kinds) != n_layer:
             raise ValueError(f"block_kinds names {len(self.block_kinds)} layers, not n_layer={n_layer}")
         self._decays, self._flops = decays, flops_per_token
-        one = nnx.eval_shape(lambda: make(nnx.Rngs(0), 1))
         outer = nnx.eval_shape(lambda: make(nnx.Rngs(0), 0))
+        # One block graph per kind, from the kind's first layer.
+        self._firsts = {kind: self.block_kinds.index(kind) for kind in dict.fromkeys(self.block_kinds)}
+        block_states: dict[Any, nnx.State] = {}
+        self._block_graphs: dict[Any, Any] = {}
+        for kind, first in self._firsts.items():
+            one = nnx.eval_shape(lambda f=first: make(nnx.Rngs(0), 1, first_block=f) if f else make(nnx.Rngs(0), 1))
+            self._block_graphs[kind], block_states[kind] = nnx.split(one.blocks[0], nnx.Param)
         has_loss_sum = callable(getattr(outer, loss_sum, None))
         self.name = type(outer).__name__
         self.supports_packing = packing = bool(getattr(outer, "supports_packing", False))
-        self._block_graph, block_state = nnx.split(one.blocks[0], nnx.Param)
         self._outer_graph, outer_state = nnx.split(outer, nnx.Param)
-        block = _flat(block_state)
         outer_flat = _flat(outer_state)
         self._outer_names = tuple(outer_flat)
         self._outer_zeros = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in outer_flat.values())
@@ -311,34 +316,35 @@ class NNXStaged:
         h = jax.eval_shape(outer_embed, self._outer_zeros, fake.tokens, fake)
         self._embed_names = tuple(_first_use(outer_embed, self._outer_names, self._outer_zeros, fake.tokens, fake))
         self._head_names = tuple(_first_use(outer_head, self._outer_names, self._outer_zeros, h, fake))
-        def one_block(v, x, batch):
-            return block_call(_merge(self._block_graph, tuple(block), v), x, batch)
-        self._block_names = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
-        missing = [n for n in block if n not in self._block_names]
-        self._block_names += tuple(missing)  # read by nothing: validate_stages names them
+        # Each kind's tensors in the order its block first reads them (those read by nothing last:
+        # validate_stages names them).
+        self._block_names: dict[Any, tuple[str, ...]] = {}
+        block_shapes: dict[Any, dict[str, tuple[int, ...]]] = {}
+        for kind, state in block_states.items():
+            block = _flat(state)
+            def one_block(v, x, batch, graph=self._block_graphs[kind], names=tuple(block)):
+                return block_call(_merge(graph, names, v), x, batch)
+            read = tuple(_first_use(one_block, tuple(block), tuple(block.values()), h, fake))
+            self._block_names[kind] = read + tuple(n for n in block if n not in read)
+            block_shapes[kind] = {n: tuple(v.shape) for n, v in block.items()}
         shapes = {n: tuple(outer_flat[n].shape) for n in self._embed_names}
-        shapes.update({f"blocks.{i}.{n}": tuple(block[n].shape) for i in range(n_layer) for n in self._block_names})
+        shapes.update({f"blocks.{i}.{n}": block_shapes[kind][n] for i, kind in enumerate(self.block_kinds)
+                       for n in self._block_names[kind]})
         shapes.update({n: tuple(outer_flat[n].shape) for n in (*self._head_names, *outer_flat) if n not in shapes})
         self._shapes = shapes
         # Initialisation keys: base tensors first, LoRA adapters (nnx.LoRAParam) after them, so a
         # base tensor's key (and value) is the same with or without adapters.
         adapters = {n for n, v in _variables(outer_state).items() if isinstance(v, nnx.LoRAParam)} | {
-            f"blocks.{i}.{n}" for n, v in _variables(block_state).items() if isinstance(v, nnx.LoRAParam)
-            for i in range(n_layer)}
+            f"blocks.{i}.{n}" for i, kind in enumerate(self.block_kinds)
+            for n, v in _variables(block_states[kind]).items() if isinstance(v, nnx.LoRAParam)}
         self._index = {n: i for i, n in enumerate(sorted(shapes, key=lambda n: n in adapters))}
 
-        # One graph per kind of block, from the kind's first layer (layer 0's is the one traced above).
-        firsts = {kind: self.block_kinds.index(kind) for kind in dict.fromkeys(self.block_kinds)}
-        self._block_graphs = {kind: self._block_graph if first == 0 else nnx.split(
-            nnx.eval_shape(lambda f=first: make(nnx.Rngs(0), 1, first_block=f)).blocks[0], nnx.Param)[0]
-            for kind, first in firsts.items()}
-
-        def block_apply(graph: Any) -> Callable[..., jax.Array]:
+        def block_apply(kind: Any) -> Callable[..., jax.Array]:
             def apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
-                return block_call(_merge(graph, self._block_names, params), h_BxLxD, batch)
+                return block_call(_merge(self._block_graphs[kind], self._block_names[kind], params), h_BxLxD, batch)
             return apply
         # One object per kind: every block stage of a kind shares its compilation.
-        self._block_applies = {kind: block_apply(graph) for kind, graph in self._block_graphs.items()}
+        self._block_applies = {kind: block_apply(kind) for kind in self._block_graphs}
 
         def head_apply(params: tuple[jax.Array, ...], h_BxLxD: jax.Array, batch: Batch) -> jax.Array:
             return head_call(self._outer(self._head_names, params), h_BxLxD, batch)
@@ -350,7 +356,7 @@ class NNXStaged:
             return getattr(module, target_logps)(h_BxLxD, batch.targets, batch.loss_mask)
         self._logps_apply = logps_apply
         self._embed_applies: dict[Any, Callable[..., jax.Array]] = {}
-        self._init_fns: dict[str, Callable[[jax.Array], jax.Array]] = {}
+        self._init_fns: dict[tuple[int, str], Callable[[jax.Array], jax.Array]] = {}
 
     def _outer(self, names: Sequence[str], params: Sequence[jax.Array]) -> nnx.Module:
         """The module without blocks, holding ``params``; the tensors a stage does not read are
@@ -371,8 +377,8 @@ class NNXStaged:
             def embed_apply(params: tuple[jax.Array, ...], tokens_BxL: jax.Array, batch: Batch) -> jax.Array:
                 return self._embed_call(self._outer(self._embed_names, params), tokens_BxL, batch).astype(dtype)
             self._embed_applies[dtype] = embed_apply
-        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names),
-                        self._block_applies[self.block_kinds[i]]) for i in range(self.n_layer)]
+        blocks = [Stage(f"block_{i}", tuple(f"blocks.{i}.{n}" for n in self._block_names[kind]),
+                        self._block_applies[kind]) for i, kind in enumerate(self.block_kinds)]
         return [Stage("embed", self._embed_names, self._embed_applies[dtype]), *blocks,
                 Stage("head", self._head_names, self._head_apply)]
 
@@ -391,12 +397,15 @@ class NNXStaged:
     def init_tensor(self, name: str, seed: int) -> jax.Array:
         parts = name.split(".")
         in_block = parts[0] == "blocks" and name not in self._outer_names
+        # A block's tensor is made by its kind's first block, built alone.
+        first = self._firsts[self.block_kinds[int(parts[1])]] if in_block else 0
         key = "blocks.0." + ".".join(parts[2:]) if in_block else name
-        if key not in self._init_fns:
+        if (first, key) not in self._init_fns:
             n_blocks = 1 if in_block else 0
-            self._init_fns[key] = jax.jit(lambda k: jnp.asarray(
-                _flat(nnx.state(self.make(nnx.Rngs(k), n_blocks), nnx.Param))[key], jnp.float32))
-        return self._init_fns[key](jax.random.fold_in(jax.random.key(seed), self._index[name]))
+            kwargs = {"first_block": first} if first else {}
+            self._init_fns[first, key] = jax.jit(lambda k: jnp.asarray(
+                _flat(nnx.state(self.make(nnx.Rngs(k), n_blocks, **kwargs), nnx.Param))[key], jnp.float32))
+        return self._init_fns[first, key](jax.random.fold_in(jax.random.key(seed), self._index[name]))
 
     def init_params(self, seed: int) -> dict[str, jax.Array]:
         return init_params(self, seed)
