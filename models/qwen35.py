@@ -1,0 +1,242 @@
+"""Qwen3.5's text decoder (transformers' ``qwen3_5`` text model) in Flax NNX: Gated DeltaNet layers
+(models/gated_deltanet.py) between gated full-attention layers, each followed by a SwiGLU MLP.
+
+The full-attention layers differ from Qwen3's in three ways: q_proj yields, per head, the query and
+a gate of the same width (the attention output is multiplied by sigmoid(gate) before o_proj), RoPE
+rotates only the first ``partial_rotary`` of each head's width, and every RMSNorm (the blocks', the
+final one, q_norm and k_norm) multiplies by 1 + weight in float32 (Gemma's, models/llama_numerics.py).
+Text positions are the same on the three M-RoPE axes, so M-RoPE reduces to plain RoPE over the
+rotated width.
+
+Not yet a family of pstar_jax: no staging, LoRA, export or --init-from-hf (models/hf.py refuses
+qwen3_5 checkpoints in one line); it gives transformers' logits for the same weights.
+
+Module layout (transformers' names in models/hf_qwen35.py): ``embed.embedding`` [V, D]; per block
+``attn_norm.scale``, then in full-attention layers ``attn.q.kernel`` [D, H 2K], ``attn.{k,v}.kernel``
+[D, N K], ``attn.o.kernel`` [H K, D], ``attn.{q,k}_norm.scale`` [K], in linear-attention layers
+``linear_attn.*`` (models/gated_deltanet.py); ``mlp_norm.scale``, ``mlp.{gate,up,down}.kernel``;
+``norm.scale``; ``head.kernel`` [D, V] when untied. Shapes as models/llama.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet
+from pstar_models.gpt import _linear, attention_segments, logits
+from pstar_models.llama import MLP, RMSNorm
+from pstar_models.llama_numerics import apply_rope, cached_attention
+from pstar_jax.model.attention import causal_attention
+from pstar_jax.model.tiling import TileBudget
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_ff: int
+    seq_len: int
+    layer_types: tuple[str, ...]  # one of LAYER_TYPES per layer
+    linear: DeltaNetShape  # the linear-attention layers' sizes
+    rope_theta: float = 10000000.0
+    partial_rotary: float = 0.25  # the share of each head's width that RoPE rotates
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    lora = None  # (llama's MLP reads these two: no adapters yet, SwiGLU not GeGLU)
+    gemma = False
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff", "seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Qwen35Config.{field} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"Qwen35Config.n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown or len(self.layer_types) != self.n_layer:
+            raise ValueError(f"layer_types must name {self.n_layer} layers, each one of {', '.join(LAYER_TYPES)}; "
+                             f"got {len(self.layer_types)}" + (f" with {', '.join(map(repr, unknown))}" if unknown
+                                                               else ""))
+        if self.rotary_dim % 2 or not 0 < self.partial_rotary <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary} must be in (0, 1] and rotate an even "
+                             f"part of head_dim={self.head_dim}")
+        if self.linear.d_model != self.d_model or self.linear.norm_eps != self.norm_eps:
+            raise ValueError("Qwen35Config.linear must have the model's d_model and norm_eps")
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """transformers' int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary)
+
+    def linear_layer(self, i: int) -> bool:
+        return self.layer_types[i] == "linear_attention"
+
+
+def rope_tables_of(config: Qwen35Config, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, L, R] over the rotated width R in float32 (transformers' default RoPE over
+    dim R: inv_freq = theta ** -(arange(0, R, 2) / R), the halves repeated)."""
+    R = config.rotary_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, R, 2, dtype=np.int64).astype(np.float32) / R))
+                ).astype(np.float32)
+    angles = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def partial_rope(x_BxLxHxK: jax.Array, cos_BxLxR: jax.Array, sin_BxLxR: jax.Array) -> jax.Array:
+    """RoPE on the first R of each head's K values, the rest passed through."""
+    R = cos_BxLxR.shape[-1]
+    return jnp.concatenate([apply_rope(x_BxLxHxK[..., :R], cos_BxLxR, sin_BxLxR), x_BxLxHxK[..., R:]], axis=-1)
+
+
+class GatedAttention(nnx.Module):
+    """transformers' Qwen3_5Attention: q and its gate from one projection, q/k norms, partial RoPE,
+    attention, the output times sigmoid(gate), then o."""
+
+    def __init__(self, config: Qwen35Config, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
+        self.config, self.tiling = config, tiling
+        D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.head_dim
+        self.q = _linear(D, H * 2 * K, rngs, bias=False)
+        self.k = _linear(D, N * K, rngs, bias=False)
+        self.v = _linear(D, N * K, rngs, bias=False)
+        self.o = _linear(H * K, D, rngs, o_std, bias=False)
+        self.q_norm, self.k_norm = (RMSNorm(K, config.norm_eps, offset=True) for _ in "qk")
+
+    def heads(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, ...]:
+        """q and k (normed, rotated), v, and the gate [B, T, H K]."""
+        c = self.config
+        B, T, _ = x_BxTxD.shape
+        q_and_gate = self.q(x_BxTxD).reshape(B, T, c.n_head, 2 * c.head_dim)
+        q, gate = q_and_gate[..., :c.head_dim], q_and_gate[..., c.head_dim:].reshape(B, T, -1)
+        k = self.k(x_BxTxD).reshape(B, T, c.n_kv_head, c.head_dim)
+        v = self.v(x_BxTxD).reshape(B, T, c.n_kv_head, c.head_dim)
+        cos, sin = rope_tables_of(c, positions_BxT)
+        return partial_rope(self.q_norm(q), cos, sin), partial_rope(self.k_norm(k), cos, sin), v, gate
+
+    def gated_out(self, out_BxTxHxK: jax.Array, gate_BxTxHK: jax.Array) -> jax.Array:
+        B, T = out_BxTxHxK.shape[:2]
+        return self.o(out_BxTxHxK.reshape(B, T, -1) * jax.nn.sigmoid(gate_BxTxHK))
+
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None, positions_BxL: jax.Array) -> jax.Array:
+        q, k, v, gate = self.heads(x_BxLxD, positions_BxL)
+        out = causal_attention(q, k, v, attention_segments(segment_ids_BxL), tile_bytes=self.tiling.scores_bytes)
+        return self.gated_out(out, gate)
+
+    def decode(self, x_BxTxD: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array | int
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        B, T, _ = x_BxTxD.shape
+        positions = jnp.broadcast_to(pos + jnp.arange(T), (B, T))
+        q, k, v, gate = self.heads(x_BxTxD, positions)
+        k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=1)
+        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), pos)
+        return self.gated_out(out, gate), (k_cache, v_cache)
+
+
+def _residual_std(config: Qwen35Config) -> float:
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
+class Block(nnx.Module):
+    """Pre-norm block: x + mixer(attn_norm(x)), then x + mlp(mlp_norm(x)); the mixer is layer i's
+    (``linear_attn``, Gated DeltaNet, or ``attn``, gated full attention)."""
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, tiling: TileBudget, layer: int = 0):
+        self.linear = config.linear_layer(layer)
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, offset=True)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config.linear, _residual_std(config), rngs=rngs)
+        else:
+            self.attn = GatedAttention(config, _residual_std(config), rngs=rngs, tiling=tiling)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, offset=True)
+        self.mlp = MLP(config, _residual_std(config), rngs=rngs, tiling=tiling)
+
+    def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        B, L, _ = x_BxLxD.shape
+        h = self.attn_norm(x_BxLxD)
+        if self.linear:
+            h = self.linear_attn(h, segment_ids)
+        else:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+            h = self.attn(h, segment_ids, positions)
+        x_BxLxD = x_BxLxD + h
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+
+    def decode(self, x_BxTxD: jax.Array, cache: Any, pos: jax.Array | int) -> tuple[jax.Array, Any]:
+        h = self.attn_norm(x_BxTxD)
+        h, cache = self.linear_attn.decode(h, cache) if self.linear else self.attn.decode(h, cache, pos)
+        x_BxTxD = x_BxTxD + h
+        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+
+
+class Qwen35Cache(NamedTuple):
+    """Decoding state per layer: (k, v) [B, S, N, K] for a full-attention layer, a DeltaCache (conv
+    window and recurrent state, their size independent of S) for a linear one."""
+    layers: tuple
+
+
+class Qwen35(nnx.Module):
+    """``embed`` -> ``blocks`` -> final norm and head -> logits; ``decode`` through a Qwen35Cache."""
+    supports_packing = True
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, n_blocks: int | None = None,
+                 tiling: TileBudget = TileBudget(), first_block: int = 0):
+        self.config, self.tiling = config, tiling
+        D = config.d_model
+        self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
+                                for i in range(config.n_layer if n_blocks is None else n_blocks)])
+        self.norm = RMSNorm(D, config.norm_eps, offset=True)
+        if not config.tie_embeddings:
+            self.head = _linear(D, config.vocab_size, rngs, bias=False)
+
+    def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
+        tied = self.config.tie_embeddings
+        head = self.embed.embedding[...] if tied else self.head.kernel[...]
+        return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+
+    def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        h_BxLxD = self.embed(tokens_BxL)
+        for block in self.blocks:
+            h_BxLxD = block(h_BxLxD, segment_ids, positions)
+        return self.unembed(h_BxLxD)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> Qwen35Cache:
+        c = self.config
+        kv = (batch, max_len, c.n_kv_head, c.head_dim)
+        return Qwen35Cache(tuple(block.linear_attn.init_cache(batch, dtype) if block.linear else
+                                 (jnp.zeros(kv, dtype), jnp.zeros(kv, dtype)) for block in self.blocks))
+
+    def decode(self, tokens_BxT: jax.Array, cache: Qwen35Cache, pos: jax.Array | int
+               ) -> tuple[jax.Array, Qwen35Cache]:
+        """Logits of T new tokens at positions pos..pos+T-1, and the cache holding them too."""
+        h_BxTxD = self.embed(tokens_BxT)
+        layers = []
+        for block, layer in zip(self.blocks, cache.layers):
+            h_BxTxD, layer = block.decode(h_BxTxD, layer, pos)
+            layers.append(layer)
+        return self.unembed(h_BxTxD), Qwen35Cache(tuple(layers))
+
+
+__all__ = ["DeltaCache", "Qwen35", "Qwen35Cache", "Qwen35Config", "LAYER_TYPES"]

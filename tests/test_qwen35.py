@@ -1,0 +1,146 @@
+"""Qwen3.5's text decoder (models/qwen35.py, models/hf_qwen35.py): a qwen3_5_text checkpoint and a
+multimodal qwen3_5 one's text tower give transformers' logits for the same weights in fp32 (5.x
+only: 4.57 has no qwen3_5), packed rows keep to their examples, decoding through the cache (KV for
+the full layers, conv window and delta-rule state for the linear ones) equals the full forward,
+both layouts of the RoPE keys read alike, and bad configs are one line before anything is built."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pstar_models.hf_qwen35 import qwen35_config, qwen35_from_hf
+
+# Odd sizes: head_dim 16 with partial_rotary 0.25 (4 rotated), GQA in both kinds of layer, a linear
+# layer after the full one, so that each changes the logits.
+TEXT = dict(model_type="qwen3_5_text", vocab_size=113, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], rms_norm_eps=1e-6,
+            max_position_embeddings=64, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[1, 1, 0], mrope_interleaved=True))
+VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+              temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+
+
+def hf_model(config: dict, seed: int = 0):
+    """transformers' model of ``config`` with every tensor random (its norms start at 0, its
+    dt_bias at 1: randomised so that each one changes the logits), in fp32."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers.models.qwen3_5", reason="transformers.models.qwen3_5 is not in this "
+                        "transformers (5.x has it)")
+    import transformers
+    hf_config = transformers.AutoConfig.for_model(**config)
+    cls = (transformers.Qwen3_5ForConditionalGeneration if config["model_type"] == "qwen3_5"
+           else transformers.Qwen3_5ForCausalLM)
+    torch.manual_seed(seed)
+    model = cls(hf_config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def state(model) -> dict:
+    return {n: t.detach().numpy() for n, t in model.state_dict().items()}
+
+
+def hf_logits(model, tokens: np.ndarray, double: bool = False) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        m = model.double() if double else model
+        out = m(input_ids=torch.tensor(tokens)).logits.numpy()
+        model.float()
+    return out
+
+
+def tokens(L: int, seed: int = 1, batch: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 113, size=(batch, L))
+
+
+def assert_rounding(ours: np.ndarray, expected: np.ndarray, exact: np.ndarray) -> None:
+    """Within fp32 rounding: at most twice transformers' own fp32 error against its float64 run."""
+    rounding = np.abs(expected - exact).max()
+    assert 0 < rounding < 1e-4 * np.abs(exact).max(), rounding
+    assert np.abs(ours - expected).max() <= 2 * rounding, (np.abs(ours - expected).max(), rounding)
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("multimodal", [False, True], ids=["qwen3_5_text", "qwen3_5"])
+def test_checkpoints_give_transformers_logits(multimodal):
+    config = dict(model_type="qwen3_5", text_config=TEXT, vision_config=VISION) if multimodal else TEXT
+    model = hf_model(config)
+    ours = qwen35_from_hf(config, state(model))
+    x = tokens(70)
+    assert_rounding(np.asarray(ours(jnp.asarray(x))), hf_logits(model, x), hf_logits(model, x, double=True))
+
+
+@pytest.mark.hf_reference
+def test_packed_rows_give_each_example_transformers_logits():
+    model = hf_model(TEXT)
+    ours = qwen35_from_hf(TEXT, state(model))
+    a, b = tokens(13, seed=2, batch=1), tokens(11, seed=3, batch=1)
+    row = jnp.asarray(np.concatenate([a, b], axis=1))
+    segments = jnp.asarray([[1] * 13 + [2] * 11])
+    positions = jnp.asarray([list(range(13)) + list(range(11))])
+    logits = np.asarray(ours(row, segments, positions))
+    for part, x in ((logits[:, :13], a), (logits[:, 13:], b)):
+        assert_rounding(part, hf_logits(model, x), hf_logits(model, x, double=True))
+
+
+def test_decoding_through_the_cache_equals_the_full_forward():
+    """A prompt of 9 in one call, then 1, 1 and 4 tokens: the logits of the whole row at once."""
+    from flax import nnx
+    from pstar_models.qwen35 import Qwen35
+    ours = Qwen35(qwen35_config(TEXT), rngs=nnx.Rngs(0))
+    x = jnp.asarray(tokens(15, seed=4))
+    whole = np.asarray(ours(x))
+    cache = ours.init_cache(2, 15, jnp.float32)
+    outs = []
+    for a, b in ((0, 9), (9, 10), (10, 11), (11, 15)):
+        out, cache = ours.decode(x[:, a:b], cache, a)
+        outs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
+def test_both_layouts_of_the_rope_keys_read_alike():
+    """transformers 5.x's rope_parameters and a 4.x-style file's top-level keys give one config;
+    a file without layer_types gets transformers' default (every 4th layer full)."""
+    flat = {k: v for k, v in TEXT.items() if k != "rope_parameters"}
+    old = {**flat, "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    assert qwen35_config(old) == qwen35_config(TEXT)
+    assert qwen35_config(json.loads(json.dumps(TEXT))) == qwen35_config(TEXT)
+    default = qwen35_config({**TEXT, "num_hidden_layers": 8, "layer_types": None})
+    assert default.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
+        "full_attention",)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({**TEXT, "layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
+     "config.json's layer_types has 'sliding_attention', which pstar_jax does not implement for qwen3_5_text "
+     "(known: linear_attention, full_attention)"),
+    ({**TEXT, "quantization_config": {"quant_method": "fp8"}},
+     "config.json asks for quantization_config (quantized weights), which pstar_jax's models do not implement"),
+    ({"model_type": "qwen3_5", "vision_config": VISION},
+     "config.json model_type 'qwen3_5' has no qwen3_5_text text_config (got None), so its text tower cannot be "
+     "found; pass a checkpoint whose config.json has one, or a text-only qwen3_5_text checkpoint"),
+    ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "config.json's rope_parameters.rope_type='yarn' is not supported (only 'default')"),
+], ids=["layer_type", "quantized", "no_text_tower", "rope_type"])
+def test_bad_configs_are_one_line_naming_the_field(config, message):
+    with pytest.raises(ValueError) as err:
+        qwen35_config(config)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_text"])
+def test_init_from_hf_still_refuses_qwen3_5_in_one_line(model_type):
+    """The family is not wired into build_from_hf (no staging, training or export yet)."""
+    from pstar_models import build_from_hf
+    config = TEXT if model_type == "qwen3_5_text" else dict(model_type="qwen3_5", text_config=TEXT)
+    with pytest.raises(ValueError) as err:
+        build_from_hf(config)
+    assert str(err.value).startswith(f"config.json model_type {model_type!r} is not supported; supported: ")
+    assert "\n" not in str(err.value)
