@@ -18,11 +18,10 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pstar_models.gated_deltanet import DeltaNetShape
 from pstar_models.hf_fields import refuse_unless, require
-from pstar_models.qwen35 import LAYER_TYPES, Qwen35, Qwen35Config
+from pstar_models.qwen35 import LAYER_TYPES, Qwen35, Qwen35Config, StagedQwen35
 
 TEXT = "qwen3_5_text"
 MULTIMODAL = "qwen3_5"  # Qwen3_5ForConditionalGeneration: the text tower under model.language_model.
@@ -147,18 +146,21 @@ def from_hf(name: str, array: Any) -> Any:
     return array.T if name.endswith("kernel") else array
 
 
-def qwen35_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], seq_len: int | None = None) -> Qwen35:
-    """A Qwen35 holding a checkpoint's text tensors (``tensors``: transformers' names, arrays in
-    its layout, e.g. a state_dict as numpy), in their dtypes; each one must be there."""
+def params_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], model: StagedQwen35) -> dict[str, Any]:
+    """``model``'s params (our names and layout, numpy) from a checkpoint's text tensors
+    (``tensors``: transformers' names and layout, e.g. a state_dict as numpy); each must be there."""
     multimodal = config.get("model_type") == MULTIMODAL
-    c = qwen35_config(config, seq_len)
-    graph, state = nnx.split(nnx.eval_shape(lambda: Qwen35(c, rngs=nnx.Rngs(0))))
-    flat = []
-    for path, _ in nnx.to_flat_state(state):
-        name = ".".join(map(str, path))
+    params = {}
+    for name in model.param_shapes():
         source = hf_name(name, multimodal)
         if source not in tensors:
             raise ValueError(f"the checkpoint has no {source} (our {name}); it is not a {TEXT} checkpoint of "
                              "this config.json")
-        flat.append((path, jnp.asarray(from_hf(name, np.asarray(tensors[source])))))
-    return nnx.merge(graph, nnx.from_flat_state(flat))
+        params[name] = from_hf(name, np.asarray(tensors[source]))
+    return params
+
+
+def qwen35_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], seq_len: int | None = None) -> Qwen35:
+    """A Qwen35 holding a checkpoint's text tensors, in their dtypes (``params_from_hf``)."""
+    model = StagedQwen35(qwen35_config(config, seq_len))
+    return model.module({n: jnp.asarray(v) for n, v in params_from_hf(config, tensors, model).items()})

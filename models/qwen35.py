@@ -8,7 +8,7 @@ final one, q_norm and k_norm) multiplies by 1 + weight in float32 (Gemma's, mode
 Text positions are the same on the three M-RoPE axes, so M-RoPE reduces to plain RoPE over the
 rotated width.
 
-Not yet a family of pstar_jax: no staging, LoRA, export or --init-from-hf (models/hf.py refuses
+Not yet a family of pstar_jax's CLIs: no LoRA, export or --init-from-hf (models/hf.py refuses
 qwen3_5 checkpoints in one line); it gives transformers' logits for the same weights.
 
 Module layout (transformers' names in models/hf_qwen35.py): ``embed.embedding`` [V, D]; per block
@@ -30,10 +30,11 @@ import numpy as np
 from flax import nnx
 
 from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet
-from pstar_models.gpt import _linear, attention_segments, logits
+from pstar_models.gpt import _linear, attention_segments, head_loss_sum, head_target_logps, logits
 from pstar_models.llama import MLP, RMSNorm
 from pstar_models.llama_numerics import apply_rope, cached_attention
 from pstar_jax.model.attention import causal_attention
+from pstar_jax.model.staged import NNXStaged
 from pstar_jax.model.tiling import TileBudget
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -211,9 +212,23 @@ class Qwen35(nnx.Module):
             self.head = _linear(D, config.vocab_size, rngs, bias=False)
 
     def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
+        normed, head, tied = self._normed_head(h_BxLxD)
+        return logits(normed, head.astype(h_BxLxD.dtype), tied)
+
+    def _normed_head(self, h_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
         tied = self.config.tie_embeddings
-        head = self.embed.embedding[...] if tied else self.head.kernel[...]
-        return logits(self.norm(h_BxLxD), head.astype(h_BxLxD.dtype), tied)
+        return self.norm(h_BxLxD), self.embed.embedding[...] if tied else self.head.kernel[...], tied
+
+    def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
+        """sum of weights * token cross entropy, the logits a tile at a time (pstar_jax.model.loss)."""
+        return head_loss_sum(*self._normed_head(h_BxLxD), targets_BxL, weights_BxL, self.tiling.logits_bytes)
+
+    def target_logps(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+        return head_target_logps(*self._normed_head(h_BxLxD), targets_BxL, mask_BxL, self.tiling.logits_bytes)
+
+    def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The first stage (positions enter through RoPE in the full-attention blocks)."""
+        return self.embed(tokens_BxL)
 
     def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -239,4 +254,16 @@ class Qwen35(nnx.Module):
         return self.unembed(h_BxTxD), Qwen35Cache(tuple(layers))
 
 
-__all__ = ["DeltaCache", "Qwen35", "Qwen35Cache", "Qwen35Config", "LAYER_TYPES"]
+class StagedQwen35(NNXStaged):
+    """Qwen35 as a chain of stages: embed, block_0..block_{n-1} (two kinds, each with its own
+    tensors and compiled graph: linear and full attention), head (final norm and the tiled loss)."""
+
+    def __init__(self, config: Qwen35Config, tiling: TileBudget = TileBudget()):
+        self.config = config
+        super().__init__(lambda rngs, n_blocks, first_block=0: Qwen35(config, rngs=rngs, n_blocks=n_blocks,
+                                                                      tiling=tiling, first_block=first_block),
+                         config.n_layer, seq_len=config.seq_len, vocab_size=config.vocab_size, embed="embed_tokens",
+                         logits="unembed", block_kinds=config.layer_types)
+
+
+__all__ = ["DeltaCache", "Qwen35", "Qwen35Cache", "Qwen35Config", "StagedQwen35", "LAYER_TYPES"]

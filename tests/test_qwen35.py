@@ -144,3 +144,42 @@ def test_init_from_hf_still_refuses_qwen3_5_in_one_line(model_type):
         build_from_hf(config)
     assert str(err.value).startswith(f"config.json model_type {model_type!r} is not supported; supported: ")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.hf_reference
+@pytest.mark.slow
+def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw():
+    """The chunked engine, its chunks moving every step, against transformers' Qwen3_5ForCausalLM
+    trained by torch.optim.AdamW on the same batches (fp32, no clipping, warmup-cosine, decay on
+    matrices only, the conv taps included): equal losses at every step and equal params after ten."""
+    torch = pytest.importorskip("torch")
+    from frozen_engines import chunked
+    from torch_adamw import OPTIM, torch_adamw
+    from pstar_jax.config import OptimConfig
+    from pstar_models.hf_qwen35 import params_from_hf
+    from pstar_models.qwen35 import StagedQwen35
+    B, T, steps = 2, 12, 10
+    optim = OptimConfig(**OPTIM)
+    hf = hf_model(TEXT).train()
+    model = StagedQwen35(qwen35_config(TEXT, seq_len=T))
+    engine = chunked(model, frozenset(), batch=B, seq=T, optim=optim, chunk=None,
+                     init_params=params_from_hf(TEXT, state(hf), model))
+    opt, lr_at = torch_adamw(hf, optim)
+    rng = np.random.default_rng(1)
+    ours, theirs = [], []
+    for _ in range(steps):
+        seq = rng.integers(0, TEXT["vocab_size"], (B, T + 1)).astype(np.int32)
+        ours.append(engine.step([(seq[:, :-1], seq[:, 1:])]))
+        opt.zero_grad(set_to_none=True)
+        logits = hf(torch.from_numpy(seq[:, :-1]).long()).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.from_numpy(seq[:, 1:]).long().reshape(-1))
+        loss.backward()
+        opt.step()
+        lr_at.step()
+        theirs.append(float(loss.detach()))
+    assert all(r.h2d_bytes > 0 and r.d2h_bytes > 0 for r in ours)
+    np.testing.assert_allclose([r.loss for r in ours], theirs, rtol=2e-6)
+    mine = engine.params()
+    for name, value in params_from_hf(TEXT, state(hf), model).items():
+        np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
