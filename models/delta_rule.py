@@ -99,8 +99,10 @@ def chunk_gated_delta_rule(q_BxLxHkxK: jax.Array, k_BxLxHkxK: jax.Array, v_BxLxH
     new_v = solve(v_beta)
     k_cumdecay = solve(k_beta * cum_exp * carries_Bx1xNxC[..., None])
     q_decayed = q * cum_exp * carries_Bx1xNxC[..., None]
-    last_same_Bx1xNxC = same_Bx1xNxCxC[..., -1, :].astype(jnp.float32)
-    k_decayed = k * (jnp.exp(cum_BxHxNxC[..., -1:] - cum_BxHxNxC) * last_same_Bx1xNxC)[..., None]
+    # (the where before the exp: between examples the cumulative sums are unrelated, and their
+    # difference may overflow)
+    k_decayed = k * jnp.exp(jnp.where(same_Bx1xNxCxC[..., -1, :], cum_BxHxNxC[..., -1:] - cum_BxHxNxC,
+                                      -jnp.inf))[..., None]
     chunk_decay_BxHxN = jnp.exp(cum_BxHxNxC[..., -1]) * carries_Bx1xNxC[..., -1]
 
     def step(S_BxHxKxV, xs):

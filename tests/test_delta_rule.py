@@ -62,13 +62,14 @@ def test_outputs_state_and_grads_equal_transformers(name, L, decay):
         assert_close(grads[n], t[n].grad.numpy(), f"d loss / d {n}")
 
 
-def test_packed_rows_give_each_example_its_own_outputs():
+@pytest.mark.parametrize("decay", [0.3, 8.0], ids=["mild", "steep"])
+def test_packed_rows_give_each_example_its_own_outputs(decay):
     """Examples of 50, 14 (ending exactly at a chunk boundary), 70 (crossing two) and 16 tokens, and
     one that starts a chunk: each one's outputs equal it alone from a zero state, and the row's final
     state is the last example's."""
     lengths = [50, 14, 70, 16]
     L = sum(lengths)
-    x = inputs(L, seed=3)
+    x = inputs(L, seed=3, decay=decay)
     segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[None].repeat(B, 0)
     out, state = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], jnp.asarray(segments))
     start = 0
@@ -80,13 +81,16 @@ def test_packed_rows_give_each_example_its_own_outputs():
     assert_close(state, alone_state, "final state")
 
 
-def test_packed_rows_grads_stay_within_each_example():
-    """The gradient of one example's outputs reaches none of the other examples' inputs."""
-    x = inputs(100, seed=4)
+@pytest.mark.parametrize("decay", [0.3, 8.0], ids=["mild", "steep"])
+def test_packed_rows_grads_stay_within_each_example(decay):
+    """The gradient of one example's outputs reaches none of the other examples' inputs (and with
+    steep decays, whose sums differ by more than exp can hold, none is inf or nan)."""
+    x = inputs(100, seed=4, decay=decay)
     segments = jnp.asarray(np.repeat([1, 2], [40, 60])[None].repeat(B, 0))
     grads = jax.grad(lambda x: jnp.sum(chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                               segments)[0][:, 40:]))(x)
     for n in ("q", "k", "v", "g", "beta"):
+        assert np.all(np.isfinite(np.asarray(grads[n]))), n
         assert np.all(np.asarray(grads[n])[:, :40] == 0), n
         assert np.any(np.asarray(grads[n])[:, 40:] != 0), n
 

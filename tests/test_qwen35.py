@@ -183,3 +183,32 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     mine = engine.params()
     for name, value in params_from_hf(TEXT, state(hf), model).items():
         np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
+
+
+def test_packed_sft_rows_give_each_example_its_own_loss_and_grads():
+    """test_batch's check on Qwen3.5: a packed row of 3 examples has the loss sum and every gradient
+    of the examples run alone (each padded, with its own mask), through the convolution, the delta
+    rule and attention, to fp32 rounding: 64 ulps of each gradient's largest value, but 1024 for the
+    decay's parameters (A_log, dt_bias, in_a), whose gradients sum each token's dL/dg, terms of
+    both signs that largely cancel (measured: 11 x 64 ulps apart; one ulp more on the embeddings
+    alone moves them by 1 x 64)."""
+    import jax
+    from test_batch import EPS32, _example_rows
+    from pstar_jax.model.staged import compose_loss
+    from pstar_models.qwen35 import StagedQwen35
+    model = StagedQwen35(qwen35_config(TEXT, seq_len=32))
+    packed, alone = _example_rows((9, 14, 7), 32, model.vocab_size, seed=3)
+    loss = compose_loss(model.stages(jnp.float32))
+    params = model.init_params(0)
+
+    def loss_sum(p, b):
+        return loss(p, jax.tree.map(jnp.asarray, b)) * b.loss_mask.sum()
+    value, grads = jax.value_and_grad(loss_sum)(params, packed)
+    parts = [jax.value_and_grad(loss_sum)(params, b) for b in alone]
+    expected = sum(v for v, _ in parts)
+    np.testing.assert_allclose(value, expected, rtol=0, atol=64 * EPS32 * abs(float(expected)))
+    for name in grads:
+        want = sum(np.asarray(g[name]) for _, g in parts)
+        ulps = 1024 if name.endswith(("A_log", "dt_bias", "in_a.kernel")) else 64
+        np.testing.assert_allclose(grads[name], want, rtol=0, atol=ulps * EPS32 * float(np.abs(want).max()),
+                                   err_msg=name)
