@@ -7,9 +7,15 @@ beta_t in (0, 1), the recurrence is
     S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,
 with q and k L2-normalised and q scaled by K ** -0.5. The chunked form runs it over chunks of C
 tokens: inside a chunk a unit lower-triangular system (the UT transform) turns the C rank-one
-updates into matmuls, and one ``lax.scan`` step per chunk carries S. A gradient keeps S once per
-chunk plus each chunk's C x C matrices, so per token and layer it stores about
-4 * H_v * (K * V / C + 3 * C) bytes beyond the projections (``state_bytes_per_token``).
+updates into matmuls, and one ``lax.scan`` step per chunk carries S.
+
+Memory per token and layer (XLA's memory analysis of the compiled rule, fp32, Qwen3.5-27B's heads:
+H 48, Hk 16, K = V = 128, C 64; the difference between L = 1024 and 2048): the forward's working
+memory is 197 KB per token, the backward's (jax.grad, which keeps the state at each chunk's start,
+H K V / C = 48 KB per token, and each chunk's C x C decay, UT and score matrices, 12 KB per token
+each) 861 KB per token, against 41 KB per token of inputs (q, k, v, g, beta). In pstar_jax's
+stages this is working memory of the block's backward only: between stages a block keeps its
+input alone.
 
 Packed rows (several examples in one row, ``segment_ids``): an example must start from S = 0, as
 alone. Rather than a decay of -inf at each boundary (whose cumulative sums would give inf - inf),
@@ -34,13 +40,6 @@ CHUNK = 64  # transformers' chunk_size default (its tests and modules never pass
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """transformers' l2norm: x * rsqrt(sum(x^2) + eps) over the last axis (FLA's eps placement)."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def state_bytes_per_token(n_value_heads: int, d_key: int, d_value: int, chunk: int = CHUNK) -> float:
-    """Bytes per token and layer that the chunked rule's gradient keeps in fp32 besides its inputs:
-    the state at each chunk's start (H K V per chunk) and three C x C matrices per chunk (the pairwise
-    decays, the solved UT system's inputs, the intra-chunk scores)."""
-    return 4.0 * n_value_heads * (d_key * d_value / chunk + 3 * chunk)
 
 
 def _heads_first(q_BxLxHkxK, k_BxLxHkxK, v_BxLxHxV, g_BxLxH, beta_BxLxH):
