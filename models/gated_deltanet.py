@@ -42,7 +42,6 @@ class DeltaNetShape:
     d_value: int  # linear_value_head_dim
     conv_kernel: int = 4  # linear_conv_kernel_dim
     norm_eps: float = 1e-6  # rms_norm_eps
-    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         for field, key in (("d_model", "hidden_size"), ("n_key_heads", "linear_num_key_heads"),
@@ -56,6 +55,13 @@ class DeltaNetShape:
                              f"linear_num_key_heads={self.n_key_heads}")
         if not self.norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.norm_eps!r}")
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """The layer's projections that LoRA may target: block-relative path -> (in, out)."""
+        D, HV = self.d_model, self.n_value_heads * self.d_value
+        return {"linear_attn.in_qkv": (D, self.d_conv), "linear_attn.in_z": (D, HV),
+                "linear_attn.in_b": (D, self.n_value_heads), "linear_attn.in_a": (D, self.n_value_heads),
+                "linear_attn.out": (HV, D)}
 
     @property
     def d_conv(self) -> int:
@@ -117,19 +123,19 @@ class GatedRMSNorm(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """``__call__(x_BxLxD, segment_ids_BxL)`` over whole rows, ``decode`` over T new tokens."""
 
-    def __init__(self, shape: DeltaNetShape, out_std: float, *, rngs: nnx.Rngs):
+    def __init__(self, shape: DeltaNetShape, out_std: float, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         self.shape = s = shape
         D, H = s.d_model, s.n_value_heads
-        self.in_qkv = _linear(D, s.d_conv, rngs, bias=False, lora=s.lora, path="linear_attn.in_qkv")
-        self.in_z = _linear(D, H * s.d_value, rngs, bias=False, lora=s.lora, path="linear_attn.in_z")
-        self.in_b = _linear(D, H, rngs, bias=False, lora=s.lora, path="linear_attn.in_b")
-        self.in_a = _linear(D, H, rngs, bias=False, lora=s.lora, path="linear_attn.in_a")
+        self.in_qkv = _linear(D, s.d_conv, rngs, bias=False, lora=lora, path="linear_attn.in_qkv")
+        self.in_z = _linear(D, H * s.d_value, rngs, bias=False, lora=lora, path="linear_attn.in_z")
+        self.in_b = _linear(D, H, rngs, bias=False, lora=lora, path="linear_attn.in_b")
+        self.in_a = _linear(D, H, rngs, bias=False, lora=lora, path="linear_attn.in_a")
         self.conv = CausalConv(s.conv_kernel, s.d_conv, rngs=rngs)
         # transformers' init: dt_bias ones, A uniform in [0.01, 16] (kept off 0, so A_log is finite).
         self.dt_bias = nnx.Param(jnp.ones((H,), jnp.float32))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (H,), jnp.float32, 0.01, 16.0)))
         self.norm = GatedRMSNorm(s.d_value, s.norm_eps)
-        self.out = _linear(H * s.d_value, D, rngs, out_std, bias=False, lora=s.lora, path="linear_attn.out")
+        self.out = _linear(H * s.d_value, D, rngs, out_std, bias=False, lora=lora, path="linear_attn.out")
 
     def _inputs(self, x_BxLxD: jax.Array, mixed_BxLxE: jax.Array, seeds: jax.Array | None):
         """q, k, v in heads (from the convolved channels), g and beta, in transformers' dtypes."""

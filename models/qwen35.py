@@ -33,6 +33,7 @@ from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet
 from pstar_models.gpt import _linear, attention_segments, head_loss_sum, head_target_logps, logits
 from pstar_models.llama import MLP, RMSNorm
 from pstar_models.llama_numerics import apply_rope, cached_attention
+from pstar_models.lora import LoraSpec, check_spec, position_seeds, project
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.staged import NNXStaged
 from pstar_jax.model.tiling import TileBudget
@@ -57,8 +58,8 @@ class Qwen35Config:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None
-    lora = None  # (llama's MLP reads these two: no adapters yet, SwiGLU not GeGLU)
-    gemma = False
+    lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
+    gemma = False  # (llama's MLP reads it: SwiGLU, not Gemma's GeGLU)
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff", "seq_len"):
@@ -77,6 +78,15 @@ class Qwen35Config:
                              f"part of head_dim={self.head_dim}")
         if self.linear.d_model != self.d_model or self.linear.norm_eps != self.norm_eps:
             raise ValueError("Qwen35Config.linear must have the model's d_model and norm_eps")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ValueError(f"Qwen35Config.lora must be a LoraSpec or None, got {self.lora!r}")
+        check_spec(self.lora, self.projections(), "qwen3_5_text")
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Every projection LoRA may target (either kind of block's): path -> (in, out) features."""
+        D, F, HK, NK = self.d_model, self.d_ff, self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        return {"attn.q": (D, 2 * HK), "attn.k": (D, NK), "attn.v": (D, NK), "attn.o": (HK, D),
+                **self.linear.projections(), "mlp.gate": (D, F), "mlp.up": (D, F), "mlp.down": (F, D)}
 
     @property
     def d_head(self) -> int:
@@ -115,31 +125,35 @@ class GatedAttention(nnx.Module):
     def __init__(self, config: Qwen35Config, o_std: float, *, rngs: nnx.Rngs, tiling: TileBudget):
         self.config, self.tiling = config, tiling
         D, H, N, K = config.d_model, config.n_head, config.n_kv_head, config.head_dim
-        self.q = _linear(D, H * 2 * K, rngs, bias=False)
-        self.k = _linear(D, N * K, rngs, bias=False)
-        self.v = _linear(D, N * K, rngs, bias=False)
-        self.o = _linear(H * K, D, rngs, o_std, bias=False)
+        lora = config.lora
+        self.q = _linear(D, H * 2 * K, rngs, bias=False, lora=lora, path="attn.q")
+        self.k = _linear(D, N * K, rngs, bias=False, lora=lora, path="attn.k")
+        self.v = _linear(D, N * K, rngs, bias=False, lora=lora, path="attn.v")
+        self.o = _linear(H * K, D, rngs, o_std, bias=False, lora=lora, path="attn.o")
         self.q_norm, self.k_norm = (RMSNorm(K, config.norm_eps, offset=True) for _ in "qk")
 
-    def heads(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, ...]:
+    def heads(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, seeds_BxT: jax.Array | None = None
+              ) -> tuple[jax.Array, ...]:
         """q and k (normed, rotated), v, and the gate [B, T, H K]."""
         c = self.config
         B, T, _ = x_BxTxD.shape
-        q_and_gate = self.q(x_BxTxD).reshape(B, T, c.n_head, 2 * c.head_dim)
+        q_and_gate = project(self.q, x_BxTxD, seeds_BxT).reshape(B, T, c.n_head, 2 * c.head_dim)
         q, gate = q_and_gate[..., :c.head_dim], q_and_gate[..., c.head_dim:].reshape(B, T, -1)
-        k = self.k(x_BxTxD).reshape(B, T, c.n_kv_head, c.head_dim)
-        v = self.v(x_BxTxD).reshape(B, T, c.n_kv_head, c.head_dim)
+        k = project(self.k, x_BxTxD, seeds_BxT).reshape(B, T, c.n_kv_head, c.head_dim)
+        v = project(self.v, x_BxTxD, seeds_BxT).reshape(B, T, c.n_kv_head, c.head_dim)
         cos, sin = rope_tables_of(c, positions_BxT)
         return partial_rope(self.q_norm(q), cos, sin), partial_rope(self.k_norm(k), cos, sin), v, gate
 
-    def gated_out(self, out_BxTxHxK: jax.Array, gate_BxTxHK: jax.Array) -> jax.Array:
+    def gated_out(self, out_BxTxHxK: jax.Array, gate_BxTxHK: jax.Array, seeds_BxT: jax.Array | None = None
+                  ) -> jax.Array:
         B, T = out_BxTxHxK.shape[:2]
-        return self.o(out_BxTxHxK.reshape(B, T, -1) * jax.nn.sigmoid(gate_BxTxHK))
+        return project(self.o, out_BxTxHxK.reshape(B, T, -1) * jax.nn.sigmoid(gate_BxTxHK), seeds_BxT)
 
-    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None, positions_BxL: jax.Array) -> jax.Array:
-        q, k, v, gate = self.heads(x_BxLxD, positions_BxL)
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None, positions_BxL: jax.Array,
+                 seeds_BxL: jax.Array | None = None) -> jax.Array:
+        q, k, v, gate = self.heads(x_BxLxD, positions_BxL, seeds_BxL)
         out = causal_attention(q, k, v, attention_segments(segment_ids_BxL), tile_bytes=self.tiling.scores_bytes)
-        return self.gated_out(out, gate)
+        return self.gated_out(out, gate, seeds_BxL)
 
     def decode(self, x_BxTxD: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array | int
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -164,24 +178,27 @@ class Block(nnx.Module):
         self.linear = config.linear_layer(layer)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, offset=True)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config.linear, _residual_std(config), rngs=rngs)
+            self.linear_attn = GatedDeltaNet(config.linear, _residual_std(config), rngs=rngs, lora=config.lora)
         else:
             self.attn = GatedAttention(config, _residual_std(config), rngs=rngs, tiling=tiling)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, offset=True)
         self.mlp = MLP(config, _residual_std(config), rngs=rngs, tiling=tiling)
 
     def __call__(self, x_BxLxD: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, dropout_seed: jax.Array | None = None) -> jax.Array:
+        """``segment_ids`` and ``positions`` [B, L]: packed rows (None: one example per row at
+        0..L-1); ``dropout_seed`` [B] draws LoRA dropout's masks (None: none)."""
         B, L, _ = x_BxLxD.shape
+        seeds = None if dropout_seed is None else position_seeds(dropout_seed, L)
         h = self.attn_norm(x_BxLxD)
         if self.linear:
-            h = self.linear_attn(h, segment_ids)
+            h = self.linear_attn(h, segment_ids, seeds)
         else:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-            h = self.attn(h, segment_ids, positions)
+            h = self.attn(h, segment_ids, positions, seeds)
         x_BxLxD = x_BxLxD + h
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), seeds)
 
     def decode(self, x_BxTxD: jax.Array, cache: Any, pos: jax.Array | int) -> tuple[jax.Array, Any]:
         h = self.attn_norm(x_BxTxD)
@@ -203,6 +220,7 @@ class Qwen35(nnx.Module):
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget(), first_block: int = 0):
         self.config, self.tiling = config, tiling
+        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)

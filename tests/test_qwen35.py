@@ -212,3 +212,83 @@ def test_packed_sft_rows_give_each_example_its_own_loss_and_grads():
         ulps = 1024 if name.endswith(("A_log", "dt_bias", "in_a.kernel")) else 64
         np.testing.assert_allclose(grads[name], want, rtol=0, atol=ulps * EPS32 * float(np.abs(want).max()),
                                    err_msg=name)
+
+
+def test_lora_targets_every_projection_and_step_zero_is_the_base_model():
+    """peft's initialisation (lora_b zero): the adapted model's loss is the base's, to the bit, with
+    an adapter on each projection of both kinds of block."""
+    import dataclasses
+    from pstar_jax.model.staged import compose_loss
+    from pstar_models.lora import LoraSpec
+    from pstar_models.qwen35 import StagedQwen35
+    config = qwen35_config(TEXT, seq_len=16)
+    base, adapted = StagedQwen35(config), StagedQwen35(dataclasses.replace(config, lora=LoraSpec(rank=4, alpha=8.0)))
+    params = adapted.init_params(3)
+    assert {n.split(".", 2)[2].rsplit(".", 2)[0] for n in params if ".lora." in n} == {
+        "attn.q", "attn.k", "attn.v", "attn.o", "linear_attn.in_qkv", "linear_attn.in_z", "linear_attn.in_b",
+        "linear_attn.in_a", "linear_attn.out", "mlp.gate", "mlp.up", "mlp.down"}
+    x = jnp.asarray(tokens(17, seed=5))
+    loss = [compose_loss(m.stages(jnp.float32))({n: params[n] for n in m.param_shapes()}, x[:, :-1], x[:, 1:])
+            for m in (base, adapted)]
+    assert float(loss[0]) == float(loss[1])
+
+
+def test_a_lora_target_of_neither_kind_is_one_line():
+    import dataclasses
+    from pstar_models.lora import LoraSpec
+    with pytest.raises(ValueError, match=r"^LoRA target 'attn\.qkv' matches no projection of a qwen3_5_text block; "
+                                         r"choose among attn\.q, attn\.k, attn\.v, attn\.o, linear_attn\.in_qkv"):
+        dataclasses.replace(qwen35_config(TEXT), lora=LoraSpec(rank=4, alpha=8.0, targets=("attn.qkv",)))
+
+
+@pytest.mark.hf_reference
+def test_a_lora_step_gives_pefts_loss_and_gradients_on_every_projection():
+    """Adapters (random, lora_b too, so every adapter tensor gets a gradient) on the twelve
+    projections under peft's module names (q_proj ... out_proj, in_proj_qkv ... down_proj): peft's
+    loss and adapter gradients on transformers' Qwen3_5ForCausalLM, fp32."""
+    import dataclasses
+    import jax
+    import torch
+    peft = pytest.importorskip("peft")
+    from pstar_jax.model.staged import compose_loss
+    from pstar_models.hf_qwen35 import hf_name, params_from_hf
+    from pstar_models.lora import LoraSpec
+    from pstar_models.qwen35 import StagedQwen35
+    hf = hf_model(TEXT)
+    base = StagedQwen35(qwen35_config(TEXT, seq_len=16))
+    model = StagedQwen35(dataclasses.replace(base.config, lora=LoraSpec(rank=4, alpha=8.0)))
+    rng = np.random.default_rng(6)
+    params = {n: jnp.asarray(v) for n, v in params_from_hf(TEXT, state(hf), base).items()}
+    adapters = {n: jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for n, s in model.param_shapes().items()
+                if ".lora." in n}
+    modules = sorted({hf_name(n.split(".lora.")[0] + ".kernel").rsplit(".", 2)[-2] for n in adapters})
+    assert modules == ["down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj",
+                       "o_proj", "out_proj", "q_proj", "up_proj", "v_proj"]
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules, lora_dropout=0.0))
+    theirs = dict(peft_model.named_parameters())
+
+    def peft_name(ours):  # blocks.0.attn.q.lora.lora_a -> ...layers.0.self_attn.q_proj.lora_A.default.weight
+        module = hf_name(ours.split(".lora.")[0] + ".kernel").removesuffix(".weight")
+        return f"base_model.model.{module}.lora_{'A' if ours.endswith('lora_a') else 'B'}.default.weight"
+    with torch.no_grad():
+        for n, v in adapters.items():
+            theirs[peft_name(n)].copy_(torch.tensor(np.asarray(v).T))
+    x = tokens(17, seed=7)
+
+    def torch_grads(dtype):
+        peft_model.to(dtype).zero_grad()
+        logits = peft_model(torch.tensor(x[:, :-1])).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(x[:, 1:]).reshape(-1))
+        loss.backward()
+        return float(loss.detach()), {n: theirs[peft_name(n)].grad.double().numpy().T.copy() for n in adapters}
+    exact = torch_grads(torch.float64)[1]
+    loss_t, grads_t = torch_grads(torch.float32)
+    compose = compose_loss(model.stages(jnp.float32))
+    loss, grads = jax.value_and_grad(lambda a: compose({**params, **a}, jnp.asarray(x[:, :-1]),
+                                                        jnp.asarray(x[:, 1:])))(adapters)
+    np.testing.assert_allclose(float(loss), loss_t, rtol=2e-6)
+    # fp32 rounding: off peft's float64 gradients by at most twice peft's own fp32 error on each
+    # tensor (which the gated norm and the delta rule magnify on the linear layers).
+    for n, g in grads.items():
+        rounding = max(np.abs(grads_t[n] - exact[n]).max(), 2e-6 * np.abs(exact[n]).max())
+        np.testing.assert_allclose(np.asarray(g), exact[n], rtol=0, atol=2 * rounding, err_msg=n)
