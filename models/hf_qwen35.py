@@ -164,3 +164,41 @@ def qwen35_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], seq_le
     """A Qwen35 holding a checkpoint's text tensors, in their dtypes (``params_from_hf``)."""
     model = StagedQwen35(qwen35_config(config, seq_len))
     return model.module({n: jnp.asarray(v) for n, v in params_from_hf(config, tensors, model).items()})
+
+
+# Keys an export takes from the source's text config as they were (training settings and token
+# ids, not the model's shape): the rest is written from our config.
+_SOURCE_KEYS = ("attention_dropout", "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                "mamba_ssm_dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "attn_output_gate",
+                "full_attention_interval", "rope_scaling")
+
+
+def qwen35_hf_config(c: Qwen35Config, torch_dtype: str = "bfloat16", source: Mapping[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """The qwen3_5_text config.json (Qwen3_5ForCausalLM) of ``c``; the RoPE keys in ``source``'s
+    layout (its text_config's for a multimodal source: an export is the text tower alone), 5.x's
+    rope_parameters when there is none."""
+    text = {} if source is None else text_config(source)
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary}
+    flat = "rope_parameters" not in text and source is not None
+    if not flat:
+        rope = {**{k: v for k, v in (text.get("rope_parameters") or {}).items()}, **rope}
+    out = {k: text[k] for k in _SOURCE_KEYS if k in text}
+    out.update({
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": TEXT, "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
+        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": c.norm_eps, "layer_types": list(c.layer_types),
+        "linear_conv_kernel_dim": c.linear.conv_kernel, "linear_key_head_dim": c.linear.d_key,
+        "linear_value_head_dim": c.linear.d_value, "linear_num_key_heads": c.linear.n_key_heads,
+        "linear_num_value_heads": c.linear.n_value_heads, "tie_word_embeddings": c.tie_embeddings,
+        "max_position_embeddings": c.max_position_embeddings or c.seq_len, "dtype": torch_dtype,
+        **({"rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary} if flat else
+           {"rope_parameters": rope})})
+    return out
+
+
+def hf_tensors(model: StagedQwen35) -> dict[str, str]:
+    """transformers' name (a qwen3_5_text checkpoint's) of each base parameter of ``model`` (the
+    adapters' are peft's, a tied head has none of its own); ``to_hf`` gives the layout."""
+    return {n: hf_name(n) for n in model.param_shapes() if ".lora." not in n}
