@@ -21,6 +21,7 @@ TEXT = dict(model_type="qwen3_5_text", vocab_size=113, hidden_size=32, intermedi
             max_position_embeddings=64, tie_word_embeddings=False,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                  mrope_section=[1, 1, 0], mrope_interleaved=True))
+NO_QWEN3_5 = "transformers.models.qwen3_5 is not in this transformers (5.x has it)"
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
               temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
 
@@ -29,8 +30,7 @@ def hf_model(config: dict, seed: int = 0):
     """transformers' model of ``config`` with every tensor random (its norms start at 0, its
     dt_bias at 1: randomised so that each one changes the logits), in fp32."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers.models.qwen3_5", reason="transformers.models.qwen3_5 is not in this "
-                        "transformers (5.x has it)")
+    pytest.importorskip("transformers.models.qwen3_5", reason=NO_QWEN3_5)
     import transformers
     hf_config = transformers.AutoConfig.for_model(**config)
     cls = (transformers.Qwen3_5ForConditionalGeneration if config["model_type"] == "qwen3_5"
@@ -300,6 +300,7 @@ def test_exports_load_in_transformers_with_the_same_logits(source, tmp_path):
     """Our config.json (the RoPE keys in the source's layout; a multimodal source's text tower as a
     qwen3_5_text model) and weights under transformers' names: Qwen3_5ForCausalLM loads them with no
     tensor missing or left over, and gives our logits."""
+    pytest.importorskip("transformers.models.qwen3_5", reason=NO_QWEN3_5)
     import transformers
     from safetensors.numpy import save_file
     from pstar_models.hf_qwen35 import hf_tensors, qwen35_hf_config, to_hf
