@@ -272,6 +272,38 @@ class Qwen35(nnx.Module):
         return self.unembed(h_BxTxD), Qwen35Cache(tuple(layers))
 
 
+def _qwen35(n_layer: int, d_model: int, n_head: int, d_ff: int, value_heads: int) -> Qwen35Config:
+    """A published Qwen3.5 dense text decoder: every 4th layer full attention (full_attention_interval
+    4), head_dim 256 with 4 key/value heads, 16 linear key heads of width 128, values of width 128,
+    conv taps 4, RoPE base 1e7 over a quarter of each head, 248,320 tokens, untied, 262,144 positions."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layer))
+    return Qwen35Config(vocab_size=248320, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=4, head_dim=256,
+                        d_ff=d_ff, seq_len=4096, layer_types=types,
+                        linear=DeltaNetShape(d_model=d_model, n_key_heads=16, n_value_heads=value_heads, d_key=128,
+                                             d_value=128, conv_kernel=4, norm_eps=1e-6),
+                        max_position_embeddings=262144)
+
+
+# Shapes of the published config.json files' text_config, as found in stored copies (the sizes not
+# listed here were not found and are not guessed):
+# Qwen3.5-27B: hidden 5120, 64 layers, 24 heads, intermediate 17408, 48 linear value heads (the
+#   config.json dumps in several stored repos, and THUDM/slime scripts/models/qwen3.5-27B.sh);
+# Qwen3.5-9B: hidden 4096, 32 layers, 16 heads, intermediate 12288, 32 linear value heads
+#   (transformers' Qwen3_5TextConfig defaults, documented there as "the Qwen3.5-9B style
+#   configuration", and a stored shape contract for Qwen3.5-9B: 16 x 256 queries, 4 x 256 keys, 12288).
+PRESETS = {"qwen3.5-9b": _qwen35(32, 4096, 16, 12288, 32), "qwen3.5-27b": _qwen35(64, 5120, 24, 17408, 48),
+           # Tests' and the planner's toy: both kinds of block, in the published order.
+           "qwen3.5-tiny": Qwen35Config(
+               vocab_size=256, d_model=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=16, d_ff=64, seq_len=64,
+               layer_types=("linear_attention",) * 3 + ("full_attention",),
+               linear=DeltaNetShape(d_model=32, n_key_heads=2, n_value_heads=4, d_key=8, d_value=8, norm_eps=1e-6))}
+
+
+def build_model(name: str, **overrides: Any) -> "StagedQwen35":
+    """A preset with some fields replaced (None values are ignored)."""
+    return StagedQwen35(dataclasses.replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}))
+
+
 class StagedQwen35(NNXStaged):
     """Qwen35 as a chain of stages: embed, block_0..block_{n-1} (two kinds, each with its own
     tensors and compiled graph: linear and full attention), head (final norm and the tiled loss)."""

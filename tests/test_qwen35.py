@@ -326,3 +326,18 @@ def test_exports_load_in_transformers_with_the_same_logits(source, tmp_path):
     ours = np.asarray(model.module({n: jnp.asarray(v) for n, v in params.items()})(jnp.asarray(x)))
     hf = hf.float().eval()
     assert_rounding(ours, hf_logits(hf, x), hf_logits(hf, x, double=True))
+
+
+def test_presets_have_the_published_shapes_and_round_trip():
+    """The text decoders' parameter counts (without the vision towers and the MTP layers), pinned
+    from the shapes models/qwen35.py cites, and each preset survives its config.json."""
+    from pstar_models import PRESET_NAMES, build_model
+    from pstar_models.hf_qwen35 import qwen35_hf_config
+    counts = {"qwen3.5-9b": 8_953_803_264, "qwen3.5-27b": 26_895_998_464}
+    for name, count in counts.items():
+        model = build_model(name)
+        assert name in PRESET_NAMES and model.n_params() == count, name
+        assert qwen35_config(qwen35_hf_config(model.config), seq_len=4096) == model.config
+    c = build_model("qwen3.5-27b").config
+    assert (c.rotary_dim, c.layer_types[:4], c.layer_types.count("full_attention")) == (
+        64, ("linear_attention",) * 3 + ("full_attention",), 16)
