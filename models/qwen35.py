@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet
-from pstar_models.gpt import _linear, attention_segments, head_loss_sum, head_target_logps, logits
-from pstar_models.llama import MLP, RMSNorm
+from pstar_models.gpt import _linear, attention_segments
+from pstar_models.llama import MLP, Llama, RMSNorm
 from pstar_models.llama_numerics import apply_rope, cached_attention
 from pstar_models.lora import LoraSpec, check_spec, position_seeds, project
 from pstar_jax.model.attention import causal_attention
@@ -59,7 +59,9 @@ class Qwen35Config:
     tie_embeddings: bool = False
     max_position_embeddings: int | None = None
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
-    gemma = False  # (llama's MLP reads it: SwiGLU, not Gemma's GeGLU)
+    # (read by llama's MLP and decoder ends: SwiGLU, embeddings unscaled, no final softcap)
+    gemma = False
+    final_softcap = None
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff", "seq_len"):
@@ -213,47 +215,14 @@ class Qwen35Cache(NamedTuple):
     layers: tuple
 
 
-class Qwen35(nnx.Module):
-    """``embed`` -> ``blocks`` -> final norm and head -> logits; ``decode`` through a Qwen35Cache."""
-    supports_packing = True
+class Qwen35(Llama):
+    """Llama's decoder ends (models/llama.py: the embedding, the final norm, here times 1 + weight,
+    the head and its tiled loss, packing) around Qwen3.5's blocks; ``decode`` through a Qwen35Cache."""
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, n_blocks: int | None = None,
                  tiling: TileBudget = TileBudget(), first_block: int = 0):
-        self.config, self.tiling = config, tiling
-        self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
-        D = config.d_model
-        self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
-                                for i in range(config.n_layer if n_blocks is None else n_blocks)])
-        self.norm = RMSNorm(D, config.norm_eps, offset=True)
-        if not config.tie_embeddings:
-            self.head = _linear(D, config.vocab_size, rngs, bias=False)
-
-    def unembed(self, h_BxLxD: jax.Array) -> jax.Array:
-        normed, head, tied = self._normed_head(h_BxLxD)
-        return logits(normed, head.astype(h_BxLxD.dtype), tied)
-
-    def _normed_head(self, h_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
-        tied = self.config.tie_embeddings
-        return self.norm(h_BxLxD), self.embed.embedding[...] if tied else self.head.kernel[...], tied
-
-    def loss_sum(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, weights_BxL: jax.Array) -> jax.Array:
-        """sum of weights * token cross entropy, the logits a tile at a time (pstar_jax.model.loss)."""
-        return head_loss_sum(*self._normed_head(h_BxLxD), targets_BxL, weights_BxL, self.tiling.logits_bytes)
-
-    def target_logps(self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
-        return head_target_logps(*self._normed_head(h_BxLxD), targets_BxL, mask_BxL, self.tiling.logits_bytes)
-
-    def embed_tokens(self, tokens_BxL: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """The first stage (positions enter through RoPE in the full-attention blocks)."""
-        return self.embed(tokens_BxL)
-
-    def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        h_BxLxD = self.embed(tokens_BxL)
-        for block in self.blocks:
-            h_BxLxD = block(h_BxLxD, segment_ids, positions)
-        return self.unembed(h_BxLxD)
+        super().__init__(config, rngs=rngs, n_blocks=n_blocks, tiling=tiling, first_block=first_block,
+                         block=Block, norm_offset=True)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any) -> Qwen35Cache:
         c = self.config
@@ -264,12 +233,12 @@ class Qwen35(nnx.Module):
     def decode(self, tokens_BxT: jax.Array, cache: Qwen35Cache, pos: jax.Array | int
                ) -> tuple[jax.Array, Qwen35Cache]:
         """Logits of T new tokens at positions pos..pos+T-1, and the cache holding them too."""
-        h_BxTxD = self.embed(tokens_BxT)
+        h_BxTxD = self.decode_embed(tokens_BxT, pos)
         layers = []
         for block, layer in zip(self.blocks, cache.layers):
             h_BxTxD, layer = block.decode(h_BxTxD, layer, pos)
             layers.append(layer)
-        return self.unembed(h_BxTxD), Qwen35Cache(tuple(layers))
+        return self.decode_logits(h_BxTxD), Qwen35Cache(tuple(layers))
 
 
 def _qwen35(n_layer: int, d_model: int, n_head: int, d_ff: int, value_heads: int) -> Qwen35Config:

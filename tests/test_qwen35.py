@@ -152,32 +152,19 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     """The chunked engine, its chunks moving every step, against transformers' Qwen3_5ForCausalLM
     trained by torch.optim.AdamW on the same batches (fp32, no clipping, warmup-cosine, decay on
     matrices only, the conv taps included): equal losses at every step and equal params after ten."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from frozen_engines import chunked
-    from torch_adamw import OPTIM, torch_adamw
+    from torch_adamw import OPTIM, torch_adamw, train_both
     from pstar_jax.config import OptimConfig
     from pstar_models.hf_qwen35 import params_from_hf
     from pstar_models.qwen35 import StagedQwen35
-    B, T, steps = 2, 12, 10
+    B, T = 2, 12
     optim = OptimConfig(**OPTIM)
     hf = hf_model(TEXT).train()
     model = StagedQwen35(qwen35_config(TEXT, seq_len=T))
     engine = chunked(model, frozenset(), batch=B, seq=T, optim=optim, chunk=None,
                      init_params=params_from_hf(TEXT, state(hf), model))
-    opt, lr_at = torch_adamw(hf, optim)
-    rng = np.random.default_rng(1)
-    ours, theirs = [], []
-    for _ in range(steps):
-        seq = rng.integers(0, TEXT["vocab_size"], (B, T + 1)).astype(np.int32)
-        ours.append(engine.step([(seq[:, :-1], seq[:, 1:])]))
-        opt.zero_grad(set_to_none=True)
-        logits = hf(torch.from_numpy(seq[:, :-1]).long()).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.from_numpy(seq[:, 1:]).long().reshape(-1))
-        loss.backward()
-        opt.step()
-        lr_at.step()
-        theirs.append(float(loss.detach()))
+    ours, theirs = train_both(engine, hf, *torch_adamw(hf, optim), TEXT["vocab_size"], B, T)
     assert all(r.h2d_bytes > 0 and r.d2h_bytes > 0 for r in ours)
     np.testing.assert_allclose([r.loss for r in ours], theirs, rtol=2e-6)
     mine = engine.params()
@@ -192,26 +179,11 @@ def test_packed_sft_rows_give_each_example_its_own_loss_and_grads():
     decay's parameters (A_log, dt_bias, in_a), whose gradients sum each token's dL/dg, terms of
     both signs that largely cancel (measured: 11 x 64 ulps apart; one ulp more on the embeddings
     alone moves them by 1 x 64)."""
-    import jax
-    from test_batch import EPS32, _example_rows
-    from pstar_jax.model.staged import compose_loss
+    from test_batch import assert_packed_row_equals_its_examples_alone
     from pstar_models.qwen35 import StagedQwen35
-    model = StagedQwen35(qwen35_config(TEXT, seq_len=32))
-    packed, alone = _example_rows((9, 14, 7), 32, model.vocab_size, seed=3)
-    loss = compose_loss(model.stages(jnp.float32))
-    params = model.init_params(0)
-
-    def loss_sum(p, b):
-        return loss(p, jax.tree.map(jnp.asarray, b)) * b.loss_mask.sum()
-    value, grads = jax.value_and_grad(loss_sum)(params, packed)
-    parts = [jax.value_and_grad(loss_sum)(params, b) for b in alone]
-    expected = sum(v for v, _ in parts)
-    np.testing.assert_allclose(value, expected, rtol=0, atol=64 * EPS32 * abs(float(expected)))
-    for name in grads:
-        want = sum(np.asarray(g[name]) for _, g in parts)
-        ulps = 1024 if name.endswith(("A_log", "dt_bias", "in_a.kernel")) else 64
-        np.testing.assert_allclose(grads[name], want, rtol=0, atol=ulps * EPS32 * float(np.abs(want).max()),
-                                   err_msg=name)
+    decay = ("A_log", "dt_bias", "in_a.kernel")
+    assert_packed_row_equals_its_examples_alone(StagedQwen35(qwen35_config(TEXT, seq_len=32)),
+                                                ulps=lambda name: 1024 if name.endswith(decay) else 64)
 
 
 def test_lora_targets_every_projection_and_step_zero_is_the_base_model():
@@ -278,7 +250,8 @@ def test_a_lora_step_gives_pefts_loss_and_gradients_on_every_projection():
     def torch_grads(dtype):
         peft_model.to(dtype).zero_grad()
         logits = peft_model(torch.tensor(x[:, :-1])).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(x[:, 1:]).reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(x[:, 1:]).reshape(-1))
         loss.backward()
         return float(loss.detach()), {n: theirs[peft_name(n)].grad.double().numpy().T.copy() for n in adapters}
     exact = torch_grads(torch.float64)[1]
