@@ -75,6 +75,12 @@ class DeltaCache(NamedTuple):
     state_BxHxKxV: jax.Array  # float32
 
 
+def init_delta_cache(shape: DeltaNetShape, batch: int, dtype: jnp.dtype) -> DeltaCache:
+    """A layer's decoding state before any token: zeros (the convolution's left padding, S = 0)."""
+    return DeltaCache(jnp.zeros((batch, shape.conv_kernel - 1, shape.d_conv), dtype),
+                      jnp.zeros((batch, shape.n_value_heads, shape.d_key, shape.d_value), jnp.float32))
+
+
 def causal_conv(x_BxLxE: jax.Array, kernel_CxE: jax.Array, segment_ids_BxL: jax.Array | None) -> jax.Array:
     """transformers' causal_conv1d_fn with SiLU: out_t = silu(sum_j w_j x_{t-C+1+j}), each tap that
     reaches before the row or into another example reading zero; in the kernel's dtype."""
@@ -164,11 +170,6 @@ class GatedDeltaNet(nnx.Module):
         mixed = self.conv(project(self.in_qkv, x_BxLxD, seeds), segment_ids_BxL)
         core, _ = chunk_gated_delta_rule(*self._inputs(x_BxLxD, mixed, seeds), segment_ids_BxL)
         return self._output(x_BxLxD, core, seeds)
-
-    def init_cache(self, batch: int, dtype: jnp.dtype) -> DeltaCache:
-        s = self.shape
-        return DeltaCache(jnp.zeros((batch, s.conv_kernel - 1, s.d_conv), dtype),
-                          jnp.zeros((batch, s.n_value_heads, s.d_key, s.d_value), jnp.float32))
 
     def decode(self, x_BxTxD: jax.Array, cache: DeltaCache) -> tuple[jax.Array, DeltaCache]:
         """T new tokens after the cached ones: the convolution over the kept inputs and the new, then

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet
+from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet, init_delta_cache
 from pstar_models.gpt import _linear, attention_segments
 from pstar_models.llama import MLP, Llama, RMSNorm
 from pstar_models.llama_numerics import apply_rope, cached_attention
 from pstar_models.lora import LoraSpec, check_spec, position_seeds, project
 from pstar_jax.model.attention import causal_attention
-from pstar_jax.model.staged import NNXStaged
+from pstar_jax.model.staged import NNXStaged, PerLayer
 from pstar_jax.model.tiling import TileBudget
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -209,12 +209,6 @@ class Block(nnx.Module):
         return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
 
 
-class Qwen35Cache(NamedTuple):
-    """Decoding state per layer: (k, v) [B, S, N, K] for a full-attention layer, a DeltaCache (conv
-    window and recurrent state, their size independent of S) for a linear one."""
-    layers: tuple
-
-
 class Qwen35(Llama):
     """Llama's decoder ends (models/llama.py: the embedding, the final norm, here times 1 + weight,
     the head and its tiled loss, packing) around Qwen3.5's blocks; ``decode`` through a Qwen35Cache."""
@@ -224,21 +218,22 @@ class Qwen35(Llama):
         super().__init__(config, rngs=rngs, n_blocks=n_blocks, tiling=tiling, first_block=first_block,
                          block=Block, norm_offset=True)
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any) -> Qwen35Cache:
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> PerLayer:
+        """One entry per layer: (k, v) [B, S, N, K] for a full-attention layer, a DeltaCache (the
+        convolution window and the rule's state, their size independent of S) for a linear one."""
         c = self.config
         kv = (batch, max_len, c.n_kv_head, c.head_dim)
-        return Qwen35Cache(tuple(block.linear_attn.init_cache(batch, dtype) if block.linear else
-                                 (jnp.zeros(kv, dtype), jnp.zeros(kv, dtype)) for block in self.blocks))
+        return PerLayer(init_delta_cache(c.linear, batch, dtype) if c.linear_layer(i) else
+                        (jnp.zeros(kv, dtype), jnp.zeros(kv, dtype)) for i in range(c.n_layer))
 
-    def decode(self, tokens_BxT: jax.Array, cache: Qwen35Cache, pos: jax.Array | int
-               ) -> tuple[jax.Array, Qwen35Cache]:
+    def decode(self, tokens_BxT: jax.Array, cache: PerLayer, pos: jax.Array | int) -> tuple[jax.Array, PerLayer]:
         """Logits of T new tokens at positions pos..pos+T-1, and the cache holding them too."""
         h_BxTxD = self.decode_embed(tokens_BxT, pos)
         layers = []
-        for block, layer in zip(self.blocks, cache.layers):
+        for block, layer in zip(self.blocks, cache):
             h_BxTxD, layer = block.decode(h_BxTxD, layer, pos)
             layers.append(layer)
-        return self.decode_logits(h_BxTxD), Qwen35Cache(tuple(layers))
+        return self.decode_logits(h_BxTxD), PerLayer(layers)
 
 
 def _qwen35(n_layer: int, d_model: int, n_head: int, d_ff: int, value_heads: int) -> Qwen35Config:
@@ -285,4 +280,4 @@ class StagedQwen35(NNXStaged):
                          logits="unembed", block_kinds=config.layer_types)
 
 
-__all__ = ["DeltaCache", "Qwen35", "Qwen35Cache", "Qwen35Config", "StagedQwen35", "LAYER_TYPES"]
+__all__ = ["DeltaCache", "Qwen35", "Qwen35Config", "StagedQwen35", "LAYER_TYPES"]

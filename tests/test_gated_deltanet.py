@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pstar_models.gated_deltanet import DeltaNetShape, GatedDeltaNet
+from pstar_models.gated_deltanet import DeltaNetShape, GatedDeltaNet, init_delta_cache
 
 SHAPE = DeltaNetShape(d_model=32, n_key_heads=2, n_value_heads=4, d_key=8, d_value=6, conv_kernel=4, norm_eps=1e-6)
 
@@ -84,7 +84,7 @@ def test_decoding_through_the_cache_equals_the_full_forward():
     ours = layer()
     x = jnp.asarray(x_BxLxD(13, seed=4))
     whole = np.asarray(ours(x))
-    cache = ours.init_cache(2, jnp.float32)
+    cache = init_delta_cache(SHAPE, 2, jnp.float32)
     outs = []
     for a, b in ((0, 7), (7, 8), (8, 9), (9, 10), (10, 13)):
         out, cache = ours.decode(x[:, a:b], cache)

@@ -29,14 +29,16 @@ import numpy as np
 from flax import nnx
 
 from pstar_jax.config import ConfigError
-from pstar_jax.model.staged import NNXStaged
+from pstar_jax.model.staged import NNXStaged, PerLayer
 
 
 @runtime_checkable
 class Decoder(Protocol):
     """What an NNX module provides to be decoded. The cache is a pytree whose leaves have the
-    layer as their first axis; ``blocks[i].decode(h, layer_cache, pos) -> (h, layer_cache)``
-    works on the leaves' slice i. ``pos`` is the position of the first of the T new tokens."""
+    layer as their first axis, or a ``PerLayer`` (a tuple with one pytree per layer, for blocks
+    whose caches differ: Qwen3.5's linear and full-attention layers);
+    ``blocks[i].decode(h, layer_cache, pos) -> (h, layer_cache)`` works on layer i's part. ``pos``
+    is the position of the first of the T new tokens."""
     blocks: Sequence[Any]
 
     def max_decode_len(self) -> int: ...
@@ -190,12 +192,13 @@ class StreamedDecoder:
         self.stage_names = [s.param_names for s in stages]
         self.outer_graph, _ = decoder_shell(model, 0)
         decoder_shell(model, 1)  # refuses a module that cannot decode
-        self.block_paths = [n.split(".", 2)[2] for n in stages[1].param_names]  # 'blocks.<i>.<path>'
+        # Each block stage's tensor paths in its block ('blocks.<i>.<path>'); kinds differ.
+        self.block_paths = [tuple(n.split(".", 2)[2] for n in stage.param_names) for stage in stages[1:-1]]
         self.outer_zeros = {n: jax.ShapeDtypeStruct(s, self.dtype) for n, s in model.param_shapes().items()
                             if not n.startswith("blocks.")}
         self.host: list[tuple[jax.Array, ...]] = []  # per stage, filled by load()
         self._embed = jax.jit(self._embed_fn)
-        self._block = jax.jit(self._block_fn, static_argnums=(0,), donate_argnums=(3,))
+        self._block = jax.jit(self._block_fn, static_argnums=(0, 1), donate_argnums=(4,))
         self._head = jax.jit(self._head_fn)
         self._sample = jax.jit(_step, static_argnums=(4,))
 
@@ -229,8 +232,8 @@ class StreamedDecoder:
     def _embed_fn(self, params, tokens_BxT, pos):
         return self._outer(self.stage_names[0], params).decode_embed(tokens_BxT, pos)
 
-    def _block_fn(self, graph, params, h_BxTxD, layer_cache, pos):
-        block = _merge(graph, dict(zip(self.block_paths, params)))
+    def _block_fn(self, graph, paths, params, h_BxTxD, layer_cache, pos):
+        block = _merge(graph, dict(zip(paths, params)))
         return block.decode(h_BxTxD, layer_cache, pos)
 
     def _head_fn(self, params, h_BxTxD):
@@ -254,7 +257,7 @@ class StreamedDecoder:
                 return self._head(params, h)
             else:
                 layer = jax.device_put(cache[s - 1], self.on_device)
-                h, layer = self._block(self.model.block_graph(s - 1), params, h, layer, pos_)
+                h, layer = self._block(self.model.block_graph(s - 1), self.block_paths[s - 1], params, h, layer, pos_)
                 cache[s - 1] = jax.device_put(layer, self.on_host)
         raise AssertionError("unreachable")
 
@@ -263,8 +266,10 @@ class StreamedDecoder:
         B, P = prompt_BxP.shape
         _, shell = decoder_shell(self.model, 0)
         full = jax.eval_shape(lambda: shell.init_cache(B, P + n_new, self.dtype))
-        cache = [jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape[1:], x.dtype), self.on_host), full)
-                 for _ in range(self.model.n_layer)]
+        layers = list(full) if isinstance(full, PerLayer) else [
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), full)] * self.model.n_layer
+        cache = [jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.on_host), layer)
+                 for layer in layers]
         key, done_B = jax.random.key(s.seed), jnp.zeros((B,), bool)
         tokens_BxT, out = jnp.asarray(prompt_BxP, jnp.int32), []
         for i in range(n_new):
