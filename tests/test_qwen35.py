@@ -314,3 +314,59 @@ def test_presets_have_the_published_shapes_and_round_trip():
     c = build_model("qwen3.5-27b").config
     assert (c.rotary_dim, c.layer_types[:4], c.layer_types.count("full_attention")) == (
         64, ("linear_attention",) * 3 + ("full_attention",), 16)
+
+
+# transformers' apply_chat_template(..., add_generation_prompt=True) on Qwen/Qwen3.5-9B's tokenizer
+# for enable_thinking unset / False / True, as the stored golden file records it (tests/chat_fixtures.py).
+CHATS = {"user": [{"role": "user", "content": "Hi"}],
+         "sys_user": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+         "multi": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                   {"role": "user", "content": "And?"}]}
+_OPEN, _CLOSED = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+_BEFORE = {"user": "<|im_start|>user\nHi<|im_end|>\n",
+           "sys_user": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
+           "multi": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                    "<|im_start|>user\nAnd?<|im_end|>\n"}
+
+
+@pytest.mark.parametrize("thinking", [None, False, True], ids=["unset", "off", "on"])
+def test_the_chat_template_renders_as_the_checkpoint_ships_it(thinking, tmp_path):
+    """Qwen3.5's template (macros, namespaces, loop.previtem, thinking open by default) through our
+    renderer: the generation prompts transformers wrote for the published tokenizer."""
+    from chat_fixtures import tokenizer_dir
+    from pstar_jax.data.template import ChatTemplate
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir(tmp_path, "qwen3_5"), kwargs=kwargs)
+    for name, chat in CHATS.items():
+        assert template.render(chat, add_generation_prompt=True) == _BEFORE[name] + (
+            _CLOSED if thinking is False else _OPEN), (name, thinking)
+
+
+@pytest.mark.hf_reference
+def test_chat_ids_equal_transformers_and_each_assistant_turn_is_trained_as_written(tmp_path):
+    """Token ids equal transformers' apply_chat_template; as Qwen3's, the template renders earlier
+    assistant turns bare and the last one after a think block, so each assistant turn is an example
+    of its own (the conversation through it), only what the model writes after the generation
+    prompt (which opens the think block) trained."""
+    transformers = pytest.importorskip("transformers")
+    from chat_fixtures import CONVERSATIONS, tokenizer_dir
+    from pstar_jax.data.template import ChatTemplate
+    directory = tokenizer_dir(tmp_path, "qwen3_5")
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    template = ChatTemplate.from_tokenizer_dir(directory)
+
+    def hf_ids(conversation, **kwargs):
+        out = reference.apply_chat_template(conversation, tokenize=True, **kwargs)
+        return list(out["input_ids"] if not isinstance(out, list) else out)
+    for conversation in CONVERSATIONS:
+        for prompt in (False, True):
+            assert template.encode(template.render(conversation, prompt)) == hf_ids(
+                conversation, add_generation_prompt=prompt)
+        ends = [i + 1 for i, m in enumerate(conversation) if m["role"] == "assistant"]
+        examples = template.encode_batch_with_mask(template.prepare(conversation))
+        assert len(examples) == len(ends)
+        for (ids, labels), end in zip(examples, ends):
+            assert ids.tolist() == hf_ids(conversation[:end])
+            trained = template.tokenizer.decode(ids[labels == 1].tolist(), skip_special_tokens=False)
+            # (the generation prompt already opens the think block: the model writes its close)
+            assert trained == "\n</think>\n\n" + conversation[end - 1]["content"].strip() + "<|im_end|>\n"
