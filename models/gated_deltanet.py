@@ -12,8 +12,8 @@ Decoding keeps, per layer, the last ``conv_kernel - 1`` convolution inputs and t
 
 Module layout (parameter names are a contract with the checkpoint I/O; transformers' in brackets):
 ``in_qkv.kernel`` [D, 2 Hk K + H V] (in_proj_qkv), ``in_z.kernel`` [D, H V] (in_proj_z),
-``in_b.kernel`` and ``in_a.kernel`` [D, H] (in_proj_b, in_proj_a), ``conv.kernel`` [C, 2 Hk K + H V]
-(conv1d.weight [2 Hk K + H V, 1, C], transposed), ``dt_bias`` [H], ``A_log`` [H], ``norm.scale``
+``in_b.kernel`` and ``in_a.kernel`` [D, H] (in_proj_b, in_proj_a), ``conv.kernel`` [2 Hk K + H V, 1, C]
+(conv1d.weight, as it is), ``dt_bias`` [H], ``A_log`` [H], ``norm.scale``
 [V] (norm.weight, a plain multiplier starting at 1), ``out.kernel`` [H V, D] (out_proj).
 Shapes: Hk key heads of width K, H value heads of width V, C the convolution's taps.
 """
@@ -100,15 +100,15 @@ def causal_conv(x_BxLxE: jax.Array, kernel_CxE: jax.Array, segment_ids_BxL: jax.
 
 
 class CausalConv(nnx.Module):
-    """The depthwise convolution's taps, ``kernel`` [C, E] (transformers' default init: kaiming
-    uniform over a fan-in of C)."""
+    """The depthwise convolution's taps, ``kernel`` [E, 1, C] in torch's Conv1d layout, so that the
+    checkpoint's tensor loads as it is (transformers' default init: kaiming uniform over a fan-in of C)."""
 
     def __init__(self, taps: int, channels: int, *, rngs: nnx.Rngs):
         bound = taps ** -0.5
-        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (taps, channels), jnp.float32, -bound, bound))
+        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (channels, 1, taps), jnp.float32, -bound, bound))
 
     def __call__(self, x_BxLxE: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-        return causal_conv(x_BxLxE, self.kernel[...], segment_ids_BxL)
+        return causal_conv(x_BxLxE, self.kernel[:, 0, :].T, segment_ids_BxL)
 
 
 class GatedRMSNorm(nnx.Module):

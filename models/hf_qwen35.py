@@ -130,19 +130,20 @@ def hf_name(name: str, multimodal: bool = False) -> str:
     return f"{model}layers.{i}.{_BLOCK_NAMES[rest]}"
 
 
+def transposed(name: str) -> bool:
+    """Whether our tensor is transformers' transposed: the projections' kernels [in, out] (torch's
+    Linear weight is [out, in]); the convolution's taps keep torch's layout."""
+    return name.endswith("kernel") and not name.endswith("conv.kernel")
+
+
 def to_hf(name: str, array: Any) -> Any:
-    """Our tensor in transformers' layout: kernels [in, out] transposed, the conv's taps [C, E] to
-    conv1d.weight [E, 1, C]."""
-    if name.endswith("conv.kernel"):
-        return array.T[:, None, :]
-    return array.T if name.endswith("kernel") else array
+    """Our tensor in transformers' layout."""
+    return array.T if transposed(name) else array
 
 
 def from_hf(name: str, array: Any) -> Any:
     """transformers' tensor for our ``name`` in our layout (to_hf's inverse)."""
-    if name.endswith("conv.kernel"):
-        return array[:, 0, :].T
-    return array.T if name.endswith("kernel") else array
+    return array.T if transposed(name) else array
 
 
 def params_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], model: StagedQwen35) -> dict[str, Any]:
