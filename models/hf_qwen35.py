@@ -79,8 +79,13 @@ def _layer_types(text: Mapping[str, Any], n_layer: int) -> tuple[str, ...]:
     return tuple(given)
 
 
-def qwen35_config(config: Mapping[str, Any], seq_len: int | None = None) -> Qwen35Config:
-    """The Qwen35Config a config.json describes; ``seq_len`` None: min(max_position_embeddings, 4096)."""
+def qwen35_config(config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None,
+                  seq_len: int | None = None) -> Qwen35Config:
+    """The Qwen35Config a config.json describes. ``seq_len`` (or ``overrides["seq_len"]``) is chosen
+    freely (None: min(max_position_embeddings, 4096)); ``overrides``' other fields (our config's;
+    None values ignored) must agree with the file."""
+    overrides = dict(overrides or {})
+    seq_len = overrides.pop("seq_len", None) or seq_len
     text = {**TEXT_DEFAULTS, **text_config(config)}
     act = text["hidden_act"]
     refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
@@ -96,12 +101,17 @@ def qwen35_config(config: Mapping[str, Any], seq_len: int | None = None) -> Qwen
                            d_value=text["linear_value_head_dim"], conv_kernel=text["linear_conv_kernel_dim"],
                            norm_eps=eps)
     tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    return Qwen35Config(
+    c = Qwen35Config(
         vocab_size=text["vocab_size"], d_model=text["hidden_size"], n_layer=n_layer,
         n_head=text["num_attention_heads"], n_kv_head=text["num_key_value_heads"], head_dim=text["head_dim"],
         d_ff=text["intermediate_size"], seq_len=seq_len, layer_types=layer_types, linear=linear,
         rope_theta=rope_theta, partial_rotary=partial, norm_eps=eps, tie_embeddings=bool(tie),
         max_position_embeddings=None if max_positions == seq_len else max_positions)
+    for field, value in overrides.items():
+        if value is not None and getattr(c, field, value) != value:
+            raise ValueError(f"{field}={value!r} disagrees with config.json, which gives {getattr(c, field)!r}; "
+                             f"leave {field} out to take the checkpoint's")
+    return c
 
 
 _BLOCK_NAMES = {
@@ -162,7 +172,7 @@ def params_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], model:
 
 def qwen35_from_hf(config: Mapping[str, Any], tensors: Mapping[str, Any], seq_len: int | None = None) -> Qwen35:
     """A Qwen35 holding a checkpoint's text tensors, in their dtypes (``params_from_hf``)."""
-    model = StagedQwen35(qwen35_config(config, seq_len))
+    model = StagedQwen35(qwen35_config(config, seq_len=seq_len))
     return model.module({n: jnp.asarray(v) for n, v in params_from_hf(config, tensors, model).items()})
 
 

@@ -8,9 +8,6 @@ final one, q_norm and k_norm) multiplies by 1 + weight in float32 (Gemma's, mode
 Text positions are the same on the three M-RoPE axes, so M-RoPE reduces to plain RoPE over the
 rotated width.
 
-Not yet a family of pstar_jax's CLIs: no LoRA, export or --init-from-hf (models/hf.py refuses
-qwen3_5 checkpoints in one line); it gives transformers' logits for the same weights.
-
 Module layout (transformers' names in models/hf_qwen35.py): ``embed.embedding`` [V, D]; per block
 ``attn_norm.scale``, then in full-attention layers ``attn.q.kernel`` [D, H 2K], ``attn.{k,v}.kernel``
 [D, N K], ``attn.o.kernel`` [H K, D], ``attn.{q,k}_norm.scale`` [K], in linear-attention layers
@@ -62,6 +59,7 @@ class Qwen35Config:
     # (read by llama's MLP and decoder ends: SwiGLU, embeddings unscaled, no final softcap)
     gemma = False
     final_softcap = None
+    family = "qwen3_5_text"  # the HF model_type it exports as
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff", "seq_len"):

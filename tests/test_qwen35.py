@@ -135,17 +135,6 @@ def test_bad_configs_are_one_line_naming_the_field(config, message):
     assert str(err.value) == message
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_text"])
-def test_init_from_hf_still_refuses_qwen3_5_in_one_line(model_type):
-    """The family is not wired into build_from_hf (no staging, training or export yet)."""
-    from pstar_models import build_from_hf
-    config = TEXT if model_type == "qwen3_5_text" else dict(model_type="qwen3_5", text_config=TEXT)
-    with pytest.raises(ValueError) as err:
-        build_from_hf(config)
-    assert str(err.value).startswith(f"config.json model_type {model_type!r} is not supported; supported: ")
-    assert "\n" not in str(err.value)
-
-
 @pytest.mark.hf_reference
 @pytest.mark.slow
 def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw():
@@ -370,3 +359,64 @@ def test_chat_ids_equal_transformers_and_each_assistant_turn_is_trained_as_writt
             trained = template.tokenizer.decode(ids[labels == 1].tolist(), skip_special_tokens=False)
             # (the generation prompt already opens the think block: the model writes its close)
             assert trained == "\n</think>\n\n" + conversation[end - 1]["content"].strip() + "<|im_end|>\n"
+
+
+def saved_checkpoint(directory, config: dict):
+    """transformers' model of ``config`` (random weights) saved by save_pretrained, fp32: the model."""
+    model = hf_model(config)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.hf_reference
+@pytest.mark.parametrize("multimodal", [False, True], ids=["qwen3_5_text", "qwen3_5"])
+def test_a_lora_run_from_a_checkpoint_exports_what_transformers_and_peft_load(multimodal, tmp_path, capsys):
+    """pstar-train --init-from-hf on a checkpoint transformers saved (a multimodal one: its text tower,
+    the vision tower left unread), --lora-rank 4 on every projection: --export-hf writes a
+    qwen3_5_text checkpoint that transformers loads with nothing missing or left over, and
+    --export-lora an adapter that peft loads onto the source's text model, giving the merged
+    export's logits."""
+    import torch
+    import transformers
+    peft = pytest.importorskip("peft")
+    from pstar_jax.cli.train import main as train_main
+    config = dict(model_type="qwen3_5", text_config=TEXT, vision_config=VISION) if multimodal else TEXT
+    saved_checkpoint(tmp_path / "src", config)
+    np.random.default_rng(0).integers(0, 113, 4000).astype(np.uint16).tofile(tmp_path / "d.u16.bin")
+    code = train_main(["--init-from-hf", str(tmp_path / "src"), "--data", str(tmp_path / "d.u16.bin"), "--steps", "3",
+                       "--batch-size", "8", "--seq-len", "16", "--lora-rank", "4", "--lr", "1e-2", "--quiet",
+                       "--export-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "merged"),
+                       "--export-dtype", "fp32"])
+    assert code == 0, capsys.readouterr().err
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["target_modules"] == ["down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv",
+                                         "in_proj_z", "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj"]
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True,
+                                                                      dtype=torch.float32)
+    assert not any(info.values()), info
+    assert type(merged).__name__ == "Qwen3_5ForCausalLM"
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    x = tokens(16, seed=9)
+    before = hf_logits(base.eval(), x)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours = adapted(torch.from_numpy(x).long()).logits.numpy()
+    theirs = hf_logits(merged.eval(), x)
+    assert not np.allclose(theirs, before, atol=1e-3)  # the run changed the model
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()))
+
+
+def test_init_from_hf_reads_both_kinds_of_file_and_refuses_bad_ones_in_one_line():
+    """build_from_hf (what --init-from-hf calls) builds Qwen3.5 from a qwen3_5_text file and a
+    multimodal qwen3_5 one alike; a field that disagrees with an override, and the bad configs
+    above, are one line."""
+    from pstar_models import build_from_hf
+    from pstar_models.qwen35 import StagedQwen35
+    text = build_from_hf(TEXT, seq_len=16)
+    assert isinstance(text, StagedQwen35) and text.config == qwen35_config(TEXT, seq_len=16)
+    assert build_from_hf(dict(model_type="qwen3_5", text_config=TEXT), seq_len=16).config == text.config
+    with pytest.raises(ValueError, match=r"^n_layer=4 disagrees with config.json, which gives 3; leave n_layer out"):
+        build_from_hf(TEXT, seq_len=16, n_layer=4)
+    with pytest.raises(ValueError, match="layer_types has 'sliding_attention'") as err:
+        build_from_hf({**TEXT, "layer_types": ["linear_attention", "sliding_attention", "full_attention"]})
+    assert "\n" not in str(err.value)
