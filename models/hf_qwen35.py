@@ -8,8 +8,7 @@ Qwen3_5TextConfig's defaults. Refused in one line, before anything is allocated:
 weights, a multimodal file without a text tower, an unknown layer_types entry, RoPE scaling,
 attention biases, another activation.
 
-Not wired into models/hf.py's build_from_hf yet (the family has no staging, training or export):
-models/hf.py refuses qwen3_5 checkpoints in one line.
+models/hf.py's build_from_hf, hf_tensors and hf_config call these for the two model types.
 """
 
 from __future__ import annotations
