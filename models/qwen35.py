@@ -234,26 +234,33 @@ class Qwen35(Llama):
         return self.decode_logits(h_BxTxD), PerLayer(layers)
 
 
-def _qwen35(n_layer: int, d_model: int, n_head: int, d_ff: int, value_heads: int) -> Qwen35Config:
+def _qwen35(n_layer: int, d_model: int, n_head: int, n_kv_head: int, d_ff: int, value_heads: int,
+            tie: bool = False) -> Qwen35Config:
     """A published Qwen3.5 dense text decoder: every 4th layer full attention (full_attention_interval
-    4), head_dim 256 with 4 key/value heads, 16 linear key heads of width 128, values of width 128,
-    conv taps 4, RoPE base 1e7 over a quarter of each head, 248,320 tokens, untied, 262,144 positions."""
+    4), head_dim 256, 16 linear key heads of width 128, values of width 128, conv taps 4, RoPE base
+    1e7 over a quarter of each head, 248,320 tokens, 262,144 positions."""
     types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layer))
-    return Qwen35Config(vocab_size=248320, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=4, head_dim=256,
-                        d_ff=d_ff, seq_len=4096, layer_types=types,
+    return Qwen35Config(vocab_size=248320, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                        head_dim=256, d_ff=d_ff, seq_len=4096, layer_types=types,
                         linear=DeltaNetShape(d_model=d_model, n_key_heads=16, n_value_heads=value_heads, d_key=128,
                                              d_value=128, conv_kernel=4, norm_eps=1e-6),
-                        max_position_embeddings=262144)
+                        tie_embeddings=tie, max_position_embeddings=262144)
 
 
-# Shapes of the published config.json files' text_config, as found in stored copies (the sizes not
-# listed here were not found and are not guessed):
-# Qwen3.5-27B: hidden 5120, 64 layers, 24 heads, intermediate 17408, 48 linear value heads (the
-#   config.json dumps in several stored repos, and THUDM/slime scripts/models/qwen3.5-27B.sh);
-# Qwen3.5-9B: hidden 4096, 32 layers, 16 heads, intermediate 12288, 32 linear value heads
-#   (transformers' Qwen3_5TextConfig defaults, documented there as "the Qwen3.5-9B style
-#   configuration", and a stored shape contract for Qwen3.5-9B: 16 x 256 queries, 4 x 256 keys, 12288).
-PRESETS = {"qwen3.5-9b": _qwen35(32, 4096, 16, 12288, 32), "qwen3.5-27b": _qwen35(64, 5120, 24, 17408, 48),
+# Shapes of the published checkpoints' text_config, as stored copies give them (the fields not
+# listed are transformers' Qwen3_5TextConfig defaults, which those copies leave as they are):
+# Qwen3.5-0.8B: hidden 1024, 24 layers, 8 heads / 2 kv, intermediate 3584, 16 linear value heads,
+#   tied (a copy of Qwen/Qwen3.5-0.8B@2fc06364's config.json, and a spec table of the sizes below);
+# Qwen3.5-2B: hidden 2048, 24 layers, 8 / 2, intermediate 6144, 16 value heads, tied;
+# Qwen3.5-4B: hidden 2560, 32 layers, 16 / 4, intermediate 9216, 32 value heads, tied;
+# Qwen3.5-9B: hidden 4096, 32 layers, 16 / 4, intermediate 12288, 32 value heads (transformers'
+#   defaults, documented there as "the Qwen3.5-9B style configuration", and the spec table);
+# Qwen3.5-27B: hidden 5120, 64 layers, 24 / 4, intermediate 17408, 48 value heads (config.json
+#   dumps in several stored repos, THUDM/slime scripts/models/qwen3.5-27B.sh, the spec table).
+PRESETS = {"qwen3.5-0.8b": _qwen35(24, 1024, 8, 2, 3584, 16, tie=True),
+           "qwen3.5-2b": _qwen35(24, 2048, 8, 2, 6144, 16, tie=True),
+           "qwen3.5-4b": _qwen35(32, 2560, 16, 4, 9216, 32, tie=True),
+           "qwen3.5-9b": _qwen35(32, 4096, 16, 4, 12288, 32), "qwen3.5-27b": _qwen35(64, 5120, 24, 4, 17408, 48),
            # Tests' and the planner's toy: both kinds of block, in the published order.
            "qwen3.5-tiny": Qwen35Config(
                vocab_size=256, d_model=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=16, d_ff=64, seq_len=64,

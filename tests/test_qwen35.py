@@ -295,7 +295,8 @@ def test_presets_have_the_published_shapes_and_round_trip():
     from the shapes models/qwen35.py cites, and each preset survives its config.json."""
     from pstar_models import PRESET_NAMES, build_model
     from pstar_models.hf_qwen35 import qwen35_hf_config
-    counts = {"qwen3.5-9b": 8_953_803_264, "qwen3.5-27b": 26_895_998_464}
+    counts = {"qwen3.5-0.8b": 752_393_024, "qwen3.5-2b": 1_881_825_088, "qwen3.5-4b": 4_205_751_296,
+              "qwen3.5-9b": 8_953_803_264, "qwen3.5-27b": 26_895_998_464}
     for name, count in counts.items():
         model = build_model(name)
         assert name in PRESET_NAMES and model.n_params() == count, name
@@ -419,4 +420,7 @@ def test_init_from_hf_reads_both_kinds_of_file_and_refuses_bad_ones_in_one_line(
         build_from_hf(TEXT, seq_len=16, n_layer=4)
     with pytest.raises(ValueError, match="layer_types has 'sliding_attention'") as err:
         build_from_hf({**TEXT, "layer_types": ["linear_attention", "sliding_attention", "full_attention"]})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^config.json model_type 'qwen3_5_moe' is not supported; supported: ") as err:
+        build_from_hf({"model_type": "qwen3_5_moe", "text_config": TEXT})  # the mixtures of experts: not yet
     assert "\n" not in str(err.value)
