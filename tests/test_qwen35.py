@@ -90,6 +90,7 @@ def test_packed_rows_give_each_example_transformers_logits():
         assert_rounding(part, hf_logits(model, x), hf_logits(model, x, double=True))
 
 
+@pytest.mark.slow  # (10-16 s on 2 cores)
 def test_decoding_through_the_cache_equals_the_full_forward():
     """A prompt of 9 in one call, then 1, 1 and 4 tokens: the logits of the whole row at once."""
     from flax import nnx
@@ -161,6 +162,7 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
         np.testing.assert_allclose(mine[name], value, rtol=0, atol=2e-6, err_msg=name)
 
 
+@pytest.mark.slow  # (10-16 s on 2 cores)
 def test_packed_sft_rows_give_each_example_its_own_loss_and_grads():
     """test_batch's check on Qwen3.5: a packed row of 3 examples has the loss sum and every gradient
     of the examples run alone (each padded, with its own mask), through the convolution, the delta
@@ -175,6 +177,7 @@ def test_packed_sft_rows_give_each_example_its_own_loss_and_grads():
                                                 ulps=lambda name: 1024 if name.endswith(decay) else 64)
 
 
+@pytest.mark.slow  # (10-16 s on 2 cores)
 def test_lora_targets_every_projection_and_step_zero_is_the_base_model():
     """peft's initialisation (lora_b zero): the adapted model's loss is the base's, to the bit, with
     an adapter on each projection of both kinds of block."""
