@@ -212,7 +212,8 @@ def test_a_lora_step_gives_pefts_loss_and_gradients_on_every_projection():
     loss and adapter gradients on transformers' Qwen3_5ForCausalLM, fp32."""
     import dataclasses
     import jax
-    import torch
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers.models.qwen3_5", reason=NO_QWEN3_5)
     peft = pytest.importorskip("peft")
     from pstar_jax.model.staged import compose_loss
     from pstar_models.hf_qwen35 import hf_name, params_from_hf
@@ -380,9 +381,10 @@ def test_a_lora_run_from_a_checkpoint_exports_what_transformers_and_peft_load(mu
     qwen3_5_text checkpoint that transformers loads with nothing missing or left over, and
     --export-lora an adapter that peft loads onto the source's text model, giving the merged
     export's logits."""
-    import torch
-    import transformers
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers.models.qwen3_5", reason=NO_QWEN3_5)
     peft = pytest.importorskip("peft")
+    import transformers
     from pstar_jax.cli.train import main as train_main
     config = dict(model_type="qwen3_5", text_config=TEXT, vision_config=VISION) if multimodal else TEXT
     saved_checkpoint(tmp_path / "src", config)
