@@ -23,8 +23,11 @@ from pstar_models.hf_gemma import (GEMMA_BLOCK, gemma_export, gemma_fields, othe
                                     with_text_defaults)
 from pstar_models.hf_fields import HF_DEFAULTS, layer_types, refuse_unless, require
 from pstar_models.hf_moe import check_experts, expert_fields, expert_key, experts, moe_tensor
+from pstar_models import hf_qwen35
+from pstar_models.qwen35 import Qwen35Config, StagedQwen35
 
-SUPPORTED = ("gpt2", *FAMILIES)
+QWEN35 = hf_qwen35.TEXT  # Qwen3.5's text decoder (models/qwen35.py, its names in models/hf_qwen35.py)
+SUPPORTED = ("gpt2", *FAMILIES, QWEN35)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM", GEMMA: "Gemma3ForCausalLM"}
@@ -198,6 +201,8 @@ def build_from_hf(config: Mapping[str, Any], lora: LoraSpec | None = None, **ove
     refuse_unless(config.get("quantization_config") is None, "quantization_config (quantized weights)")
     if model_type == "gpt2":
         return StagedGPT(dataclasses.replace(_gpt2_config(config, overrides), lora=lora))
+    if model_type in (QWEN35, hf_qwen35.MULTIMODAL):
+        return StagedQwen35(dataclasses.replace(hf_qwen35.qwen35_config(config, overrides), lora=lora))
     tower = text_tower(config)  # a multimodal Gemma 3: its text decoder alone
     if tower is not None:
         return build_from_hf(tower, lora, **overrides)
@@ -219,6 +224,8 @@ def hf_config(model: Any, torch_dtype: str = "bfloat16", source: Mapping[str, An
     its other fields (bos/eos ids, ...) are kept and its layout followed (5.x rope_parameters or
     4.x rope_theta/rope_scaling; dtype or torch_dtype), and a GPT-2 keeps its n_positions: the
     writer of an export that follows the source puts back the position rows our seq_len left out."""
+    if isinstance(getattr(model, "config", None), Qwen35Config):
+        return hf_qwen35.qwen35_hf_config(model.config, torch_dtype, source)
     ours = _hf_config(model, torch_dtype)
     if source is None or source.get("model_type") != ours["model_type"]:
         return ours
@@ -311,7 +318,7 @@ def hf_tensors(model: Any) -> dict[str, HFTensor]:
     has none; the peft format is pstar_jax/io/peft_io.py's)."""
     if isinstance(model.config, GPTConfig):
         family = "gpt2"
-    elif isinstance(model.config, LlamaConfig):
+    elif isinstance(model.config, (LlamaConfig, Qwen35Config)):
         family = model.config.family
     else:
         raise ValueError(f"no Hugging Face names for a model configured by {type(model.config).__name__}")
@@ -328,7 +335,7 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
         renamed = {(n if n.startswith(("model.", "lm_head.")) else "model." + n): s for n, s in renamed.items()}
         return check_hf_shapes(tower, renamed)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
+    if model_type not in SUPPORTED or model_type == QWEN35:  # (Qwen3.5: the reader checks each shape)
         return
     if model_type == GEMMA:
         config = with_text_defaults(config)
@@ -389,6 +396,8 @@ def hf_tensor(family: str, name: str) -> HFTensor:
     without a model at hand."""
     if family not in SUPPORTED:
         raise ValueError(f"no Hugging Face names for family {family!r}; supported: {', '.join(SUPPORTED)}")
+    if family == QWEN35:
+        return HFTensor(hf_qwen35.hf_name(name), hf_qwen35.transposed(name), False)
     gpt = family == "gpt2"
     top, block, prefix = ((_GPT2_TOP, _GPT2_BLOCK, "transformer.h") if gpt
                           else (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"))

@@ -24,7 +24,8 @@ TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size"
                  "sliding_window": 4096}
 MULTIMODAL = "gemma3"  # the model_type of a checkpoint whose text tower is a gemma3_text
 _TOWERS = ("language_model.model.", "model.language_model.")  # 4.x's spelling of our "model.", 5.x's
-_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                 "model.visual.", "mtp.")  # (the last two: Qwen3.5's vision tower and its multi-token prediction)
 
 GEMMA_BLOCK = {"attn_norm.scale": "input_layernorm.weight", "attn_post_norm.scale": "post_attention_layernorm.weight",
                "mlp_norm.scale": "pre_feedforward_layernorm.weight",

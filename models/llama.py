@@ -274,7 +274,10 @@ class Llama(nnx.Module):
     supports_packing = True
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, n_blocks: int | None = None,
-                 tiling: TileBudget = TileBudget(), first_block: int = 0):
+                 tiling: TileBudget = TileBudget(), first_block: int = 0, block: type = Block,
+                 norm_offset: bool | None = None):
+        """``block`` and ``norm_offset`` (None: Gemma's) let a decoder of other blocks reuse the rest
+        (models/qwen35.py)."""
         self.config, self.tiling = config, tiling
         self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         # (coefficient, experts) of the routers' load-balancing loss when the config asks for it
@@ -282,9 +285,9 @@ class Llama(nnx.Module):
         self.router_aux = (config.router_aux_loss_coef, config.n_experts) if config.output_router_logits else None
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
+        self.blocks = nnx.List([block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
                                 for i in range(config.n_layer if n_blocks is None else n_blocks)])
-        self.norm = RMSNorm(D, config.norm_eps, config.gemma)
+        self.norm = RMSNorm(D, config.norm_eps, config.gemma if norm_offset is None else norm_offset)
         if not config.tie_embeddings:
             self.head = _linear(D, config.vocab_size, rngs, bias=False)
 

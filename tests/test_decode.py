@@ -8,6 +8,8 @@ import pytest
 from pstar_models.gpt import GPTConfig, StagedGPT
 from pstar_models.llama import LlamaConfig, StagedLlama
 from pstar_models.llama_config import LinearRopeScaling, _llama3
+from pstar_models.qwen35 import build_model as qwen35_model
+from pstar_jax.model.nnx_staged import PerLayer
 from pstar_jax.engine.decode import CachedDecoder, Sampling, StreamedDecoder, cache_bytes, sample, stream_peak_bytes
 
 MODELS = {
@@ -35,6 +37,9 @@ MODELS = {
                                               layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                                               sliding_window=4, rope_local_theta=100.0, query_pre_attn_scalar=10,
                                               final_softcap=3.0)),
+    # Qwen3.5: Gated DeltaNet layers (a conv window and the delta rule's state per layer) before a
+    # gated full-attention one with partial RoPE
+    "qwen3_5": lambda: qwen35_model("qwen3.5-tiny", vocab_size=89, seq_len=24),
 }
 PROMPT = np.array([[5, 17, 3, 60, 2]], np.int32)
 N_NEW = 12
@@ -73,7 +78,9 @@ def test_decode_logits_equal_the_full_forward(model_params):
     module = model.module(params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (2, 9)), jnp.int32)
     cache = module.init_cache(2, 16, jnp.float32)
-    assert all(x.shape[:3] == (model.n_layer, 2, 16) for x in jax.tree.leaves(cache))
+    layers = list(cache) if isinstance(cache, PerLayer) else [jax.tree.map(lambda x: x[i], cache)
+                                                              for i in range(model.n_layer)]
+    assert len(layers) == model.n_layer and all(x.shape[0] == 2 for x in jax.tree.leaves(layers))
     first, cache = module.decode(tokens[:, :6], cache, 0)
     rest = []
     for p in range(6, 9):

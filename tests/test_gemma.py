@@ -236,25 +236,13 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     trained by torch.optim.AdamW on the same batches (fp32, no clipping, warmup-cosine, decay on
     matrices only), the window shorter than the batch's rows: equal losses at every step and
     equal params after ten."""
-    torch = pytest.importorskip("torch")
-    from torch_adamw import assert_trained_alike, chunked_and_reference
-    B, T, steps = 2, 12, 10
+    pytest.importorskip("torch")
+    from torch_adamw import assert_trained_alike, chunked_and_reference, train_both
+    B, T = 2, 12
     hf_model, model, engine, opt, lr_at = chunked_and_reference(GEMMA, B, T)
-    rng = np.random.default_rng(1)
-    ours, theirs = [], []
-    for _ in range(steps):
-        # Token 0 is Gemma's pad_token_id, whose embedding row torch's nn.Embedding(padding_idx=0)
-        # never updates through the lookup (only through the tied head): left out of the inputs.
-        seq = rng.integers(1, GEMMA["vocab_size"], (B, T + 1)).astype(np.int32)
-        ours.append(engine.step([(seq[:, :-1], seq[:, 1:])]))
-        opt.zero_grad(set_to_none=True)
-        logits = hf_model(torch.from_numpy(seq[:, :-1]).long()).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.from_numpy(seq[:, 1:]).long().reshape(-1))
-        loss.backward()
-        opt.step()
-        lr_at.step()
-        theirs.append(float(loss.detach()))
+    # Token 0 is Gemma's pad_token_id, whose embedding row torch's nn.Embedding(padding_idx=0)
+    # never updates through the lookup (only through the tied head): left out of the inputs.
+    ours, theirs = train_both(engine, hf_model, opt, lr_at, GEMMA["vocab_size"], B, T, low=1)
     assert_trained_alike(engine, model, hf_model, ours, theirs)
 
 

@@ -38,6 +38,26 @@ def torch_adamw(hf_model, optim):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float(schedule(step)) / optim.lr)
 
 
+def train_both(engine, hf_model, opt, lr_at, vocab_size, batch, seq, steps=10, low=0, seed=1):
+    """``steps`` steps of the engine and of the torch model on the same random batches (tokens
+    low..vocab_size-1): (the engine's step reports, torch's losses)."""
+    import torch
+    rng = np.random.default_rng(seed)
+    ours, theirs = [], []
+    for _ in range(steps):
+        tokens = rng.integers(low, vocab_size, (batch, seq + 1)).astype(np.int32)
+        ours.append(engine.step([(tokens[:, :-1], tokens[:, 1:])]))
+        opt.zero_grad(set_to_none=True)
+        logits = hf_model(torch.from_numpy(tokens[:, :-1]).long()).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.from_numpy(tokens[:, 1:]).long().reshape(-1))
+        loss.backward()
+        opt.step()
+        lr_at.step()
+        theirs.append(float(loss.detach()))
+    return ours, theirs
+
+
 def assert_trained_alike(engine, model, hf_model, ours, theirs):
     """The chunks moved every step, the losses agree to a few ulps (fp32, near log(vocab)) and so do
     the params after the last step."""

@@ -31,13 +31,16 @@ from flax import nnx
 
 from pstar_jax.config import ConfigError
 from pstar_jax.model.nnx_staged import NNXStaged
+from pstar_jax.model.nnx_staged import PerLayer
 
 
 @runtime_checkable
 class Decoder(Protocol):
     """What an NNX module provides to be decoded. The cache is a pytree whose leaves have the
-    layer as their first axis; ``blocks[i].decode(h, layer_cache, pos) -> (h, layer_cache)``
-    works on the leaves' slice i. ``pos`` is the position of the first of the T new tokens."""
+    layer as their first axis, or a ``PerLayer`` (a tuple with one pytree per layer, for blocks
+    whose caches differ: Qwen3.5's linear and full-attention layers);
+    ``blocks[i].decode(h, layer_cache, pos) -> (h, layer_cache)`` works on layer i's part. ``pos``
+    is the position of the first of the T new tokens."""
     blocks: Sequence[Any]
 
     def max_decode_len(self) -> int: ...
@@ -274,8 +277,10 @@ class StreamedDecoder:
         B, P = prompt_BxP.shape
         _, shell = decoder_shell(self.model, 0)
         full = jax.eval_shape(lambda: shell.init_cache(B, P + n_new, self.dtype))
-        cache = [jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape[1:], x.dtype), self.on_host), full)
-                 for _ in range(self.model.n_layer)]
+        layers = list(full) if isinstance(full, PerLayer) else [
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), full)] * self.model.n_layer
+        cache = [jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.on_host), layer)
+                 for layer in layers]
         key, done_B = jax.random.key(s.seed), jnp.zeros((B,), bool)
         tokens_BxT, out = jnp.asarray(prompt_BxP, jnp.int32), []
         for i in range(n_new):

@@ -32,6 +32,7 @@ from safetensors.numpy import save_file
 from pstar_jax.config.errors import ConfigError, HFCheckpointError
 from pstar_jax.config.paths import check_output_dir, contained, staged_dir
 from pstar_models.hf_gemma import MULTIMODAL, other_tower, tower_names
+from pstar_models.hf_qwen35 import MULTIMODAL as QWEN35_MULTIMODAL
 
 TensorMap = Mapping[str, tuple[str, bool, bool]]  # pstar name -> (HF name, transpose, truncate_rows)
 
@@ -148,7 +149,7 @@ class HFCheckpoint(Mapping[str, np.ndarray]):
         self.directory = os.path.abspath(directory)
         # (the same one-line errors for a wrong directory); a multimodal Gemma 3's text tower is read
         # from under its prefixes, its vision tower left alone
-        self._tower = read_hf_config(self.directory).get("model_type") == MULTIMODAL
+        self._tower = read_hf_config(self.directory).get("model_type") in (MULTIMODAL, QWEN35_MULTIMODAL)
         if set(tensor_map) != set(shapes):
             odd = sorted(set(tensor_map) ^ set(shapes))[:3]
             raise HFCheckpointError(f"the tensor map and the model disagree on {odd}; the model's HF map is wrong")

@@ -49,7 +49,11 @@ _LLAMA = (*_ATTENTION, "mlp.gate", "mlp.up", "mlp.down")
 _EXPERTS = ("mlp.experts.*.gate", "mlp.experts.*.up", "mlp.experts.*.down")
 PROJECTIONS = {"gpt2": ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"), "llama": _LLAMA, "qwen2": _LLAMA,
                "mistral": _LLAMA, "qwen3": _LLAMA, "qwen3_moe": (*_ATTENTION, *_EXPERTS),
-               "mixtral": (*_ATTENTION, *_EXPERTS), "gemma3_text": _LLAMA}
+               "mixtral": (*_ATTENTION, *_EXPERTS), "gemma3_text": _LLAMA,
+               # Qwen3.5: its full-attention blocks' and its Gated DeltaNet blocks' projections
+               "qwen3_5_text": (*_ATTENTION, *(f"linear_attn.{m}" for m in ("in_qkv", "in_z", "in_b", "in_a", "out")),
+                                "mlp.gate", "mlp.up", "mlp.down")}
+BLOCK_KINDS = ("qwen3_5_text",)  # families whose blocks hold different projections (by the path's first part)
 _EXPERT_INDEX = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 
 
@@ -260,12 +264,19 @@ def _check_adapters(tensors: Mapping[str, np.ndarray], family: str, rank: int, t
             experts.setdefault((path, i), set()).add(module.split(".", 2)[-1])
     if not blocks:
         raise ConfigError("the export got no adapter tensors (names ending in .lora.lora_a / .lora.lora_b)")
+    # peft's format names one set of modules, wrapped in every block that has them: every projection
+    # covers blocks 0..N-1, or with block kinds (Qwen3.5's attn / linear_attn) every projection of a
+    # mixer the same blocks, the mixers together 0..N-1.
+    groups = {p: p.split(".")[0] if family in BLOCK_KINDS else "" for p in blocks}
+    covered = set().union(*blocks.values())
     first = next(iter(blocks.values()))
     if any(b != first for b in blocks.values()) and any("experts" in p for p in blocks):
         raise ConfigError("the experts' adapters cover the layers with experts only, and this model also has dense "
                           "layers (mlp_only_layers or decoder_sparse_step), which peft's target_modules cannot tell "
                           "apart yet; export adapters on attention only, or merge them with --export-hf")
-    if any(b != first for b in blocks.values()) or first != set(range(len(first))):
+    if covered != set(range(len(covered))) or any(
+            b != next(blocks[q] for q in blocks if groups[q] == groups[p]) for p, b in blocks.items()) or (
+            family not in BLOCK_KINDS and any(b != first for b in blocks.values())):
         raise ConfigError("the adapters do not cover the same blocks 0..N-1 in every projection "
                           f"({ {p: sorted(b) for p, b in blocks.items()} }); peft's format names one set of modules")
     if len({len(e) for e in experts.values()}) > 1:

@@ -51,6 +51,14 @@ def _first_use(fn: Callable, names: Sequence[str], values: Sequence[Any], *args:
     return order
 
 
+class PerLayer(tuple):
+    """A decoding cache held one pytree per layer, for blocks whose caches differ (see
+    pstar_jax.engine.decode.Decoder)."""
+
+
+jax.tree_util.register_pytree_node(PerLayer, lambda t: (tuple(t), None), lambda _, parts: PerLayer(parts))
+
+
 class NNXStaged:
     """A Flax NNX decoder as a staged model: an embed stage, one stage per block, a head stage.
 
