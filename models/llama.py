@@ -282,7 +282,9 @@ class Llama(nnx.Module):
         self.dropout_seeded = config.lora is not None and config.lora.dropout > 0  # see pstar_jax.data.batch
         # (coefficient, experts) of the routers' load-balancing loss when the config asks for it
         # (transformers' output_router_logits): the stages then carry RouterStats (pstar_jax.model.staged)
-        self.router_aux = (config.router_aux_loss_coef, config.n_experts) if config.output_router_logits else None
+        # (a Qwen35Config has no experts, so no such field)
+        self.router_aux = ((config.router_aux_loss_coef, config.n_experts)
+                           if getattr(config, "output_router_logits", False) else None)
         D = config.d_model
         self.embed = nnx.Embed(config.vocab_size, D, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.blocks = nnx.List([block(config, rngs=rngs, tiling=tiling, layer=first_block + i)
