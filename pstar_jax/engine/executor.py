@@ -153,6 +153,9 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
         # live non-model bytes beside the trace's prediction; None on a CPU.
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
+        # Stages whose forward keeps its vjp residuals for its backward, which runs no forward then (none by
+        # default); not yet placed by the plan: working memory beside the chunks, forward to backward.
+        self.keep_residuals: frozenset[int] = frozenset()
 
     # -- planning -----------------------------------------------------------------------------
     def chunk_bytes(self, c: int) -> int:
@@ -372,7 +375,11 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 self.store.put(key, run.x)
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
+            if i in self.keep_residuals:
+                run.x, run.residuals[a.micro, i] = self.fns.forward_keep(self.bound[i], i == 0)(
+                    params, self._offsets[i], x, run.batch)
+            else:
+                run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
             return run.x
         grads = self._grads(i)
         if a.phase == "head":
@@ -384,8 +391,10 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             run.metrics.append(metrics)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets[i], x, run.batch, run.g, grads)
+            kept = run.residuals.pop((a.micro, i), None)  # consumed: freed once the backward has run
+            args = (params, self._offsets[i], x, run.batch, run.g)
+            run.g, grads = (self.fns.backward(self.bound[i], i == 0)(*args, grads) if kept is None
+                            else self.fns.backward_kept(self.bound[i], i == 0)(*args, kept, grads))
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)
@@ -438,3 +447,4 @@ class _StepState:
     losses: list = dataclasses.field(default_factory=list)
     metrics: list = dataclasses.field(default_factory=list)  # the head's metric sums, per micro-batch
     sumsq: list = dataclasses.field(default_factory=list)
+    residuals: dict = dataclasses.field(default_factory=dict)  # (micro-batch, stage) -> its kept vjp residuals

@@ -1,0 +1,67 @@
+"""Stages that keep their vjp residuals (issue 31 part 4): the forward returns the residuals and
+the backward runs from them, no forward again. Equal to today's recompute within fp32 rounding:
+the forward under jax.vjp and the recompute are fused differently by XLA, so the activations
+differ in their last bits (2.4e-7 at most in a block's grads on the tiny Llama, see
+docs/plans/issue31-chunks-and-disk.md, section 3)."""
+
+import numpy as np
+import pytest
+
+from pstar_models import build_model
+from pstar_models.lora import LoraSpec
+from pstar_jax.config import OptimConfig
+from pstar_jax.config.lora import LoraConfig
+from pstar_jax.model.lora import frozen_for_lora
+from frozen_engines import chunked
+from sft_batches import sft_steps
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10, weight_decay=0.1, clip_norm=1e6)
+
+
+def spy(fns, name: str, calls: list) -> None:
+    """Record the stage index of each call of ``fns.<name>(bound, first)``."""
+    real = getattr(fns, name)
+    setattr(fns, name, lambda bound, first: calls.append(bound.index) or real(bound, first))
+
+
+def _engines(lora: bool, keep: frozenset[int]):
+    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0) if lora else None)
+    frozen = frozen_for_lora(m, LoraConfig(rank=4)) if lora else set()
+    today, kept = (chunked(m, frozen, micro_batches=3, optim=OPTIM, chunk=None) for _ in range(2))
+    kept.keep_residuals = keep
+    return m, frozen, today, kept
+
+
+@pytest.mark.parametrize("lora,keep", [(True, frozenset({1, 2})), (True, frozenset({0, 2})),
+                                       (False, frozenset({0, 1, 2}))])
+def test_kept_residuals_train_as_recompute_does(lora, keep):
+    """A tiny Llama, LoRA over a frozen base and full fine-tuning, some stages keeping their
+    residuals, three micro-batches, chunks moving every step: losses and weights equal the
+    recompute's within fp32 rounding over 4 steps; kept stages ran no recomputing backward and
+    kept none of their weights among the residuals."""
+    m, frozen, today, kept = _engines(lora, keep)
+    recomputed, from_residuals, recomputed_all = [], [], []
+    spy(kept.fns, "backward", recomputed)
+    spy(kept.fns, "backward_kept", from_residuals)
+    spy(today.fns, "backward", recomputed_all)
+    for step in sft_steps(4, micro_batches=3, seed=5):
+        a, b = today.step(step), kept.step(step)
+        assert a.h2d_bytes > 0 and b.h2d_bytes == a.h2d_bytes, "chunks must move, as the plan says"
+        np.testing.assert_allclose(b.loss, a.loss, rtol=2e-6)
+        np.testing.assert_allclose(b.grad_norm, a.grad_norm, rtol=1e-5)
+    for name, value in today.params().items():
+        np.testing.assert_allclose(kept.params()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        if name in frozen:
+            np.testing.assert_array_equal(kept.params()[name], value, err_msg=name)
+    assert set(recomputed) & keep == set() and set(from_residuals) == keep & set(recomputed_all)
+    weight_shapes = {tuple(shape) for shape in m.param_shapes().values() if len(shape) > 1}
+    for _, _, shapes in kept.fns._residuals.values():
+        assert not weight_shapes & {tuple(s) for s, _ in shapes}, "a weight was kept as a residual"
+
+
+def test_no_kept_stage_is_todays_engine():
+    """Off by default: nothing is kept and no keep-mode function is compiled."""
+    _, _, today, _ = _engines(True, frozenset())
+    today.step(sft_steps(1, micro_batches=3)[0])
+    assert today.keep_residuals == frozenset() and not today.fns._residuals
+    assert not any(str(key[0]).startswith(("fwd_keep", "bwd_kept")) for key in today.fns._cache)
