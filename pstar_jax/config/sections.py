@@ -145,6 +145,9 @@ class EngineConfig:
     precision: str = option("bf16", "compute dtype of params, activations and grads (master and Adam: fp32)",
                             choices=PRECISIONS, math_changing=True)
     micro_batches: int = option(1, "gradient accumulation steps per optimizer step")
+    keep_residuals: int = option(0, "chunked engine: the last N blocks keep their backward's activations (the "
+                                 "jax.vjp residuals) from their forward instead of computing the forward again: "
+                                 "fewer FLOPs, more memory, placed like the stage inputs")
     adam_placement: str = option("auto", "where fp32 master and Adam state live: device, host (updated there), "
                                  "stream (kept on the host, updated on the device); auto: per chunk, the mix of the "
                                  "three the plan predicts fastest", choices=ADAM_PLACEMENTS)
@@ -180,6 +183,9 @@ class EngineConfig:
                                   f"{getattr(self, name)!r}")
         positive_int(self, "chunk_numel", "host_memory", "disk_memory", allow_none=True, upper=2**62)
         positive_int(self, "micro_batches", upper=MAX_STEPS)
+        if isinstance(self.keep_residuals, bool) or not isinstance(self.keep_residuals, int) or self.keep_residuals < 0:
+            raise ConfigError(f"EngineConfig.keep_residuals must be a whole number of blocks, 0 or more, got "
+                              f"{self.keep_residuals!r}")
         if self.base_quant is not None and self.base_quant not in BASE_QUANTS:
             raise ConfigError(f"EngineConfig.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
         if self.base_quant and self.disk_memory:

@@ -73,7 +73,7 @@ from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, cl
 from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
-from pstar_jax.plan.schedule import Access, staged_after
+from pstar_jax.plan.schedule import Access, kept_stages, staged_after
 from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
@@ -153,9 +153,9 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
         # live non-model bytes beside the trace's prediction; None on a CPU.
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
-        # Stages whose forward keeps its vjp residuals for its backward, which runs no forward then (none by
-        # default); not yet placed by the plan: working memory beside the chunks, forward to backward.
-        self.keep_residuals: frozenset[int] = frozenset()
+        # Stages whose forward keeps its vjp residuals for its backward, which runs no forward then: they join
+        # the stage's input item ("act", i, m), as the plan counted them (trace_step's ``keep``).
+        self.keep_residuals = kept_stages(len(self.bound), cfg.keep_residuals)
 
     # -- planning -----------------------------------------------------------------------------
     def chunk_bytes(self, c: int) -> int:
@@ -376,8 +376,8 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             if i in self.keep_residuals:
-                run.x, run.residuals[a.micro, i] = self.fns.forward_keep(self.bound[i], i == 0)(
-                    params, self._offsets[i], x, run.batch)
+                run.x, kept = self.fns.forward_keep(self.bound[i], False)(params, self._offsets[i], x, run.batch)
+                self.store.put(key, (self.store.take(key, Space.DEVICE), kept))
             else:
                 run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
             return run.x
@@ -391,7 +391,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             run.metrics.append(metrics)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            kept = run.residuals.pop((a.micro, i), None)  # consumed: freed once the backward has run
+            x, kept = x if i in self.keep_residuals else (x, None)  # the plan drops the item after the backward
             args = (params, self._offsets[i], x, run.batch, run.g)
             run.g, grads = (self.fns.backward(self.bound[i], i == 0)(*args, grads) if kept is None
                             else self.fns.backward_kept(self.bound[i], i == 0)(*args, kept, grads))
@@ -447,4 +447,3 @@ class _StepState:
     losses: list = dataclasses.field(default_factory=list)
     metrics: list = dataclasses.field(default_factory=list)  # the head's metric sums, per micro-batch
     sumsq: list = dataclasses.field(default_factory=list)
-    residuals: dict = dataclasses.field(default_factory=dict)  # (micro-batch, stage) -> its kept vjp residuals
