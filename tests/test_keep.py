@@ -4,6 +4,8 @@ the forward under jax.vjp and the recompute are fused differently by XLA, so the
 differ in their last bits (2.4e-7 at most in a block's grads on the tiny Llama, see
 docs/plans/issue31-chunks-and-disk.md, section 3)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,15 @@ def test_kept_residuals_train_as_recompute_does(lora, keep):
         assert b.device_chunk_peak_bytes <= kept.plan.peak_device_bytes
         np.testing.assert_allclose(b.loss, a.loss, rtol=2e-6)
         np.testing.assert_allclose(b.grad_norm, a.grad_norm, rtol=1e-5)
+    shape, shape0 = kept.plan_for((4, 64)).shape, today.plan_for((4, 64)).shape
+    for i in range(head):  # the trace: a kept stage's residuals join its input item, its backward runs no forward
+        res = shape.residual_bytes[i]
+        assert shape.input_bytes[i] == shape0.input_bytes[i] + res and (res > 0) == (i in keep)
+        if i in keep:
+            assert shape.bwd_flops[i] < shape0.bwd_flops[i] - 0.5 * shape0.fwd_flops[i]
+        else:
+            assert (shape.bwd_flops[i], shape.fwd_non_model[i]) == (shape0.bwd_flops[i], shape0.fwd_non_model[i])
+    assert kept.plan.predicted_step_s < today.plan.predicted_step_s or len(keep) == 0
     for name, value in today.params().items():
         np.testing.assert_allclose(kept.params()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
         if name in frozen:
@@ -85,3 +96,22 @@ def test_no_kept_stage_is_todays_engine():
     today.step(sft_steps(1, micro_batches=3)[0])
     assert today.keep_residuals == frozenset() and not today.fns._residuals
     assert not any(str(key[0]).startswith(("fwd_keep", "bwd_kept")) for key in today.fns._cache)
+
+
+def test_pstar_plan_reports_the_kept_blocks(capsys):
+    from pstar_jax.cli.plan import main
+    flags = ["--model", "llama-tiny", "--batch-size", "4", "--seq-len", "64", "--no-search"]
+    assert main([*flags, "--keep-residuals", "1"]) == 0
+    kept = [line for line in capsys.readouterr().out.splitlines() if "residuals" in line]
+    assert len(kept) == 1 and re.fullmatch(r"blocks keeping their residuals: 1 of 2, [\d.]+ [KM]iB per micro-batch, "
+                                           r"(on the device|with the stage inputs: .*)", kept[0]), kept
+    assert main(flags) == 0 and "residuals" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,words", [("-1", "--keep-residuals must be a whole number of blocks, 0 or more"),
+                                         ("3", "--keep-residuals 3 is more than the model's 2 blocks")])
+def test_bad_kept_blocks_are_one_line(capsys, value, words):
+    from pstar_jax.cli.plan import main
+    assert main(["--model", "llama-tiny", "--batch-size", "4", "--no-search", "--keep-residuals", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err, err
