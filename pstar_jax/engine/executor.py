@@ -8,9 +8,11 @@ forward and fetches it back ahead of its backward, and the store counts its byte
 stage computes its loss sum, scaled by 1 / the step's global count of trained tokens, and its
 gradient in one call (with a mixture of experts' load-balancing loss the
 stage inputs carry its per-expert sums beside h, and the head adds it: model/router_aux.py);
-backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
-into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
-are dropped and its grad takes their place (14 bytes per parameter in all).
+backward in reverse, recomputing each stage's forward under jax.vjp (or, in the last blocks
+EngineConfig.keep_residuals names, running from the vjp residuals their forward added to their
+input's item) and adding its tensor grads into gradient chunks. After a chunk's last backward
+use in the last micro-batch its bf16 params are dropped and its grad takes their place (14 bytes
+per parameter in all).
 
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
@@ -153,8 +155,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
         # live non-model bytes beside the trace's prediction; None on a CPU.
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
-        # Stages whose forward keeps its vjp residuals for its backward, which runs no forward then: they join
-        # the stage's input item ("act", i, m), as the plan counted them (trace_step's ``keep``).
+        # Stages keeping their vjp residuals in their input's item, as the plan counted them (trace_step's keep).
         self.keep_residuals = kept_stages(len(self.bound), cfg.keep_residuals)
 
     # -- planning -----------------------------------------------------------------------------
