@@ -75,7 +75,7 @@ from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, cl
 from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.placement import Plan
 from pstar_jax.plan.replay import PlanMoment
-from pstar_jax.plan.schedule import Access, kept_stages, staged_after
+from pstar_jax.plan.schedule import Access, staged_after
 from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.zero import replicated_value, to_numpy
 
@@ -155,8 +155,6 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         # Where the backend keeps allocator statistics (GPUs), the first step records each moment's
         # live non-model bytes beside the trace's prediction; None on a CPU.
         self.measured_non_model: list[int] | None = [] if self.device_memory_in_use() is not None else None
-        # Stages keeping their vjp residuals in their input's item, as the plan counted them (trace_step's keep).
-        self.keep_residuals = kept_stages(len(self.bound), cfg.keep_residuals)
 
     # -- planning -----------------------------------------------------------------------------
     def chunk_bytes(self, c: int) -> int:
@@ -251,7 +249,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             self.plan = plan
         self._begin_reads(plan)
         count, scale = self.fns.count(self._put_counts(micro_batches))
-        run = _StepState(scale=scale)
+        run = _StepState(scale=scale, keeping=planned.shape.keeping)
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
@@ -376,7 +374,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 self.store.put(key, run.x)
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            if i in self.keep_residuals:
+            if i in run.keeping:  # its vjp residuals join its input's item, as the plan counted them
                 run.x, kept = self.fns.forward_keep(self.bound[i], False)(params, self._offsets[i], x, run.batch)
                 self.store.put(key, (self.store.take(key, Space.DEVICE), kept))
             else:
@@ -392,7 +390,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             run.metrics.append(metrics)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            x, kept = x if i in self.keep_residuals else (x, None)  # the plan drops the item after the backward
+            x, kept = x if i in run.keeping else (x, None)  # the plan drops the item after the backward
             args = (params, self._offsets[i], x, run.batch, run.g)
             run.g, grads = (self.fns.backward(self.bound[i], i == 0)(*args, grads) if kept is None
                             else self.fns.backward_kept(self.bound[i], i == 0)(*args, kept, grads))
@@ -442,6 +440,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
 class _StepState:
     """What flows between the moments of one step."""
     scale: jax.Array
+    keeping: frozenset = frozenset()  # stages that keep their vjp residuals (StepShape.keeping)
     x: Any = None
     g: Any = None
     batch: Any = None

@@ -77,6 +77,11 @@ class StepShape:
     # Per stage: of its input_bytes, the vjp residuals a stage keeping them adds (kept_stages); () none does.
     residual_bytes: tuple[int, ...] = ()
 
+    @property
+    def keeping(self) -> frozenset[int]:
+        """The stages that keep their vjp residuals (in their input's item) for their backward."""
+        return frozenset(i for i, r in enumerate(self.residual_bytes) if r)
+
     def __post_init__(self):
         if not len(self.shard_numels) == len(self.chunk_bytes) == len(self.opt_state_bytes):
             raise ValueError(f"a step shape needs elements, bytes and optimizer state bytes per chunk, got "

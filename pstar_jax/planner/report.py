@@ -406,7 +406,7 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).chunk_state_bytes(layout)
     return trace_step(bound, fns, placement, layout.numels, cfg.compute_dtype, *batch_shape, opt_state_bytes,
                       cfg.micro_batches, cache=cache, dtypes=layout.dtypes(cfg.compute_dtype),
-                      keep=kept_stages(len(bound), cfg.keep_residuals))
+                      keep=kept_stages(len(bound), cfg.keep_residuals or 0))
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,

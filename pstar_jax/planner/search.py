@@ -256,7 +256,7 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
                                             cfg.micro_batches, cache=cache,
                                             dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)),
                                             dtypes=layout.dtypes(cfg.compute_dtype), objective=deeper,
-                                            keep=kept_stages(len(bound), cfg.keep_residuals))
+                                            keep=kept_stages(len(bound), cfg.keep_residuals or 0))
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)
