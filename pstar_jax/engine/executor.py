@@ -375,7 +375,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
             if i in run.keeping:  # its vjp residuals join its input's item, as the plan counted them
-                run.x, kept = self.fns.forward_keep(self.bound[i], False)(params, self._offsets[i], x, run.batch)
+                run.x, kept = self.fns.forward_keep(self.bound[i])(params, self._offsets[i], x, run.batch)
                 self.store.put(key, (self.store.take(key, Space.DEVICE), kept))
             else:
                 run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
@@ -393,7 +393,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             x, kept = x if i in run.keeping else (x, None)  # the plan drops the item after the backward
             args = (params, self._offsets[i], x, run.batch, run.g)
             run.g, grads = (self.fns.backward(self.bound[i], i == 0)(*args, grads) if kept is None
-                            else self.fns.backward_kept(self.bound[i], i == 0)(*args, kept, grads))
+                            else self.fns.backward_kept(self.bound[i])(*args, kept, grads))
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)

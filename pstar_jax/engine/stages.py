@@ -198,50 +198,48 @@ class StageFunctions:
                             (None if first else P("data"), grad_specs)),
             donate_argnums=(5,) if first else (4, 5), compiler_options=self._options))
 
-    def forward_keep(self, bound: BoundStage, first: bool) -> Callable:
+    def forward_keep(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, x, batch) -> (y, residuals): the forward under jax.vjp, returning the
         residuals its backward (``backward_kept``) needs instead of recomputing it, each flattened
         to 1-D (sharded over the data axis like the activations). Residuals that are the stage's
         tensors, its input or its batch fields are left out: the backward has them already, so
-        only the activations are kept (a frozen weight is never copied into them)."""
-        apply, pattern = bound.stage.apply, bound.pattern
-        tensors, _ = _trainable_pattern(bound)
-        key = ("res", bound.stage.apply, pattern, bound.frozen, bound.quant, first)
+        only the activations are kept (a frozen weight is never copied into them). Not for the
+        first stage, whose input is the batch's tokens (schedule.kept_stages)."""
+        key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
 
         def local(chunks, offsets, x, batch):
-            known, (y, vjp) = self._vjp(bound, tensors, first, chunks, offsets, x, batch)
+            params, batch, known = self._known(bound, chunks, offsets, x, batch)
+            tensors, _ = _trainable_pattern(bound)
+            y, vjp = jax.vjp(lambda p, x: bound.stage.apply(_with(params, tensors, p), x, batch),
+                             tuple(params[i] for i in tensors), x)
             leaves, treedef = jax.tree_util.tree_flatten(vjp)
             sources = tuple(next((k for k, a in enumerate(known) if a is leaf), None) for leaf in leaves)
             kept = [leaf for leaf, s in zip(leaves, sources) if s is None]
-            self._residuals[key] = (treedef, sources, tuple((leaf.shape, leaf.dtype) for leaf in kept))
+            self._residuals[key] = (treedef, sources, tuple(leaf.shape for leaf in kept))
             return y, tuple(leaf.reshape(-1) for leaf in kept)
-        return self._get("fwd_keep_first" if first else "fwd_keep", bound, lambda: jax.jit(
+        return self._get("fwd_keep", bound, lambda: jax.jit(
             self._shard_map(local, len(bound.chunks), (P("data"), P("data")), (P("data"), P("data"))),
             compiler_options=self._options))
 
-    def backward_kept(self, bound: BoundStage, first: bool) -> Callable:
+    def backward_kept(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, x, batch, gy, residuals, grad_chunks) -> (gx, grad_chunks): ``backward``
-        from the residuals ``forward_keep`` returned (donated, with the grad chunks and gy), no
-        forward run again. The stage's tensors, input and batch fill the residuals left out."""
+        from the residuals ``forward_keep`` returned, no forward run again (grad chunks and gy
+        donated, as there). The stage's tensors, input and batch fill the residuals left out."""
         tensors, grad_pattern = _trainable_pattern(bound)
-        key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant, first)
+        key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
 
         def local(chunks, offsets, x, batch, gy, residuals, grad_chunks):
             treedef, sources, shapes = self._residuals[key]  # recorded when the forward was traced
             known = self._known(bound, chunks, offsets, x, batch)[2]
-            kept = iter(r.reshape(shape) for r, (shape, _) in zip(residuals, shapes))
+            kept = iter(r.reshape(shape) for r, shape in zip(residuals, shapes))
             vjp = jax.tree_util.tree_unflatten(treedef, [next(kept) if s is None else known[s] for s in sources])
-            if first:
-                (gp,), gx = vjp(gy), None
-            else:
-                gp, gx = vjp(gy)
+            gp, gx = vjp(gy)
             return gx, _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices)
-        n = len(bound.chunks)
         grad_specs = tuple(P("data") for _ in bound.grad_chunks)
-        return self._get("bwd_kept_first" if first else "bwd_kept", bound, lambda: jax.jit(
-            self._shard_map(local, n, (P("data"), P("data"), P("data"), P("data"), grad_specs),
-                            (None if first else P("data"), grad_specs)),
-            donate_argnums=(6,) if first else (4, 6), compiler_options=self._options))
+        return self._get("bwd_kept", bound, lambda: jax.jit(
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data"), P("data"), P("data"), grad_specs),
+                            (P("data"), grad_specs)),
+            donate_argnums=(4, 6), compiler_options=self._options))
 
     def _known(self, bound: BoundStage, chunks, offsets, x, batch) -> tuple[tuple, Batch, list]:
         """(the stage's tensors, its batch with the forward's dropout seeds, and the values its vjp
@@ -249,15 +247,6 @@ class StageFunctions:
         params = self._params(chunks, offsets, bound.pattern, bound.quant)
         batch = stage_seeds(batch, offsets[-1])
         return params, batch, jax.tree_util.tree_leaves((params, x, batch))
-
-    def _vjp(self, bound: BoundStage, tensors, first: bool, chunks, offsets, x, batch):
-        """(the ``_known`` values, (y, vjp)): the stage's forward under jax.vjp over its trainable
-        tensors (and x, past the first stage), as ``backward`` runs it."""
-        params, batch, known = self._known(bound, chunks, offsets, x, batch)
-        trained = tuple(params[i] for i in tensors)
-        if first:
-            return known, jax.vjp(lambda p: bound.stage.apply(_with(params, tensors, p), x, batch), trained)
-        return known, jax.vjp(lambda p, x: bound.stage.apply(_with(params, tensors, p), x, batch), trained, x)
 
     def head(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, metrics, gh, grad_chunks).

@@ -151,9 +151,9 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     for i, b in enumerate(bound[:-1]):
         if i in keep:
             residuals[i] = tuple(_abstract(r.shape, r.dtype, tr.dev) for r in jax.eval_shape(
-                fns.forward_keep(b, False), chunks(b), offsets(b), xs[i], tr.batch)[1])
+                fns.forward_keep(b), chunks(b), offsets(b), xs[i], tr.batch)[1])
             res_bytes[i] = _bytes(residuals[i]) // tr.W
-            temp, out, flops = analysed("fwd_keep", b, fns.forward_keep(b, False), chunks(b), offsets(b), xs[i],
+            temp, out, flops = analysed("fwd_keep", b, fns.forward_keep(b), chunks(b), offsets(b), xs[i],
                                         tr.batch)
         else:
             temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
@@ -168,7 +168,7 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     for i in reversed(range(head)):
         b = bound[i]
         if i in keep:
-            temp, out, flops = analysed("bwd_kept", b, fns.backward_kept(b, False), chunks(b), offsets(b), xs[i],
+            temp, out, flops = analysed("bwd_kept", b, fns.backward_kept(b), chunks(b), offsets(b), xs[i],
                                         tr.batch, xs[i + 1], residuals[i], tr.grads(b))
         else:
             temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
