@@ -8,7 +8,8 @@ from typing import Any
 
 from pstar_jax.config.errors import ConfigError
 from pstar_jax.config.fields import MAX_SEED, MAX_STEPS, finite, option, positive_int, section
-from pstar_jax.config.sizes import parse_chunk_numel, parse_clip_norm, parse_device_memory, parse_optional_bytes
+from pstar_jax.config.sizes import (parse_chunk_numel, parse_clip_norm, parse_device_memory, parse_keep_residuals,
+                                     parse_optional_bytes)
 
 
 MODEL_SHAPE = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
@@ -145,6 +146,11 @@ class EngineConfig:
     precision: str = option("bf16", "compute dtype of params, activations and grads (master and Adam: fp32)",
                             choices=PRECISIONS, math_changing=True)
     micro_batches: int = option(1, "gradient accumulation steps per optimizer step")
+    keep_residuals: int | None = option(0, "chunked engine: the last N blocks keep their backward's activations "
+                                        "(the jax.vjp residuals) from their forward instead of computing the "
+                                        "forward again: fewer FLOPs, more memory, placed like the stage inputs; "
+                                        "auto: of none, a quarter, half, three quarters and all of the blocks, the "
+                                        "count the plan predicts fastest", parse=parse_keep_residuals)
     adam_placement: str = option("auto", "where fp32 master and Adam state live: device, host (updated there), "
                                  "stream (kept on the host, updated on the device); auto: per chunk, the mix of the "
                                  "three the plan predicts fastest", choices=ADAM_PLACEMENTS)
@@ -180,6 +186,13 @@ class EngineConfig:
                                   f"{getattr(self, name)!r}")
         positive_int(self, "chunk_numel", "host_memory", "disk_memory", allow_none=True, upper=2**62)
         positive_int(self, "micro_batches", upper=MAX_STEPS)
+        keep = self.keep_residuals
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+            raise ConfigError(f"EngineConfig.keep_residuals must be a whole number of blocks, 0 or more, got "
+                              f"{self.keep_residuals!r}")
+        if keep != 0 and self.kind == "plain":
+            raise ConfigError("EngineConfig.keep_residuals is the chunked engine's (the plain engine keeps what XLA "
+                              "and EngineConfig.remat decide): drop --keep-residuals or use --engine chunked")
         if self.base_quant is not None and self.base_quant not in BASE_QUANTS:
             raise ConfigError(f"EngineConfig.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
         if self.base_quant and self.disk_memory:

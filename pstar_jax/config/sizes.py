@@ -94,6 +94,19 @@ def parse_chunk_numel(text: str | int | None) -> int | None:
     return None if text is None or str(text).strip().lower() == "auto" else parse_count(text, "EngineConfig.chunk_numel")
 
 
+def parse_keep_residuals(text: str | int | None) -> int | None:
+    """A count of blocks, or auto (None: the planner picks it)."""
+    if text is None or isinstance(text, int):
+        return text
+    text = str(text).strip().lower()
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"EngineConfig.keep_residuals: {text!r} is not a count of blocks; write a whole number "
+                          "like 40, or auto")
+    return int(text)
+
+
 def parse_clip_norm(text: str | float | None) -> float | None:
     value = None if text is None else float(text)
     return None if value == 0 else value

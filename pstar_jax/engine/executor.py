@@ -8,9 +8,11 @@ forward and fetches it back ahead of its backward, and the store counts its byte
 stage computes its loss sum, scaled by 1 / the step's global count of trained tokens, and its
 gradient in one call (with a mixture of experts' load-balancing loss the
 stage inputs carry its per-expert sums beside h, and the head adds it: model/router_aux.py);
-backward in reverse, recomputing each stage's forward under jax.vjp and adding its tensor grads
-into gradient chunks. After a chunk's last backward use in the last micro-batch its bf16 params
-are dropped and its grad takes their place (14 bytes per parameter in all).
+backward in reverse, recomputing each stage's forward under jax.vjp (or, in the last blocks
+EngineConfig.keep_residuals names, running from the vjp residuals their forward added to their
+input's item) and adding its tensor grads into gradient chunks. After a chunk's last backward
+use in the last micro-batch its bf16 params are dropped and its grad takes their place (14 bytes
+per parameter in all).
 
 The optimizer update is deferred: step k's update of chunk c runs in step k+1, right before the
 first forward stage that reads c, where its copies hide under the forward's compute (see
@@ -247,7 +249,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             self.plan = plan
         self._begin_reads(plan)
         count, scale = self.fns.count(self._put_counts(micro_batches))
-        run = _StepState(scale=scale)
+        run = _StepState(scale=scale, keeping=planned.shape.keeping)
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
@@ -372,7 +374,11 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                 self.store.put(key, run.x)
                 run.x = None
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
+            if i in run.keeping:  # its vjp residuals join its input's item, as the plan counted them
+                run.x, kept = self.fns.forward_keep(self.bound[i])(params, self._offsets[i], x, run.batch)
+                self.store.put(key, (self.store.take(key, Space.DEVICE), kept))
+            else:
+                run.x = self.fns.forward(self.bound[i])(params, self._offsets[i], x, run.batch)
             return run.x
         grads = self._grads(i)
         if a.phase == "head":
@@ -384,8 +390,10 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
             run.metrics.append(metrics)
         else:
             x = run.batch.tokens if i == 0 else self.store.get(key, Space.DEVICE)
-            run.g, grads = self.fns.backward(self.bound[i], first=(i == 0))(
-                params, self._offsets[i], x, run.batch, run.g, grads)
+            x, kept = x if i in run.keeping else (x, None)  # the plan drops the item after the backward
+            args = (params, self._offsets[i], x, run.batch, run.g)
+            run.g, grads = (self.fns.backward(self.bound[i], i == 0)(*args, grads) if kept is None
+                            else self.fns.backward_kept(self.bound[i])(*args, kept, grads))
         last = a.micro == self.cfg.micro_batches - 1
         for c, grad in zip(self.bound[i].grad_chunks, grads):
             self.store.put(("slot", c), grad)
@@ -432,6 +440,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
 class _StepState:
     """What flows between the moments of one step."""
     scale: jax.Array
+    keeping: frozenset = frozenset()  # stages that keep their vjp residuals (StepShape.keeping)
     x: Any = None
     g: Any = None
     batch: Any = None

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pstar_jax import compat
 from pstar_jax.model.quant_bytes import QuantSlot, slot_bytes
+from pstar_jax.data.batch import Batch
 from pstar_jax.model.staged import Stage, head_loss, head_sums, stage_seeds
 
 
@@ -126,6 +127,9 @@ class StageFunctions:
         self.mesh = mesh
         self.n_devices = mesh.devices.size
         self._cache: dict[tuple, Callable] = {}
+        # per stage pattern: the vjp residuals' structure, which come from the known values, and
+        # the kept ones' shapes (forward_keep records them as it traces; backward_kept reads them)
+        self._residuals: dict[tuple, tuple] = {}
         self._options = compat.compiler_options(mesh.devices.flat[0].platform)
 
     def _params(self, chunks, offsets, pattern, quant=()) -> tuple[jax.Array, ...]:
@@ -193,6 +197,56 @@ class StageFunctions:
             self._shard_map(local, n, (P("data"), P("data"), P("data"), grad_specs),
                             (None if first else P("data"), grad_specs)),
             donate_argnums=(5,) if first else (4, 5), compiler_options=self._options))
+
+    def forward_keep(self, bound: BoundStage) -> Callable:
+        """(chunks, offsets, x, batch) -> (y, residuals): the forward under jax.vjp, returning the
+        residuals its backward (``backward_kept``) needs instead of recomputing it, each flattened
+        to 1-D (sharded over the data axis like the activations). Residuals that are the stage's
+        tensors, its input or its batch fields are left out: the backward has them already, so
+        only the activations are kept (a frozen weight is never copied into them). Not for the
+        first stage, whose input is the batch's tokens (schedule.kept_stages)."""
+        key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
+
+        def local(chunks, offsets, x, batch):
+            params, batch, known = self._known(bound, chunks, offsets, x, batch)
+            tensors, _ = _trainable_pattern(bound)
+            y, vjp = jax.vjp(lambda p, x: bound.stage.apply(_with(params, tensors, p), x, batch),
+                             tuple(params[i] for i in tensors), x)
+            leaves, treedef = jax.tree_util.tree_flatten(vjp)
+            sources = tuple(next((k for k, a in enumerate(known) if a is leaf), None) for leaf in leaves)
+            kept = [leaf for leaf, s in zip(leaves, sources) if s is None]
+            self._residuals[key] = (treedef, sources, tuple(leaf.shape for leaf in kept))
+            return y, tuple(leaf.reshape(-1) for leaf in kept)
+        return self._get("fwd_keep", bound, lambda: jax.jit(
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data")), (P("data"), P("data"))),
+            compiler_options=self._options))
+
+    def backward_kept(self, bound: BoundStage) -> Callable:
+        """(chunks, offsets, x, batch, gy, residuals, grad_chunks) -> (gx, grad_chunks): ``backward``
+        from the residuals ``forward_keep`` returned, no forward run again (grad chunks and gy
+        donated, as there). The stage's tensors, input and batch fill the residuals left out."""
+        tensors, grad_pattern = _trainable_pattern(bound)
+        key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
+
+        def local(chunks, offsets, x, batch, gy, residuals, grad_chunks):
+            treedef, sources, shapes = self._residuals[key]  # recorded when the forward was traced
+            known = self._known(bound, chunks, offsets, x, batch)[2]
+            kept = iter(r.reshape(shape) for r, shape in zip(residuals, shapes))
+            vjp = jax.tree_util.tree_unflatten(treedef, [next(kept) if s is None else known[s] for s in sources])
+            gp, gx = vjp(gy)
+            return gx, _accumulate(grad_chunks, gp, [offsets[i] for i in tensors], grad_pattern, self.n_devices)
+        grad_specs = tuple(P("data") for _ in bound.grad_chunks)
+        return self._get("bwd_kept", bound, lambda: jax.jit(
+            self._shard_map(local, len(bound.chunks), (P("data"), P("data"), P("data"), P("data"), grad_specs),
+                            (P("data"), grad_specs)),
+            donate_argnums=(4, 6), compiler_options=self._options))
+
+    def _known(self, bound: BoundStage, chunks, offsets, x, batch) -> tuple[tuple, Batch, list]:
+        """(the stage's tensors, its batch with the forward's dropout seeds, and the values its vjp
+        residuals may be without being kept: those tensors, its input and that batch, flattened)."""
+        params = self._params(chunks, offsets, bound.pattern, bound.quant)
+        batch = stage_seeds(batch, offsets[-1])
+        return params, batch, jax.tree_util.tree_leaves((params, x, batch))
 
     def head(self, bound: BoundStage) -> Callable:
         """(chunks, offsets, h, batch, grad_chunks, scale) -> (loss, metrics, gh, grad_chunks).

@@ -156,6 +156,16 @@ class Plan:
         return sum(("param", c) not in moved for c in range(n)) / max(n, 1)
 
 
+def residuals_line(shape: StepShape, plan: Plan) -> str:
+    """The blocks that keep their vjp residuals and where, in a sentence ("" when none do)."""
+    if not any(shape.residual_bytes):
+        return ""
+    where = ("with the stage inputs: on the device or in pinned host memory" if plan.input_offload_bytes else
+             "on the device")
+    return (f"blocks keeping their residuals: {sum(r > 0 for r in shape.residual_bytes)} of "
+            f"{len(shape.stage_chunks) - 2}, {format_bytes(sum(shape.residual_bytes))} per micro-batch, {where}")
+
+
 def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine,
               opt_on_device: Sequence[bool], victim_rule: str = "belady",
               streamed: Sequence[bool] | None = None, hide_state: bool = True, stop_short: bool = False,

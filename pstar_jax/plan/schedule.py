@@ -74,6 +74,13 @@ class StepShape:
     # whose input is the batch); () when the shape has no stage-input items. The non-model bytes
     # above do not count them: the plan places them.
     input_bytes: tuple[int, ...] = ()
+    # Per stage: of its input_bytes, the vjp residuals a stage keeping them adds (kept_stages); () none does.
+    residual_bytes: tuple[int, ...] = ()
+
+    @property
+    def keeping(self) -> frozenset[int]:
+        """The stages that keep their vjp residuals (in their input's item) for their backward."""
+        return frozenset(i for i, r in enumerate(self.residual_bytes) if r)
 
     def __post_init__(self):
         if not len(self.shard_numels) == len(self.chunk_bytes) == len(self.opt_state_bytes):
@@ -146,9 +153,19 @@ def scale_batch(shape: StepShape, factor: float) -> StepShape:
     def f(values):
         return tuple(v * factor for v in values)
     return dataclasses.replace(shape, fwd_non_model=s(shape.fwd_non_model), input_bytes=s(shape.input_bytes),
+                               residual_bytes=s(shape.residual_bytes),
                                head_non_model=int(shape.head_non_model * factor), bwd_non_model=s(shape.bwd_non_model),
                                fwd_flops=f(shape.fwd_flops), head_flops=shape.head_flops * factor,
                                bwd_flops=f(shape.bwd_flops))
+
+
+def kept_stages(n_stages: int, blocks: int) -> frozenset[int]:
+    """The stages that keep their vjp residuals for their backward (EngineConfig.keep_residuals):
+    the last ``blocks`` before the head, whose residuals live the fewest moments (a micro-batch's
+    backward starts from the head). Never the first stage: its input is the batch, not an item
+    the residuals could join."""
+    head = n_stages - 1
+    return frozenset(range(max(1, head - blocks), head))
 
 
 def lowest_trained_stage(shape: StepShape) -> int:

@@ -30,7 +30,7 @@ from pstar_jax.model.staged import StagedModel, chunk_group, decays, validate_st
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan.forward import plan_forward
 from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_step
-from pstar_jax.plan.schedule import Access, StepShape, step_accesses
+from pstar_jax.plan.schedule import Access, StepShape, kept_stages, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes
 from pstar_jax.planner.trace import trace_forward, trace_step
@@ -65,7 +65,20 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
     ``adam`` fixes the optimizer placement (per chunk: state on the device, state streamed)
     instead of choosing it: an engine places its optimizer state once, for every batch shape.
     ``trainable(name)`` false freezes a tensor (chunks.build_layout); ignored with a
-    given ``layout``, which records its frozen chunks."""
+    given ``layout``, which records its frozen chunks. ``cfg.keep_residuals`` None (auto): the plan
+    of the fastest kept count that fits, of none, a quarter, half, three quarters and all blocks."""
+    if cfg.keep_residuals is None:
+        trace_cache = {} if trace_cache is None else trace_cache
+        none = plan_model(model, dataclasses.replace(cfg, keep_residuals=0), mesh, batch_shape, machine, host_bytes,
+                          make_tx, layout, fns, trace_cache, adam, trainable)
+        blocks = len(none.bound) - 2
+        tried = [none] + [plan_model(model, dataclasses.replace(cfg, keep_residuals=k), mesh, batch_shape, machine,
+                                     host_bytes, make_tx, none.layout, none.fns, trace_cache, adam)
+                          for k in sorted({blocks // 4, blocks // 2, 3 * blocks // 4, blocks} - {0})]
+        log.info("kept residuals: %s", ", ".join(f"{len(p.shape.keeping)} blocks "
+                                                  f"{p.plan.predicted_step_s if p.plan.fits else 'no fit'}"
+                                                  for p in tried))
+        return min(tried, key=lambda p: (not p.plan.fits, p.plan.predicted_step_s))
     layout, bound, fns, shape, budget = trace_model(model, cfg, mesh, batch_shape, make_tx, layout, fns, trace_cache,
                                                     trainable)
     log.info("planning where each chunk lives at each moment of the step")
@@ -100,13 +113,17 @@ def trace_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: 
         trainable = make_trainable(frozen_names(list(model.param_shapes()), parse_patterns(cfg.freeze)))
     layout = layout or layout_for(model, cfg, mesh, trainable)
     bound = [bind(s, layout, i) for i, s in enumerate(stages)]
+    if (cfg.keep_residuals or 0) > len(bound) - 2:
+        raise ConfigError(f"EngineConfig.keep_residuals {cfg.keep_residuals} is more than the model's "
+                          f"{len(bound) - 2} blocks; keep at most that many")
     fns = fns or StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, param_dtype).chunk_state_bytes(layout)
     log.info("tracing %d stages (each compiled once to measure its memory)", len(bound))
     shape = trace_step(bound, fns, placement, layout.numels, param_dtype, *batch_shape, opt_state_bytes,
                        cfg.micro_batches, cache=trace_cache,
                        dropout_seeded=bool(getattr(model, "dropout_seeded", False)),  # the batch the step runs
-                       dtypes=layout.dtypes(param_dtype), objective=model)
+                       dtypes=layout.dtypes(param_dtype), objective=model,
+                       keep=kept_stages(len(bound), cfg.keep_residuals or 0))
     budget = cfg.device_budget_bytes
     if budget is None:  # the CPU demo default: half the model data beside the working memory
         stage_bytes = max(sum(shape.chunk_bytes[c] for c in cs) for cs in shape.stage_chunks) * 2

@@ -22,6 +22,7 @@ from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.chunks import outgrown
 from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine, describe
+from pstar_jax.plan.placement import residuals_line
 from pstar_jax.model.staged import StagedModel, chunk_group, chunk_groups, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, chunk_sizes, layout_for, plan_model, resolve_engine_config
 from pstar_jax.planner.fit import any_fits
@@ -214,7 +215,7 @@ class PlanReport:
                     f"device->host" + (f", {format_bytes(plan.disk_read_bytes)} read from disk"
                                        if plan.disk_read_bytes else ""),
                     plan.stage_inputs_line(),
-                    *filter(None, [plan.frozen_line()]),
+                    *filter(None, [plan.frozen_line(), residuals_line(self.planned.shape, plan)]),
                     f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
                     f"{tflops:.0f} "
                     "model TFLOPS" + (f" ({tflops / W:.0f} per device)" if W > 1 else "")]
@@ -397,13 +398,15 @@ def _traced(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: tupl
     from pstar_jax.engine.memory import Placement
     from pstar_jax.engine.optim import ChunkOptimizer
     from pstar_jax.engine.stages import StageFunctions, bind
+    from pstar_jax.plan.schedule import kept_stages
     from pstar_jax.planner.trace import trace_step
     placement = Placement(mesh)
     bound = [bind(stage, layout, i) for i, stage in enumerate(model.stages(cfg.compute_dtype))]
     fns = StageFunctions(mesh)
     opt_state_bytes = ChunkOptimizer(make_tx, placement, cfg.compute_dtype).chunk_state_bytes(layout)
     return trace_step(bound, fns, placement, layout.numels, cfg.compute_dtype, *batch_shape, opt_state_bytes,
-                      cfg.micro_batches, cache=cache, dtypes=layout.dtypes(cfg.compute_dtype))
+                      cfg.micro_batches, cache=cache, dtypes=layout.dtypes(cfg.compute_dtype),
+                      keep=kept_stages(len(bound), cfg.keep_residuals or 0))
 
 
 def check_plan_size(model: StagedModel, config: EngineConfig, mesh: Mesh,

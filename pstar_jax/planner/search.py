@@ -33,7 +33,7 @@ from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.model.staged import StagedModel, chunk_group, decays, n_params
 from pstar_jax.plan.machine import Machine
 from pstar_jax.plan.placement import make_plan
-from pstar_jax.plan.schedule import StepShape, lowest_trained_stage, scale_batch, working_moments
+from pstar_jax.plan.schedule import StepShape, kept_stages, lowest_trained_stage, scale_batch, working_moments
 from pstar_jax.planner.trace import trace_step
 
 if TYPE_CHECKING:  # only a type here: build imports planner.fit, which imports this module
@@ -255,7 +255,8 @@ def largest_depth(model, model_at, planned, cfg: EngineConfig, mesh, machine, ho
                                             *planned.batch_shape, optimizer.chunk_state_bytes(layout),
                                             cfg.micro_batches, cache=cache,
                                             dropout_seeded=bool(getattr(deeper, "dropout_seeded", False)),
-                                            dtypes=layout.dtypes(cfg.compute_dtype), objective=deeper)
+                                            dtypes=layout.dtypes(cfg.compute_dtype), objective=deeper,
+                                            keep=kept_stages(len(bound), cfg.keep_residuals or 0))
         return make_plan(traced_at[n_layer], device_bytes, host_bytes, machine, cfg.adam_placement, first_fit=True,
                          mixes=mixes, pure_fails=mixes, disk_bytes=cfg.disk_memory or 0).fits  # largest_mixed asks with mixes only past the pure
     one_more = model_at(depth0 + 1)

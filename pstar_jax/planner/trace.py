@@ -127,7 +127,8 @@ def _shapes(tree: Any) -> tuple:
 def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
                numels: Sequence[int], param_dtype: Any, batch: int, seq_len: int, opt_state_bytes: Sequence[int],
                micro_batches: int = 1, cache: dict | None = None, dropout_seeded: bool = False,
-               dtypes: Sequence[Any] | None = None, objective: Any = None) -> StepShape:
+               dtypes: Sequence[Any] | None = None, objective: Any = None,
+               keep: frozenset[int] = frozenset()) -> StepShape:
     """Trace one micro-batch of the chunked step for a global ``batch`` x ``seq_len``, over chunks
     of ``numels`` elements (the layout's, per chunk) whose master and optimizer state take
     ``opt_state_bytes`` per device (per chunk, 0 for a frozen one: ChunkOptimizer.chunk_state_bytes);
@@ -138,15 +139,26 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     chunks' sizes and its activation shapes, so equal stages are analysed once. ``dtypes``: per
     chunk (ChunkLayout.dtypes) where quantized kernels' chunks are uint8, else ``param_dtype``.
     ``objective``: the model, where its attributes ``reads_ref_logp`` and ``n_counts`` change the
-    batch and the head's scale (preference tuning)."""
+    batch and the head's scale (preference tuning). ``keep``: the stages that keep their vjp
+    residuals (schedule.kept_stages): their backward runs from them (fewer FLOPs) and they join the
+    stage's input item (``input_bytes``, and ``residual_bytes`` alone)."""
     tr = _Tracer(bound, fns, placement, numels, param_dtype, batch, seq_len, cache, dropout_seeded, dtypes,
                  objective)
     xs, act, chunks, offsets, analysed = tr.xs, tr.act, tr.chunks, tr.offsets, tr.analysed
     head = len(bound) - 1
     fwd_nm, fwd_fl, bwd_nm, bwd_fl = [], [], [0] * head, [0.0] * head
+    residuals, res_bytes = {}, [0] * (head + 1)
     for i, b in enumerate(bound[:-1]):
-        temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
-        fwd_nm.append(act[0] + temp + out)  # the batch, the call's temps and output (its input is an item)
+        if i in keep:
+            residuals[i] = tuple(_abstract(r.shape, r.dtype, tr.dev) for r in jax.eval_shape(
+                fns.forward_keep(b), chunks(b), offsets(b), xs[i], tr.batch)[1])
+            res_bytes[i] = _bytes(residuals[i]) // tr.W
+            temp, out, flops = analysed("fwd_keep", b, fns.forward_keep(b), chunks(b), offsets(b), xs[i],
+                                        tr.batch)
+        else:
+            temp, out, flops = analysed("fwd", b, fns.forward(b), chunks(b), offsets(b), xs[i], tr.batch)
+        # the batch, the call's temps and output (its input, and the residuals it keeps, are an item)
+        fwd_nm.append(act[0] + temp + out - res_bytes[i])
         fwd_fl.append(flops)
     b = bound[head]
     scale = _abstract((tr.n_counts,), jnp.float32, tr.rep)
@@ -155,8 +167,12 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     head_nm = act[0] + temp + out  # (the grad chunks, model data, are written in place)
     for i in reversed(range(head)):
         b = bound[i]
-        temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
-                                    tr.batch, xs[i + 1], tr.grads(b))
+        if i in keep:
+            temp, out, flops = analysed("bwd_kept", b, fns.backward_kept(b), chunks(b), offsets(b), xs[i],
+                                        tr.batch, xs[i + 1], residuals[i], tr.grads(b))
+        else:
+            temp, out, flops = analysed("bwd", b, fns.backward(b, first=(i == 0)), chunks(b), offsets(b), xs[i],
+                                        tr.batch, xs[i + 1], tr.grads(b))
         # the batch, the gradient from above (shaped as stage i + 1's input, and overwritten by the
         # gradient of stage i's input, but in the first stage), temps, new outputs
         bwd_nm[i] = act[0] + act[i + 1] + temp + out
@@ -164,7 +180,8 @@ def trace_step(bound: Sequence[BoundStage], fns: StageFunctions, placement: Plac
     return StepShape(tuple(b.chunks for b in bound), tuple(fwd_nm), head_nm, tuple(bwd_nm), tuple(fwd_fl),
                      head_fl, tuple(bwd_fl), shard_numels=tr.shard_numels, chunk_bytes=tr.chunk_bytes,
                      opt_state_bytes=tuple(opt_state_bytes), micro_batches=micro_batches, frozen=_frozen(bound, numels),
-                     input_bytes=(0, *act[1:]))
+                     input_bytes=(0, *(a + r for a, r in zip(act[1:], res_bytes[1:]))),
+                     residual_bytes=tuple(res_bytes) if keep else ())
 
 
 def trace_forward(bound: Sequence[BoundStage], fns: StageFunctions, placement: Placement,
