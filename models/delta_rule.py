@@ -6,14 +6,14 @@ Per value head, with a state S [K, V] and per token t a decay g_t <= 0 (log spac
 beta_t in (0, 1), the recurrence is
     S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,
 with q and k L2-normalised and q scaled by K ** -0.5. The chunked form runs it over chunks of C
-tokens: inside a chunk a unit lower-triangular system (the UT transform) turns the C rank-one
-updates into matmuls, and one ``lax.scan`` step per chunk carries S.
+tokens: inside a chunk a unit lower-triangular system (the UT transform, solved by forward
+substitution) turns the C rank-one updates into matmuls, and one ``lax.scan`` step per chunk carries S.
 
 Memory per token and layer (XLA's memory analysis of the compiled rule, fp32, Qwen3.5-27B's heads:
 H 48, Hk 16, K = V = 128, C 64; the difference between L = 1024 and 2048): the forward's working
-memory is 197 KB per token, the backward's (jax.grad, which keeps the state at each chunk's start,
+memory is 209 KB per token, the backward's (jax.grad, which keeps the state at each chunk's start,
 H K V / C = 48 KB per token, and each chunk's C x C decay, UT and score matrices, 12 KB per token
-each) 861 KB per token, against 41 KB per token of inputs (q, k, v, g, beta). In pstar_jax's
+each) 874 KB per token, against 41 KB per token of inputs (q, k, v, g, beta). In pstar_jax's
 stages this is working memory of the block's backward only: between stages a block keeps its
 input alone.
 
@@ -49,6 +49,45 @@ def _heads_first(q_BxLxHkxK, k_BxLxHkxK, v_BxLxHxV, g_BxLxH, beta_BxLxH):
     q, k, v, beta, g = (jnp.swapaxes(x.astype(jnp.float32), 1, 2) for x in (q, k, v_BxLxHxV, beta_BxLxH, g_BxLxH))
     q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+@jax.custom_vjp
+def unit_lower_solve(a_NxCxC: jax.Array, rhs_NxCxW: jax.Array) -> jax.Array:
+    """X with (I + strictly_lower(a)) X = rhs over the last two axes (torch's unitriangular solve),
+    by forward substitution, one row at a time, in plain XLA ops. Not ``lax.linalg.triangular_solve``:
+    on a CPU that is a LAPACK call into scipy's multithreaded OpenBLAS from XLA's worker threads,
+    and a training step hung there for ever (every thread idle; one step in 5 to 10 of the tiny
+    Qwen3.5 at 64 tokens, none with OPENBLAS_NUM_THREADS=1). The backward substitutes the other
+    way (``_solve_bwd``), so the loop keeps no residuals beyond X."""
+    return _solve_fwd(a_NxCxC, rhs_NxCxW)[0]
+
+
+def _substitute(m_NxCxC: jax.Array, rhs_NxCxW: jax.Array, reverse: bool) -> jax.Array:
+    """x_i = rhs_i - m_i . x, rows in order (m strictly lower) or in reverse (m strictly upper):
+    the rows m_i reads are final, the others meet m_i's zeros."""
+    C = m_NxCxC.shape[-1]
+
+    def row(t, x_NxCxW):
+        i = C - 1 - t if reverse else t
+        m_Nx1xC = jax.lax.dynamic_slice_in_dim(m_NxCxC, i, 1, axis=-2)
+        r_Nx1xW = jax.lax.dynamic_slice_in_dim(rhs_NxCxW, i, 1, axis=-2)
+        return jax.lax.dynamic_update_slice_in_dim(x_NxCxW, r_Nx1xW - m_Nx1xC @ x_NxCxW, i, axis=-2)
+    return jax.lax.fori_loop(0, C, row, rhs_NxCxW)
+
+
+def _solve_fwd(a_NxCxC: jax.Array, rhs_NxCxW: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    x_NxCxW = _substitute(jnp.tril(a_NxCxC, -1), rhs_NxCxW, reverse=False)
+    return x_NxCxW, (a_NxCxC, x_NxCxW)
+
+
+def _solve_bwd(res: tuple[jax.Array, jax.Array], g_NxCxW: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # M X = R with M = I + L: dR = M^-T g (back substitution), dL = -dR X^T on the strict lower part.
+    a_NxCxC, x_NxCxW = res
+    d_rhs = _substitute(jnp.swapaxes(jnp.tril(a_NxCxC, -1), -1, -2), g_NxCxW, reverse=True)
+    return -jnp.tril(d_rhs @ jnp.swapaxes(x_NxCxW, -1, -2), -1), d_rhs
+
+
+unit_lower_solve.defvjp(_solve_fwd, _solve_bwd)
 
 
 def chunk_gated_delta_rule(q_BxLxHkxK: jax.Array, k_BxLxHkxK: jax.Array, v_BxLxHxV: jax.Array,
@@ -92,11 +131,9 @@ def chunk_gated_delta_rule(q_BxLxHkxK: jax.Array, k_BxLxHkxK: jax.Array, v_BxLxH
     ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * decay_BxHxNxCxC
     intra_BxHxNxCxC = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay_BxHxNxCxC
     # (I + strictly_lower(ut)) X = rhs: the diagonal is taken as ones, as torch's unitriangular solve.
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True,  # noqa: E731
-                                                        unit_diagonal=True)
     cum_exp = jnp.exp(cum_BxHxNxC)[..., None]
-    new_v = solve(v_beta)
-    k_cumdecay = solve(k_beta * cum_exp * carries_Bx1xNxC[..., None])
+    new_v = unit_lower_solve(ut, v_beta)
+    k_cumdecay = unit_lower_solve(ut, k_beta * cum_exp * carries_Bx1xNxC[..., None])
     q_decayed = q * cum_exp * carries_Bx1xNxC[..., None]
     # (the where before the exp: between examples the cumulative sums are unrelated, and their
     # difference may overflow)

@@ -235,3 +235,13 @@ def test_readme_results_table_is_the_one_benchmarks_rows_give(tmp_path):
     bench.write_text(text + "\nREADME row: no figure here\n", encoding="utf-8")
     broken = script("readme_results.py", "--check", *paths, timeout=60)
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
+
+
+def test_bench_delta_rule_memory_prints_both_directions():
+    r = script("bench_delta_rule_memory.py", "--lengths", "128,256", "--heads", "4,2,8,8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["inputs", "forward", "backward"], r.stdout
+    assert all(float(line.split()[1]) > 0 for line in lines[2:]), r.stdout
+    bad = script("bench_delta_rule_memory.py", "--lengths", "256,128")
+    assert bad.returncode == 2 and "--lengths must grow" in bad.stderr

@@ -41,12 +41,21 @@ def torch_adamw(hf_model, optim):
 def train_both(engine, hf_model, opt, lr_at, vocab_size, batch, seq, steps=10, low=0, seed=1):
     """``steps`` steps of the engine and of the torch model on the same random batches (tokens
     low..vocab_size-1): (the engine's step reports, torch's losses)."""
-    import torch
+    ours = [engine.step([(tokens[:, :-1], tokens[:, 1:])])
+            for tokens in batches(vocab_size, batch, seq, steps, low, seed)]
+    return ours, torch_steps(hf_model, opt, lr_at, vocab_size, batch, seq, steps, low, seed)
+
+
+def batches(vocab_size, batch, seq, steps, low=0, seed=1):
     rng = np.random.default_rng(seed)
-    ours, theirs = [], []
-    for _ in range(steps):
-        tokens = rng.integers(low, vocab_size, (batch, seq + 1)).astype(np.int32)
-        ours.append(engine.step([(tokens[:, :-1], tokens[:, 1:])]))
+    return [rng.integers(low, vocab_size, (batch, seq + 1)).astype(np.int32) for _ in range(steps)]
+
+
+def torch_steps(hf_model, opt, lr_at, vocab_size, batch, seq, steps=10, low=0, seed=1):
+    """train_both's torch half alone (a float64 copy of the model gives the exact trajectory)."""
+    import torch
+    theirs = []
+    for tokens in batches(vocab_size, batch, seq, steps, low, seed):
         opt.zero_grad(set_to_none=True)
         logits = hf_model(torch.from_numpy(tokens[:, :-1]).long()).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -55,7 +64,7 @@ def train_both(engine, hf_model, opt, lr_at, vocab_size, batch, seq, steps=10, l
         opt.step()
         lr_at.step()
         theirs.append(float(loss.detach()))
-    return ours, theirs
+    return theirs
 
 
 def assert_trained_alike(engine, model, hf_model, ours, theirs):
