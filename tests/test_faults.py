@@ -367,6 +367,37 @@ def test_a_signal_ends_start_up_at_once_even_inside_a_long_call_into_c():
     assert time.monotonic() - sent < 5
 
 
+HUNG_STEP = """
+import numpy as np
+from pstar_jax.run.exits import signals_end_the_process
+from pstar_jax.run.signals import StopSignal
+a = np.ones((9000, 9000), np.float32)
+with signals_end_the_process("pstar-x"):
+    stop = StopSignal()
+    stop.nothing_to_save = False  # a step has returned: a signal asks to stop after the next one
+    print("ready", flush=True)
+    np.dot(a, a)  # a step that holds the main thread in C (a hung device would for ever)
+    print("returned", flush=True)
+"""
+
+
+def test_a_second_signal_ends_a_run_whose_step_does_not_return():
+    """The first signal is left to the loop (stop after this step, with a checkpoint); a step that
+    never returned (a Qwen3.5 step hung in a BLAS call once) then ignored every later one."""
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_STEP], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None  # left to the loop's handler, which waits for the step
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err == "pstar-x: terminated (SIGTERM)\n" and "returned" not in out, err
+    assert time.monotonic() - sent < 5
+
+
 @pytest.mark.slow
 def test_ctrl_c_before_a_step_ends_keeps_the_checkpoint_and_after_one_saves_one(tmp_path):
     d = tmp_path / "ck"

@@ -63,7 +63,9 @@ def signals_end_the_process(prog: str) -> Iterator[None]:
     the signal also wakes a watcher thread (``signal.set_wakeup_fd``), which ends the process at
     once while ``leave`` is still the signal's handler, or while the training loop's handler (stop
     after a step, with a checkpoint) says it has nothing to save yet (the first step compiling);
-    otherwise the watcher leaves the signal to that handler."""
+    otherwise the watcher leaves the signal to that handler, and ends the process at a second
+    one only if that handler has not yet run for the first: a step that never returns (a hung
+    device, a dead peer without --step-timeout) holds the main thread in C, where no handler runs."""
     def leave(signum: int, frame: object) -> None:
         hard_exit(128 + signum, signal_line(prog, signum))
 
@@ -94,6 +96,7 @@ class _Watcher:
         threading.Thread(target=self._watch, args=(leave,), name="pstar-signal-watcher", daemon=True).start()
 
     def _watch(self, leave: Callable[[int, object], None]) -> None:
+        deferred = 0  # signals left to the training loop's handler
         while True:
             try:
                 got = os.read(self._read, 1)
@@ -105,8 +108,16 @@ class _Watcher:
             if signum not in (signal.SIGINT, signal.SIGTERM):
                 continue
             handler = signal.getsignal(signum)
-            if handler is leave or getattr(getattr(handler, "__self__", None), "nothing_to_save", False):
+            loop = getattr(handler, "__self__", None)
+            if handler is leave or getattr(loop, "nothing_to_save", False):
                 leave(signum, None)
+            elif hasattr(loop, "nothing_to_save"):
+                deferred += 1
+                # A second signal while the first is still not handled: the main thread has not
+                # come back to Python since (a handled one is the loop's to act on: it stops at
+                # once, after any save under way).
+                if deferred > 1 and not loop.signum:
+                    leave(signum, None)
 
     def close(self) -> None:
         signal.set_wakeup_fd(self._old_fd)
