@@ -169,7 +169,7 @@ def test_bad_input_is_one_line_and_exit_2(trained, hf_dir, tmp_path, capsys):
         (): "one of the arguments",
         ("--checkpoint-dir", ckpt, "--flax", flax): "not allowed with",
         ("--checkpoint-dir", str(tmp_path / "missing")): "is not a directory",
-        ("--flax", str(tmp_path)): "does not describe a GPT or Llama model",
+        ("--flax", str(tmp_path)): "does not describe a GPT, Llama-family or Qwen3.5 model",
         ("--checkpoint-dir", ckpt, "--temperature", "-1"): "--temperature must be",
         ("--checkpoint-dir", ckpt, "--top-p", "0"): "--top-p must be in (0, 1]",
         ("--checkpoint-dir", ckpt, "--top-p", "1.5"): "--top-p must be in (0, 1]",

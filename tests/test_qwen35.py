@@ -439,14 +439,26 @@ def test_init_from_hf_reads_both_kinds_of_file_and_refuses_bad_ones_in_one_line(
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.slow  # (about 30 s on 2 cores)
-def test_pstar_train_trains_the_tiny_preset_in_bf16_with_chunks_moving(tmp_path, capsys):
-    """The command line's defaults (bf16, 64 tokens, half the model data on the device): once hung
-    in its first steps, in the delta rule's LAPACK solve (see delta_rule.unit_lower_solve)."""
+@pytest.mark.slow  # (about 40 s on 2 cores)
+def test_pstar_train_trains_the_tiny_preset_in_bf16_and_its_exports_decode_alike(tmp_path, capsys):
+    """The command line's defaults (bf16, 64 tokens, half the model data on the device; this once
+    hung in its first steps, in the delta rule's LAPACK solve: see delta_rule.unit_lower_solve);
+    pstar-generate then decodes the same text from the run's checkpoint and from its --export-flax."""
+    from pstar_jax.cli.generate import main as generate_main
     from pstar_jax.cli.train import main as train_main
-    out = tmp_path / "m.jsonl"
-    code = train_main(["--model", "qwen3.5-tiny", "--steps", "6", "--quiet", "--metrics-out", str(out)])
+    out, ckpt, flax = tmp_path / "m.jsonl", tmp_path / "ckpt", tmp_path / "flax"
+    code = train_main(["--model", "qwen3.5-tiny", "--steps", "6", "--quiet", "--metrics-out", str(out),
+                       "--checkpoint-dir", str(ckpt), "--export-flax", str(flax)])
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(6)) and all(np.isfinite(r["loss"]) for r in records)
     assert all(r["h2d_bytes"] > 0 for r in records[1:]), records
+    capsys.readouterr()
+    texts = []
+    for source in (["--checkpoint-dir", str(ckpt)], ["--flax", str(flax)]):
+        code = generate_main([*source, "--prompt", "abc", "--max-new-tokens", "12", "--temperature", "0",
+                              "--precision", "fp32"])
+        text, err = capsys.readouterr()
+        assert code == 0, err
+        texts.append(text)
+    assert texts[0] == texts[1] and texts[0].strip()

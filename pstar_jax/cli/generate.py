@@ -149,20 +149,20 @@ def hf_source(directory: str, module: str | None) -> Source:
 
 
 def flax_model(directory: str) -> Any:
-    """The GPT or Llama a Flax export's config.json (the model config's fields) describes."""
+    """The GPT, Llama-family or Qwen3.5 model a Flax export's config.json (the model config's
+    fields) describes."""
     from pstar_jax.io.checkpoint import CheckpointError
-    from pstar_models import gpt, llama
-    from pstar_models.llama_config import config_from_fields
+    from pstar_models import model_from_fields
     path = os.path.join(directory, "config.json")
     try:
         with open(path) as f:
             fields = json.load(f)
-        if "n_kv_head" in fields:
-            return llama.StagedLlama(config_from_fields(fields))
-        return gpt.StagedGPT(gpt.GPTConfig(**fields))
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        return model_from_fields(fields)
     except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{path} does not describe a GPT or Llama model ({type(err).__name__}: {err}); "
-                              "pass a directory written by --export-flax") from None
+        raise CheckpointError(f"{path} does not describe a GPT, Llama-family or Qwen3.5 model "
+                              f"({type(err).__name__}: {err}); pass a directory written by --export-flax") from None
 
 
 def flax_source(directory: str) -> Source:
