@@ -32,6 +32,9 @@ from pstar_models.gpt import _linear
 from pstar_models.lora import LoraSpec, project
 
 
+MAX_CONV_TAPS = 256  # a short convolution: Qwen3-Next's and Qwen3.5's have 4 taps
+
+
 @dataclasses.dataclass(frozen=True)
 class DeltaNetShape:
     """A Gated DeltaNet layer's sizes (config.json's linear_* fields) and its norm's eps."""
@@ -50,6 +53,9 @@ class DeltaNetShape:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if self.conv_kernel > MAX_CONV_TAPS:  # (its taps are added one by one in the trace)
+            raise ValueError(f"linear_conv_kernel_dim is {self.conv_kernel}; pstar_jax takes at most {MAX_CONV_TAPS} "
+                             "(Qwen3.5's is 4)")
         if self.n_value_heads % self.n_key_heads:
             raise ValueError(f"linear_num_value_heads={self.n_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.n_key_heads}")

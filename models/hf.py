@@ -356,23 +356,24 @@ def check_hf_shapes(config: Mapping[str, Any], shapes: Mapping[str, Sequence[int
     n_layer_key = "n_layer" if gpt else "num_hidden_layers"
     layer_name = re.compile(rf"^(?:{block}|{block.split('.', 1)[1]})\.(\d+)\.")  # with the prefix or without
     layers = {int(m.group(1)) for n in shapes if (m := layer_name.match(n))}
-    n_layer = require(config, n_layer_key)
+    n_layer = require(config, n_layer_key, bounded=False)
     if layers and n_layer != len(layers):
         raise ValueError(f"config.json's {n_layer_key}={n_layer} disagrees with the weights, which hold "
                          f"{len(layers)} layers; set {n_layer_key} to {len(layers)} or use the weights this "
                          "config.json belongs to")
     if gpt:
-        d = require(config, "n_embd")
-        agree("vocab_size", require(config, "vocab_size"), "transformer.wte.weight", 0, "rows")
+        d = require(config, "n_embd", bounded=False)
+        agree("vocab_size", require(config, "vocab_size", bounded=False), "transformer.wte.weight", 0, "rows")
         agree("n_embd", d, "transformer.wte.weight", 1, "columns")
         agree("n_positions", config.get("n_positions", 1024), "transformer.wpe.weight", 0, "rows")
         if config.get("n_inner") is not None:
             agree("n_inner", config["n_inner"], "transformer.h.0.mlp.c_fc.weight", 1, "columns")
         return
-    d, n_head = require(config, "hidden_size"), require(config, "num_attention_heads")
-    agree("vocab_size", require(config, "vocab_size"), "model.embed_tokens.weight", 0, "rows")
+    d, n_head = require(config, "hidden_size", bounded=False), require(config, "num_attention_heads", bounded=False)
+    agree("vocab_size", require(config, "vocab_size", bounded=False), "model.embed_tokens.weight", 0, "rows")
     agree("hidden_size", d, "model.embed_tokens.weight", 1, "columns")
-    agree("intermediate_size", require(config, "intermediate_size"), "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    agree("intermediate_size", require(config, "intermediate_size", bounded=False),
+          "model.layers.0.mlp.gate_proj.weight", 0, "rows")
     if model_type in MOE_FAMILIES:
         check_experts(config, model_type, shapes, agree)
     given, n_kv_head = _head_sizes(config, model_type)

@@ -27,13 +27,28 @@ HF_DEFAULTS = {
 }
 
 
-def require(config: Mapping[str, Any], key: str) -> int:
-    """A size the model needs: present, a positive whole number."""
+# Upper bounds, so that a hostile config.json is refused before anything is built from it: a size
+# is a tensor dimension (XLA's are int64, but no published model has one near 2**31), and a layer
+# count sizes per-layer tables built in Python (the largest published models have about 130).
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 4096
+LAYER_COUNTS = ("num_hidden_layers", "n_layer")
+MAX_EXPERTS = 4096  # each expert's tensors are named one by one (the largest published MoEs have 384)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def require(config: Mapping[str, Any], key: str, bounded: bool = True) -> int:
+    """A size the model needs: present, a positive whole number, and (``bounded``) not past the
+    bounds above; unbounded where it is compared with the weights' shapes first, which name the
+    size to set."""
     value = config.get(key)
     if value is None:
         raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"config.json's {key} is {value!r}; it must be a positive whole number")
+    upper = MAX_LAYERS if key in LAYER_COUNTS else MAX_EXPERTS if key in EXPERT_COUNTS else MAX_SIZE
+    if bounded and value > upper:
+        raise ValueError(f"config.json's {key} is {value}; pstar_jax takes at most {upper}")
     return value
 
 
@@ -42,10 +57,10 @@ def refuse_unless(ok: bool, what: str) -> None:
         raise ValueError(f"config.json asks for {what}, which pstar_jax's models do not implement")
 
 
-def count(config: Mapping[str, Any], key: str, family: str) -> int:
+def count(config: Mapping[str, Any], key: str, family: str, bounded: bool = True) -> int:
     """A count with transformers' default where config.json leaves it out; else as ``require``."""
     value = config.get(key, HF_DEFAULTS[family].get(key))
-    return require({**config, key: value}, key)
+    return require({**config, key: value}, key, bounded)
 
 
 def layer_types(config: Mapping[str, Any], family: str, n_layer: int) -> tuple[str, ...] | None:

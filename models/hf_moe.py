@@ -108,10 +108,10 @@ def first_sparse_layer(config: Mapping[str, Any], family: str) -> int:
 def check_experts(config: Mapping[str, Any], family: str, shapes: Mapping[str, Sequence[int]], agree: Any) -> None:
     """The expert count and width of config.json against the first sparse layer's tensors."""
     moe, key = ("mlp" if family == "qwen3_moe" else "block_sparse_moe"), expert_key(config, family)
-    n_experts, i = count(config, key, family), first_sparse_layer(config, family)
+    n_experts, i = count(config, key, family, bounded=False), first_sparse_layer(config, family)
     expert = re.compile(rf"^(?:model\.)?layers\.{i}\.{moe}\.experts\.(\d+)\.")
     found = {int(m.group(1)) for n in shapes if (m := expert.match(n))}
-    if found and found != set(range(n_experts)):
+    if found and (len(found) != n_experts or found != set(range(len(found)))):  # (no range of a hostile count)
         gaps = "" if found == set(range(len(found))) else f" (numbered {min(found)} to {max(found)}, with gaps)"
         raise ValueError(f"config.json's {key}={n_experts} disagrees with the weights, whose layer {i} holds "
                          f"{len(found)} experts{gaps}; set {key} to {len(found)} or use the weights this "
@@ -119,7 +119,7 @@ def check_experts(config: Mapping[str, Any], family: str, shapes: Mapping[str, S
     agree(key, n_experts, f"model.layers.{i}.{moe}.gate.weight", 0, "router rows")
     width = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
     first = f"model.layers.{i}.{moe}.experts.0.{'gate_proj' if family == 'qwen3_moe' else 'w1'}.weight"
-    agree(width, count(config, width, family), first, 0, "rows")
+    agree(width, count(config, width, family, bounded=False), first, 0, "rows")
 
 
 def expert_fields(c: LlamaConfig) -> dict[str, Any]:

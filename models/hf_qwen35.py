@@ -56,6 +56,8 @@ def _rope(text: Mapping[str, Any]) -> tuple[float, float]:
     if params is None:
         refuse_unless(text.get("rope_scaling") is None, "rope_scaling (RoPE scaling)")
         return float(text.get("rope_theta", 10000.0)), float(text.get("partial_rotary_factor", 0.25))
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json's rope_parameters is {str(params)[:80]}; it must be an object")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"config.json's rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
@@ -67,7 +69,7 @@ def _layer_types(text: Mapping[str, Any], n_layer: int) -> tuple[str, ...]:
     """config.json's layer_types, or transformers' default: every full_attention_interval-th layer full."""
     given = text.get("layer_types")
     if given is None:
-        interval = text.get("full_attention_interval", 4)
+        interval = require({"full_attention_interval": 4, **text}, "full_attention_interval")
         return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layer))
     if not isinstance(given, list) or len(given) != n_layer:
         raise ValueError(f"config.json's layer_types must list num_hidden_layers={n_layer} entries, got {given!r}")
@@ -90,20 +92,24 @@ def qwen35_config(config: Mapping[str, Any], overrides: Mapping[str, Any] | None
     refuse_unless(act == "silu", f"hidden_act {act!r} (only silu)")
     refuse_unless(not text["attention_bias"], "attention_bias (biases on q/k/v/o)")
     n_layer = require(text, "num_hidden_layers")
+    sizes = {key: require(text, key) for key in (
+        "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+        "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim")}
     layer_types = _layer_types(text, n_layer)
     rope_theta, partial = _rope(text)
     eps = float(text["rms_norm_eps"])
-    max_positions = text["max_position_embeddings"]
+    max_positions = sizes["max_position_embeddings"]
     seq_len = seq_len or min(max_positions, DEFAULT_SEQ_LEN)
-    linear = DeltaNetShape(d_model=text["hidden_size"], n_key_heads=text["linear_num_key_heads"],
-                           n_value_heads=text["linear_num_value_heads"], d_key=text["linear_key_head_dim"],
-                           d_value=text["linear_value_head_dim"], conv_kernel=text["linear_conv_kernel_dim"],
+    linear = DeltaNetShape(d_model=sizes["hidden_size"], n_key_heads=sizes["linear_num_key_heads"],
+                           n_value_heads=sizes["linear_num_value_heads"], d_key=sizes["linear_key_head_dim"],
+                           d_value=sizes["linear_value_head_dim"], conv_kernel=sizes["linear_conv_kernel_dim"],
                            norm_eps=eps)
     tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
     c = Qwen35Config(
-        vocab_size=text["vocab_size"], d_model=text["hidden_size"], n_layer=n_layer,
-        n_head=text["num_attention_heads"], n_kv_head=text["num_key_value_heads"], head_dim=text["head_dim"],
-        d_ff=text["intermediate_size"], seq_len=seq_len, layer_types=layer_types, linear=linear,
+        vocab_size=sizes["vocab_size"], d_model=sizes["hidden_size"], n_layer=n_layer,
+        n_head=sizes["num_attention_heads"], n_kv_head=sizes["num_key_value_heads"], head_dim=sizes["head_dim"],
+        d_ff=sizes["intermediate_size"], seq_len=seq_len, layer_types=layer_types, linear=linear,
         rope_theta=rope_theta, partial_rotary=partial, norm_eps=eps, tie_embeddings=bool(tie),
         max_position_embeddings=None if max_positions == seq_len else max_positions)
     for field, value in overrides.items():

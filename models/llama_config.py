@@ -16,6 +16,9 @@ GEMMA = "gemma3_text"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we implement
 
 
+MAX_HEAD_DIM = 65536  # published models use 64 to 256
+
+
 def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
     """Gemma 3's default: every ``pattern``-th layer global, the others sliding (transformers'
     sliding_window_pattern, 6 in the published configs: 5 sliding layers, then 1 global)."""
@@ -103,6 +106,10 @@ class LlamaConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"LlamaConfig.{field} must be a positive integer or None, got {value!r}")
+        for field, upper in (("head_dim", MAX_HEAD_DIM), ("sliding_window", 2**31 - 1)):
+            value = getattr(self, field)
+            if isinstance(value, int) and value > upper:  # (the RoPE table is head_dim / 2 wide; the window an int32)
+                raise ValueError(f"LlamaConfig.{field} is {value}; pstar_jax takes at most {upper}")
         if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"LlamaConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
                              "unless head_dim is given")

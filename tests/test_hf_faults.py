@@ -320,3 +320,39 @@ def test_a_run_from_a_5x_config_trains_its_rope_and_exports_in_its_layout(tmp_pa
     with open(os.path.join(out, "config.json")) as f:
         exported = json.load(f)
     assert exported == config
+
+
+# -- hostile config.json values, before anything is built ------------------------------------------
+
+
+def _family_configs():
+    from test_gemma import GEMMA
+    from test_hf_models import GPT2, LLAMA as HF_LLAMA, QWEN3 as HF_QWEN3
+    from test_moe import MIXTRAL, QWEN3_MOE
+    from test_qwen35 import TEXT as QWEN35
+    return dict(gpt2=GPT2, llama=HF_LLAMA, qwen3=HF_QWEN3, gemma3_text=GEMMA, qwen3_moe=QWEN3_MOE, mixtral=MIXTRAL,
+                qwen3_5_text=QWEN35)
+
+
+HOSTILE = [("num_hidden_layers", 10**13), ("num_hidden_layers", 100_000), ("n_layer", 10**13), ("hidden_size", 10**13),
+           ("head_dim", 10**13), ("head_dim", 2**31 - 1), ("vocab_size", 10**13), ("sliding_window", 10**13),
+           ("num_experts", 10**9), ("num_local_experts", 10**9), ("linear_conv_kernel_dim", 10**13),
+           ("full_attention_interval", 0), ("rope_parameters", 5), ("rope_parameters", "x"), ("layer_types", "x"),
+           ("intermediate_size", [1, 2]), ("num_attention_heads", True)]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "qwen3_5_text"])
+def test_hostile_config_values_are_one_line_or_build_a_model_and_never_allocate_their_size(family):
+    """A config.json from the internet with absurd sizes (a layer count of 10**13 once ran the
+    process out of memory building per-layer tables; a 10**13-tap convolution looped for ever; a
+    10**13 head_dim asked numpy for 36 TiB): each is refused in one line, a ValueError or
+    TypeError naming the field, which pstar-train prints as its error, or builds a model (a key
+    the family does not read)."""
+    from pstar_models import build_from_hf
+    config = _family_configs()[family]
+    for key, value in HOSTILE:
+        try:
+            build_from_hf({**config, key: value}, seq_len=16)
+        except (ValueError, TypeError, KeyError) as err:
+            line = str(err)
+            assert "\n" not in line and len(line) < 400, (key, value, line)

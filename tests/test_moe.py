@@ -162,6 +162,9 @@ def test_an_expert_count_the_tensors_contradict_is_one_line():
         check_hf_shapes(QWEN3_MOE, shapes(4, width=24))
     with pytest.raises(ValueError, match="num_local_experts=4 disagrees with the weights, whose layer 0 holds 3"):
         check_hf_shapes(MIXTRAL, shapes(3, 28, "block_sparse_moe", "w1", MIXTRAL))
+    # a hostile count: compared with the weights without ranging over it (set(range(10**12)) ran out of memory)
+    with pytest.raises(ValueError, match="num_experts=1000000000000 disagrees with the weights, whose layer 0 holds 4"):
+        check_hf_shapes({**QWEN3_MOE, "num_experts": 10**12}, shapes(4))
 
 
 def test_moe_presets_have_the_published_parameter_counts():
