@@ -29,10 +29,8 @@ from flax import nnx
 
 from pstar_models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from pstar_models.gpt import _linear
+from pstar_models.limits import MAX_CONV_TAPS, MAX_SIZE, check_sizes
 from pstar_models.lora import LoraSpec, project
-
-
-MAX_CONV_TAPS = 256  # a short convolution: Qwen3-Next's and Qwen3.5's have 4 taps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +51,10 @@ class DeltaNetShape:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if self.conv_kernel > MAX_CONV_TAPS:  # (its taps are added one by one in the trace)
-            raise ValueError(f"linear_conv_kernel_dim is {self.conv_kernel}; pstar_jax takes at most {MAX_CONV_TAPS} "
-                             "(Qwen3.5's is 4)")
+        # (the convolution's taps are added one by one in the trace)
+        check_sizes("DeltaNetShape", {f: getattr(self, f) for f in ("d_model", "n_key_heads", "n_value_heads", "d_key",
+                                                                     "d_value", "conv_kernel")},
+                    {"conv_kernel": MAX_CONV_TAPS, "d_key": MAX_SIZE // 2, "d_value": MAX_SIZE // 2})
         if self.n_value_heads % self.n_key_heads:
             raise ValueError(f"linear_num_value_heads={self.n_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.n_key_heads}")

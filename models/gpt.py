@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pstar_models.limits import MAX_LAYERS, check_sizes
 from pstar_models.lora import LoraLinear, LoraSpec, check_spec, for_path, position_seeds, project
 from pstar_jax.model.attention import causal_attention
 from pstar_jax.model.loss import linear_cross_entropy_sum, linear_target_logps
@@ -49,6 +50,8 @@ class GPTConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
+        check_sizes("GPTConfig", {f: getattr(self, f) for f in ("vocab_size", "d_model", "n_layer", "n_head", "seq_len",
+                                                                 "mlp_ratio")}, {"n_layer": MAX_LAYERS})
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}; "
                              "change one of them")

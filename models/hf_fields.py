@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pstar_models.limits import MAX_EXPERTS, MAX_LAYERS, MAX_SIZE
 from pstar_models.llama_config import LAYER_TYPES
 
 # transformers' defaults (4.57 and 5.x alike) for keys a config.json may leave out (LlamaConfig, Qwen2Config,
@@ -27,20 +28,15 @@ HF_DEFAULTS = {
 }
 
 
-# Upper bounds, so that a hostile config.json is refused before anything is built from it: a size
-# is a tensor dimension (XLA's are int64, but no published model has one near 2**31), and a layer
-# count sizes per-layer tables built in Python (the largest published models have about 130).
-MAX_SIZE = 2**31 - 1
-MAX_LAYERS = 4096
+# config.json's names of the counts models/limits.py bounds apart from the other sizes
 LAYER_COUNTS = ("num_hidden_layers", "n_layer")
-MAX_EXPERTS = 4096  # each expert's tensors are named one by one (the largest published MoEs have 384)
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def require(config: Mapping[str, Any], key: str, bounded: bool = True) -> int:
     """A size the model needs: present, a positive whole number, and (``bounded``) not past the
-    bounds above; unbounded where it is compared with the weights' shapes first, which name the
-    size to set."""
+    bounds of models/limits.py; unbounded where it is compared with the weights' shapes first,
+    which name the size to set."""
     value = config.get(key)
     if value is None:
         raise ValueError(f"config.json has no {key!r}, which a {config.get('model_type')} model needs")

@@ -8,15 +8,13 @@ import dataclasses
 from types import MappingProxyType
 from typing import Mapping
 
+from pstar_models.limits import MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, check_sizes
 from pstar_models.lora import LoraSpec, check_spec
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")  # the HF model_type
 MOE_FAMILIES = ("qwen3_moe", "mixtral")  # blocks whose MLP is a mixture of experts (qwen3_moe: not every one)
 GEMMA = "gemma3_text"
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types entries we implement
-
-
-MAX_HEAD_DIM = 65536  # published models use 64 to 256
 
 
 def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
@@ -98,6 +96,11 @@ class LlamaConfig:
     lora: LoraSpec | None = None  # adapters on the projections (models/lora.py); not part of HF's config
 
     def __post_init__(self) -> None:
+        for field in ("rope_theta", "norm_eps", "rope_local_theta", "query_pre_attn_scalar", "final_softcap",
+                      "router_aux_loss_coef"):  # JSON writes 500000.0 as 500000: as a float, whatever its size
+            value = getattr(self, field)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, field, float(value))
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -106,10 +109,11 @@ class LlamaConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"LlamaConfig.{field} must be a positive integer or None, got {value!r}")
-        for field, upper in (("head_dim", MAX_HEAD_DIM), ("sliding_window", 2**31 - 1)):
-            value = getattr(self, field)
-            if isinstance(value, int) and value > upper:  # (the RoPE table is head_dim / 2 wide; the window an int32)
-                raise ValueError(f"LlamaConfig.{field} is {value}; pstar_jax takes at most {upper}")
+        check_sizes("LlamaConfig", {f: getattr(self, f) for f in (
+            "vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "seq_len", "head_dim",
+            "max_position_embeddings", "sliding_window", "n_experts", "n_experts_per_tok", "d_ff_expert")},
+            {"n_layer": MAX_LAYERS, "head_dim": MAX_HEAD_DIM, "n_experts": MAX_EXPERTS,
+             "n_experts_per_tok": MAX_EXPERTS})
         if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"LlamaConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
                              "unless head_dim is given")

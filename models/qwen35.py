@@ -29,7 +29,7 @@ from flax import nnx
 from pstar_models.gated_deltanet import DeltaCache, DeltaNetShape, GatedDeltaNet, init_delta_cache
 from pstar_models.gpt import _linear, attention_segments
 from pstar_models.llama import MLP, Llama, RMSNorm
-from pstar_models.llama_config import MAX_HEAD_DIM
+from pstar_models.limits import MAX_HEAD_DIM, MAX_LAYERS, check_sizes
 from pstar_models.llama_numerics import apply_rope, cached_attention
 from pstar_models.lora import LoraSpec, check_spec, position_seeds, project
 from pstar_jax.model.attention import causal_attention
@@ -67,8 +67,13 @@ class Qwen35Config:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Qwen35Config.{field} must be a positive integer, got {value!r}")
-        if self.head_dim > MAX_HEAD_DIM:  # (the RoPE table is head_dim / 2 wide)
-            raise ValueError(f"Qwen35Config.head_dim is {self.head_dim}; pstar_jax takes at most {MAX_HEAD_DIM}")
+        check_sizes("Qwen35Config", {f: getattr(self, f) for f in ("vocab_size", "d_model", "n_layer", "n_head",
+                                                                    "n_kv_head", "head_dim", "d_ff", "seq_len")},
+                    {"n_layer": MAX_LAYERS, "head_dim": MAX_HEAD_DIM})
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"Qwen35Config.{field} must be a positive number, got {value!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"Qwen35Config.n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))

@@ -356,3 +356,18 @@ def test_hostile_config_values_are_one_line_or_build_a_model_and_never_allocate_
         except (ValueError, TypeError, KeyError) as err:
             line = str(err)
             assert "\n" not in line and len(line) < 400, (key, value, line)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "gemma-tiny", "qwen3.5-tiny"])
+def test_hostile_flax_export_configs_are_one_line(preset):
+    """A Flax export's config.json (pstar-generate --flax) is a downloaded file too: our config's
+    fields with absurd values (n_layer 2**31 - 1 ran out of memory; norm_eps 10**13 overflowed
+    in a jit) are refused in one line or build a model."""
+    from pstar_models import build_model, model_from_fields
+    fields = json.loads(json.dumps(dataclasses.asdict(build_model(preset).config)))
+    for key in fields:
+        for value in (10**13, 2**31 - 1, -1, "x", [1, 2], None):
+            try:
+                model_from_fields({**fields, key: value})
+            except (ValueError, TypeError, KeyError) as err:
+                assert "\n" not in str(err) and len(str(err)) < 400, (key, value, str(err))
