@@ -146,7 +146,7 @@ def test_ten_fp32_steps_under_chunk_eviction_equal_transformers_and_torch_adamw(
     magnifies a gradient's rounding where the gradient is small, and the delta rule's solve
     rounds otherwise than torch's)."""
     import copy
-    import torch
+    torch = pytest.importorskip("torch")
     from frozen_engines import chunked
     from torch_adamw import OPTIM, torch_adamw, torch_steps, train_both
     from pstar_jax.config import OptimConfig
