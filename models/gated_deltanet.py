@@ -29,7 +29,7 @@ from flax import nnx
 
 from pstar_models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from pstar_models.gpt import _linear
-from pstar_models.limits import MAX_CONV_TAPS, MAX_SIZE, check_sizes
+from pstar_models.limits import MAX_CONV_TAPS, check_sizes
 from pstar_models.lora import LoraSpec, project
 
 
@@ -54,7 +54,7 @@ class DeltaNetShape:
         # (the convolution's taps are added one by one in the trace)
         check_sizes("DeltaNetShape", {f: getattr(self, f) for f in ("d_model", "n_key_heads", "n_value_heads", "d_key",
                                                                      "d_value", "conv_kernel")},
-                    {"conv_kernel": MAX_CONV_TAPS, "d_key": MAX_SIZE // 2, "d_value": MAX_SIZE // 2})
+                    {"conv_kernel": MAX_CONV_TAPS})
         if self.n_value_heads % self.n_key_heads:
             raise ValueError(f"linear_num_value_heads={self.n_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.n_key_heads}")
