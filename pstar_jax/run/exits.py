@@ -96,7 +96,7 @@ class _Watcher:
         threading.Thread(target=self._watch, args=(leave,), name="pstar-signal-watcher", daemon=True).start()
 
     def _watch(self, leave: Callable[[int, object], None]) -> None:
-        deferred = 0  # signals left to the training loop's handler
+        deferred: list[object] = []  # the training loops' handlers each signal was left to
         while True:
             try:
                 got = os.read(self._read, 1)
@@ -112,11 +112,11 @@ class _Watcher:
             if handler is leave or getattr(loop, "nothing_to_save", False):
                 leave(signum, None)
             elif hasattr(loop, "nothing_to_save"):
-                deferred += 1
-                # A second signal while the first is still not handled: the main thread has not
-                # come back to Python since (a handled one is the loop's to act on: it stops at
-                # once, after any save under way).
-                if deferred > 1 and not loop.signum:
+                deferred.append(loop)
+                # A second signal to the same loop while the first is still not handled: the main
+                # thread has not come back to Python since (a handled one is the loop's to act on:
+                # it stops at once, after any save under way).
+                if deferred.count(loop) > 1 and not loop.signum:
                     leave(signum, None)
 
     def close(self) -> None:
