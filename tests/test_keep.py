@@ -53,12 +53,16 @@ def _engine(m, frozen, keep: int, budget=None, W=1):
 TILES = TileBudget(scores_bytes=4 * 4 * 6 * 64 * 8, mlp_bytes=4 * 4 * 96 * 8)
 
 
-def _engines(lora: bool, keep: int, tiles: bool = False):
+def _model(lora: bool, tiles: bool):
+    """The tiny Llama, LoRA r 4 or not, its MLP and attention in 8 tiles or in one."""
     spec = LoraSpec(rank=4, alpha=16.0) if lora else None
     if tiles:
-        m = StagedLlama(dataclasses.replace(PRESETS["llama-tiny"], lora=spec), TILES)
-    else:
-        m = build_model("llama-tiny", lora=spec)
+        return StagedLlama(dataclasses.replace(PRESETS["llama-tiny"], lora=spec), TILES)
+    return build_model("llama-tiny", lora=spec)
+
+
+def _engines(lora: bool, keep: int, tiles: bool = False):
+    m = _model(lora, tiles)
     frozen = frozen_for_lora(m, LoraConfig(rank=4)) if lora else set()
     return m, frozen, _engine(m, frozen, 0), _engine(m, frozen, keep)
 
@@ -174,10 +178,11 @@ def test_auto_plans_the_fastest_kept_count(capsys):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs conftest's fake devices")
-def test_kept_residuals_over_two_devices():
+@pytest.mark.parametrize("tiles", [False, True])
+def test_kept_residuals_over_two_devices(tiles):
     """ZeRO over 2 devices: each keeps its own rows' residuals (flattened, sharded over the data
-    axis); losses equal the recompute's within fp32 rounding."""
-    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0))
+    axis), with ``tiles`` its tiles' too; losses equal the recompute's within fp32 rounding."""
+    m = _model(True, tiles)
     frozen = frozen_for_lora(m, LoraConfig(rank=4))
     today, kept = _engine(m, frozen, 0, W=2), _engine(m, frozen, 2, W=2)
     assert kept.plan_for((4, 64)).shape.keeping
