@@ -4,6 +4,7 @@ the forward under jax.vjp and the recompute are fused differently by XLA, so the
 differ in their last bits (2.4e-7 at most in a block's grads on the tiny Llama, see
 docs/plans/issue31-chunks-and-disk.md, section 3)."""
 
+import dataclasses
 import re
 
 import jax
@@ -11,12 +12,14 @@ import numpy as np
 import pytest
 
 from pstar_models import build_model
+from pstar_models.llama import PRESETS, StagedLlama
 from pstar_models.lora import LoraSpec
 from pstar_jax.config import EngineConfig, OptimConfig
 from pstar_jax.config.lora import LoraConfig
 from pstar_jax.model.lora import frozen_for_lora
 from pstar_jax.engine.optim import default_tx
 from pstar_jax.model.freeze import trainable
+from pstar_jax.model.tiling import TileBudget
 from pstar_jax.plan.machine import H200
 from pstar_jax.planner.build import chunked_engine
 from frozen_engines import mesh
@@ -45,19 +48,35 @@ def _engine(m, frozen, keep: int, budget=None, W=1):
     return _engine(m, frozen, keep, room, W)
 
 
-def _engines(lora: bool, keep: int):
-    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0) if lora else None)
+# 4 x 64 tokens in tiles of 8 positions (8 tiles) for the MLP and attention's scores (not 4 tiles
+# of 16: attention's [4, 16] tile positions would look like a LoRA weight to the check below)
+TILES = TileBudget(scores_bytes=4 * 4 * 6 * 64 * 8, mlp_bytes=4 * 4 * 96 * 8)
+
+
+def _model(lora: bool, tiles: bool):
+    """The tiny Llama, LoRA r 4 or not, its MLP and attention in 8 tiles or in one."""
+    spec = LoraSpec(rank=4, alpha=16.0) if lora else None
+    if tiles:
+        return StagedLlama(dataclasses.replace(PRESETS["llama-tiny"], lora=spec), TILES)
+    return build_model("llama-tiny", lora=spec)
+
+
+def _engines(lora: bool, keep: int, tiles: bool = False):
+    m = _model(lora, tiles)
     frozen = frozen_for_lora(m, LoraConfig(rank=4)) if lora else set()
     return m, frozen, _engine(m, frozen, 0), _engine(m, frozen, keep)
 
 
-@pytest.mark.parametrize("lora,keep", [(True, 1), (True, 2), pytest.param(False, 2, marks=pytest.mark.slow)])
-def test_kept_residuals_train_as_recompute_does(lora, keep):
+@pytest.mark.parametrize("lora,keep,tiles", [(True, 1, False), (True, 2, False), (True, 2, True), (False, 2, True),
+                                             pytest.param(False, 2, False, marks=pytest.mark.slow)])
+def test_kept_residuals_train_as_recompute_does(lora, keep, tiles):
     """A tiny Llama, LoRA over a frozen base and full fine-tuning, some stages keeping their
     residuals, three micro-batches, chunks moving every step: losses and weights equal the
     recompute's within fp32 rounding over 3 steps; kept stages ran no recomputing backward and
-    kept none of their weights among the residuals."""
-    m, frozen, today, kept = _engines(lora, keep)
+    kept none of their weights among the residuals. With ``tiles`` the MLP and attention run in
+    4 tiles (pstar_jax.model.tiling): a kept block keeps its MLP and projection tiles' residuals
+    too, so its backward recomputes only attention's tiles."""
+    m, frozen, today, kept = _engines(lora, keep, tiles)
     head = len(kept.bound) - 1
     keep = kept.plan_for((4, 64)).shape.keeping
     assert keep == frozenset(range(head - len(keep), head)) and len(keep) > 0, "the last blocks keep"
@@ -77,7 +96,9 @@ def test_kept_residuals_train_as_recompute_does(lora, keep):
         res = shape.residual_bytes[i]
         assert shape.input_bytes[i] == shape0.input_bytes[i] + res and (res > 0) == (i in keep)
         if i in keep:
-            assert shape.bwd_flops[i] < shape0.bwd_flops[i] - 0.5 * shape0.fwd_flops[i]
+            # no forward again, and with tiles none of the MLP's or projections' tiles either
+            saved = (1.4 if tiles else 0.5) * shape0.fwd_flops[i]
+            assert shape.bwd_flops[i] < shape0.bwd_flops[i] - saved
         else:
             assert (shape.bwd_flops[i], shape.fwd_non_model[i]) == (shape0.bwd_flops[i], shape0.fwd_non_model[i])
     for name, value in today.params().items():
@@ -157,10 +178,11 @@ def test_auto_plans_the_fastest_kept_count(capsys):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs conftest's fake devices")
-def test_kept_residuals_over_two_devices():
+@pytest.mark.parametrize("tiles", [False, True])
+def test_kept_residuals_over_two_devices(tiles):
     """ZeRO over 2 devices: each keeps its own rows' residuals (flattened, sharded over the data
-    axis); losses equal the recompute's within fp32 rounding."""
-    m = build_model("llama-tiny", lora=LoraSpec(rank=4, alpha=16.0))
+    axis), with ``tiles`` its tiles' too; losses equal the recompute's within fp32 rounding."""
+    m = _model(True, tiles)
     frozen = frozen_for_lora(m, LoraConfig(rank=4))
     today, kept = _engine(m, frozen, 0, W=2), _engine(m, frozen, 2, W=2)
     assert kept.plan_for((4, 64)).shape.keeping

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.model.tiling import (from_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence, to_tiles,
-                              zeros_after)
+from pstar_jax.model.tiling import (from_tiles, keeping_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence,
+                                    to_tiles, zeros_after)
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -153,3 +153,55 @@ def test_zeros_after_is_zero_whatever_it_waits_for():
         z = jax.jit(lambda a: zeros_after((3, 2), jnp.bfloat16, a))(after)
         assert z.dtype == jnp.bfloat16 and z.shape == (3, 2)
         np.testing.assert_array_equal(np.asarray(z, np.float32), np.zeros((3, 2)))
+
+
+def _split_vjp(fn, params, x):
+    """(y, grads function) with the forward and the backward in two jits, as a kept stage runs
+    them (pstar_jax.engine.stages.forward_keep / backward_kept): the vjp's leaves cross between them."""
+    structure = []
+
+    def forward(p, x):
+        y, vjp = jax.vjp(fn, p, x)
+        leaves, treedef = jax.tree.flatten(vjp)
+        structure.append(treedef)
+        return y, leaves
+    y, leaves = jax.jit(forward)(params, x)
+    return y, jax.jit(lambda leaves, g: jax.tree.unflatten(structure[0], leaves)(g)), leaves
+
+
+@pytest.mark.parametrize("dtype,eps", [(jnp.float32, EPS32), (jnp.bfloat16, EPSBF16)])
+def test_kept_tiles_equal_recomputed_tiles(dtype, eps):
+    # Under keeping_tiles the forward keeps each tile's residuals and the backward recomputes no
+    # tile: the same values and sums (float32 across tiles for bf16), from a backward traced in
+    # another jit; a MLP's backward then runs its 3 matmuls' transposes only (6 dots, not 9).
+    params, x, g = make(64, dtype=dtype, seed=2)
+    fn = lambda p, x: tiled_over_sequence(swiglu, x, tile=16, params=p)  # noqa: E731
+    y_ref, (dp_ref, dx_ref) = jax.vjp(fn, params, x)[0], jax.vjp(fn, params, x)[1](g.astype(dtype))
+    with keeping_tiles():
+        y, backward, leaves = _split_vjp(fn, params, x)
+    dp, dx = backward(leaves, g.astype(dtype))
+    assert all(a.dtype == dtype for a in dp)
+    assert_close(y, y_ref, eps, factor=1)
+    assert_close(dx, dx_ref, eps, factor=1)
+    for a, b in zip(dp, dp_ref):
+        assert_close(a, b, eps, factor=4)
+    # per tile (4 tiles of [1, 32, ...]) the tiles' input and the matmuls' outputs x @ gate and
+    # x @ up (silu and the product are recomputed: elementwise, no FLOPs to speak of); the
+    # weights once (a stage leaves those out: they are its own tensors)
+    per_tile = sorted(leaf.shape for leaf in leaves if leaf.ndim == 4)
+    assert per_tile == [(4, 1, 32, 16), (4, 1, 32, 64), (4, 1, 32, 64)], per_tile
+    assert sorted(leaf.shape for leaf in leaves if leaf.ndim == 2) == [(16, 64), (16, 64), (64, 16)]
+    dots = lambda f, *a: str(jax.make_jaxpr(f)(*a)).count("dot_general")  # noqa: E731
+    assert dots(backward, leaves, g.astype(dtype)) == 6
+    assert dots(lambda p, x, g: jax.vjp(fn, p, x)[1](g), params, x, g.astype(dtype)) == 3 + 9
+
+
+def test_keeping_tiles_leaves_unkeepable_maps_and_the_outside_as_they_were():
+    params, x, g = make(64, seed=4)
+    fn = lambda p, x: tiled_over_sequence(swiglu, x, tile=16, params=p)  # noqa: E731
+    unkept = lambda p, x: map_tiles(lambda p, t: swiglu(p, t), p, x.reshape(4, 32, 16), keepable=False)  # noqa: E731
+    with keeping_tiles():
+        kept_jaxpr, unkept_jaxpr = str(jax.make_jaxpr(fn)(params, x)), str(jax.make_jaxpr(unkept)(params, x))
+    assert "_map_kept" in kept_jaxpr and "_map_tiles" in unkept_jaxpr and "_map_kept" not in unkept_jaxpr
+    # outside, the recompute (a new function: jax caches a function's trace, not knowing the context)
+    assert "_map_tiles" in str(jax.make_jaxpr(lambda p, x: tiled_over_sequence(swiglu, x, tile=16, params=p))(params, x))

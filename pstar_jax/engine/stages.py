@@ -18,6 +18,7 @@ from pstar_jax import compat
 from pstar_jax.model.quant_bytes import QuantSlot, slot_bytes
 from pstar_jax.data.batch import Batch
 from pstar_jax.model.staged import Stage, head_loss, head_sums, stage_seeds
+from pstar_jax.model.tiling import keeping_tiles
 
 
 # -- compiled stage functions over chunks ------------------------------------------------------
@@ -203,15 +204,17 @@ class StageFunctions:
         residuals its backward (``backward_kept``) needs instead of recomputing it, each flattened
         to 1-D (sharded over the data axis like the activations). Residuals that are the stage's
         tensors, its input or its batch fields are left out: the backward has them already, so
-        only the activations are kept (a frozen weight is never copied into them). Not for the
+        only the activations are kept (a frozen weight is never copied into them), with those
+        of its sequence tiles (pstar_jax.model.tiling.keeping_tiles). Not for the
         first stage, whose input is the batch's tokens (schedule.kept_stages)."""
         key = ("res", bound.stage.apply, bound.pattern, bound.frozen, bound.quant)
 
         def local(chunks, offsets, x, batch):
             params, batch, known = self._known(bound, chunks, offsets, x, batch)
             tensors, _ = _trainable_pattern(bound)
-            y, vjp = jax.vjp(lambda p, x: bound.stage.apply(_with(params, tensors, p), x, batch),
-                             tuple(params[i] for i in tensors), x)
+            with keeping_tiles():  # the tiles' residuals too: the backward recomputes nothing
+                y, vjp = jax.vjp(lambda p, x: bound.stage.apply(_with(params, tensors, p), x, batch),
+                                 tuple(params[i] for i in tensors), x)
             leaves, treedef = jax.tree_util.tree_flatten(vjp)
             sources = tuple(next((k for k, a in enumerate(known) if a is leaf), None) for leaf in leaves)
             kept = [leaf for leaf, s in zip(leaves, sources) if s is None]

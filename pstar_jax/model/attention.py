@@ -90,7 +90,7 @@ def tiled_attention(q_BxLxHxK: jax.Array, k_BxLxNxK: jax.Array, v_BxLxNxK: jax.A
     xs = (to_tiles(q_BxLxNxGxK, 1, n_tiles, tile), to_tiles(segments_q, 1, n_tiles, tile),
           positions.reshape(n_tiles, tile))
     out = map_tiles(lambda c, x: _tile(c, x, scale, float32_scores, window), (k_BxLxNxK, v_BxLxNxK, segment_ids_BxL),
-                    xs)
+                    xs, keepable=False)
     out_BxLxNxGxK = jnp.moveaxis(out, 0, 1).reshape(B, n_tiles * tile, N, H // N, K)[:, :L]
     return out_BxLxNxGxK.reshape(B, L, H, K)
 
