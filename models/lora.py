@@ -36,6 +36,7 @@ from flax import nnx
 from pstar_jax.data.batch import mix_seeds
 from pstar_jax.model.quant import Int8Tensor, NF4Tensor, quant_matmul
 from pstar_jax.model.quant_bytes import QuantSlot
+from pstar_jax.model.tiling import kept_projection
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -192,10 +193,13 @@ class LoraLinear(nnx.Linear):
 
 
 def project(layer: nnx.Module, x: jax.Array, dropout_seeds: jax.Array | None = None) -> jax.Array:
-    """A projection's output: a LoraLinear gets the dropout seeds, a plain Linear only x."""
+    """A projection's output: a LoraLinear gets the dropout seeds, a plain Linear only x. Marked
+    as one a kept sequence tile may keep (pstar_jax.model.tiling.kept_projection)."""
     if isinstance(layer, LoraLinear):
-        return layer(x, dropout_seeds=dropout_seeds)
-    return base_linear(layer, x) if isinstance(layer, nnx.Linear) else layer(x)
+        y = layer(x, dropout_seeds=dropout_seeds)
+    else:
+        y = base_linear(layer, x) if isinstance(layer, nnx.Linear) else layer(x)
+    return kept_projection(y)
 
 
 def adapter_names(names: Sequence[str]) -> list[str]:

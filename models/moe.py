@@ -41,7 +41,7 @@ from pstar_models.gpt import _linear, tiled_mlp
 from pstar_models.llama_config import LlamaConfig
 from pstar_models.lora import LoraLinear, LoraSpec, dropout
 from pstar_jax.model.quant_grouped import grouped_quant_matmul, is_quantized, stack_kernels
-from pstar_jax.model.tiling import TileBudget
+from pstar_jax.model.tiling import TileBudget, kept_projection
 
 MATRICES = ("gate", "up", "down")
 
@@ -145,7 +145,8 @@ def grouped_swiglu(x_NxD: jax.Array, experts_NxK: jax.Array, gate_ExDxI: jax.Arr
     xs = x_NxD[order // k]
 
     def matmul(x_PxD: jax.Array, w: jax.Array, name: str) -> jax.Array:
-        return _adapted(x_PxD, grouped_matmul(x_PxD, w, tiles), adapters.get(name), tiles, expert_P, seeds_P)
+        return kept_projection(_adapted(x_PxD, grouped_matmul(x_PxD, w, tiles), adapters.get(name), tiles, expert_P,
+                                        seeds_P))
     h = jax.nn.silu(matmul(xs, gate_ExDxI, "gate")) * matmul(xs, up_ExDxI, "up")
     ys = matmul(h, down_ExIxD, "down")
     return ys[jnp.argsort(order)].reshape(N, k, -1)

@@ -6,17 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pstar_jax.model.tiling import (from_tiles, keeping_tiles, map_tiles, rows_within, split_tiles, tiled_over_sequence,
-                                    to_tiles, zeros_after)
+from pstar_jax.model.tiling import (from_tiles, keeping_tiles, kept_projection, map_tiles, rows_within, split_tiles,
+                                    tiled_over_sequence, to_tiles, zeros_after)
 
 EPS32 = float(jnp.finfo(jnp.float32).eps)
 EPSBF16 = float(jnp.finfo(jnp.bfloat16).eps)
 
 
 def swiglu(params, x_BxTxD):
-    """models/llama.py's MLP: down(silu(gate(x)) * up(x))."""
+    """models/llama.py's MLP: down(silu(gate(x)) * up(x)), its projections marked as models/lora.project marks them."""
     gate, up, down = params
-    return (jax.nn.silu(x_BxTxD @ gate) * (x_BxTxD @ up)) @ down
+    project = lambda x, w: kept_projection(x @ w)  # noqa: E731
+    return project(jax.nn.silu(project(x_BxTxD, gate)) * project(x_BxTxD, up), down)
 
 
 def make(L, D=16, F=64, dtype=jnp.float32, seed=0):
@@ -185,9 +186,10 @@ def test_kept_tiles_equal_recomputed_tiles(dtype, eps):
     assert_close(dx, dx_ref, eps, factor=1)
     for a, b in zip(dp, dp_ref):
         assert_close(a, b, eps, factor=4)
-    # per tile (4 tiles of [1, 32, ...]) the tiles' input and the matmuls' outputs x @ gate and
-    # x @ up (silu and the product are recomputed: elementwise, no FLOPs to speak of); the
-    # weights once (a stage leaves those out: they are its own tensors)
+    # per tile (4 tiles of [1, 32, ...]) the tiles' input and the projections' outputs that feed
+    # something nonlinear, x @ gate and x @ up (silu and the product are recomputed: elementwise,
+    # no FLOPs to speak of), not down's; the weights once (a stage leaves those out: they are its
+    # own tensors)
     per_tile = sorted(leaf.shape for leaf in leaves if leaf.ndim == 4)
     assert per_tile == [(4, 1, 32, 16), (4, 1, 32, 64), (4, 1, 32, 64)], per_tile
     assert sorted(leaf.shape for leaf in leaves if leaf.ndim == 2) == [(16, 64), (16, 64), (64, 16)]

@@ -16,7 +16,7 @@ _LAZY = {
                      "validate_stages", "compose_loss", "stage_seeds", "cast_params", "token_cross_entropy",
                      "cross_entropy", "masked_loss_sum"), "staged"),
     "causal_attention": "attention", "linear_cross_entropy_sum": "loss",
-    **dict.fromkeys(("TileBudget", "map_tiles", "tiled_over_sequence", "mlp_tile"), "tiling"),
+    **dict.fromkeys(("TileBudget", "map_tiles", "tiled_over_sequence", "mlp_tile", "kept_projection"), "tiling"),
 }
 
 

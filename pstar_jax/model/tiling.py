@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 
 TILE_BYTES = 256 * 2**20
@@ -150,6 +152,35 @@ def _put(buffers: Any, values: Any, i: Any) -> Any:
     return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0), buffers, values)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+    """Which leaves of (consts, hoisted) and of the tiles the outer differentiation perturbs (a
+    static part of the residuals): the backward takes no gradient of the others. A frozen weight's
+    gradient would be 2 x its matmul's FLOPs per tile, computed and thrown away."""
+    shared: tuple[bool, ...]
+    tiles: tuple[bool, ...]
+
+
+def _unwrap(tree: Any) -> tuple[Any, tuple[bool, ...]]:
+    """A symbolic-zeros custom_vjp's primals (CustomVJPPrimal leaves): their values, and which are perturbed."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    return (jax.tree.unflatten(treedef, [x.value for x in leaves]),
+            tuple(bool(x.perturbed) and _floating(x.value) for x in leaves))
+
+
+def _dense(ct: Any) -> Any:
+    """Cotangents with symbolic zeros made zeros (an output nothing downstream uses)."""
+    return jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, ct,
+                        is_leaf=lambda c: isinstance(c, SymbolicZero))
+
+
+def _perturbed(consts: Any, hoisted: tuple, xs: Any) -> tuple[tuple, Any, Any, _Perturbed]:
+    (consts, hoisted), shared = _unwrap((consts, hoisted))
+    xs, tiles = _unwrap(xs)
+    return consts, hoisted, xs, _Perturbed(shared, tiles)
+
+
 def _forward(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> Any:
     n = jax.tree.leaves(xs)[0].shape[0]
     shapes = jax.eval_shape(lambda c, x, h: body(c, x, *h), consts, _at(xs, 0), hoisted)
@@ -163,21 +194,28 @@ def _map_tiles(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -
 
 
 def _map_tiles_fwd(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any) -> tuple[Any, tuple]:
-    return _forward(body, consts, hoisted, xs), (consts, hoisted, xs)
+    consts, hoisted, xs, perturbed = _perturbed(consts, hoisted, xs)
+    return _forward(body, consts, hoisted, xs), (consts, hoisted, xs, perturbed)
 
 
-def _backward(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any, ct_ys: Any,
+def _differentiated(perturbed: _Perturbed) -> tuple[list[int], list[int]]:
+    """The places of the shared and the tile leaves a tile's vjp differentiates."""
+    return [k for k, p in enumerate(perturbed.shared) if p], [k for k, p in enumerate(perturbed.tiles) if p]
+
+
+def _backward(body: Callable[..., Any], consts: Any, hoisted: tuple, xs: Any, perturbed: _Perturbed, ct_ys: Any,
               tile_vjp: Callable[..., Callable]) -> tuple:
     """Tile by tile in reverse order, as autodiff of the forward loop would run: each tile's vjp
-    over its floating parts (``tile_vjp(j, tile_fn, shared_part, tile_part)``), its input's gradient
-    written into its place, the gradients of the constants (and of what body closes over) added
-    into sums carried across tiles, float32 for narrower floats and rounded once at the end.
-    Integer inputs (positions, segment ids) have no gradient."""
+    over its perturbed floating parts (``tile_vjp(j, tile_fn, shared_part, tile_part)``), its
+    input's gradient written into its place, the gradients of the constants (and of what body
+    closes over) added into sums carried across tiles, float32 for narrower floats and rounded
+    once at the end. Integer inputs (positions, segment ids) and what the outer differentiation
+    holds constant (a frozen weight) get no gradient (None, a symbolic zero)."""
     n = jax.tree.leaves(xs)[0].shape[0]
     shared, shared_def = jax.tree.flatten((consts, hoisted))
     tiles, tiles_def = jax.tree.flatten(xs)
-    shared_f = [k for k, x in enumerate(shared) if _floating(x)]
-    tiles_f = [k for k, x in enumerate(tiles) if _floating(x)]
+    shared_f, tiles_f = _differentiated(perturbed)
+    ct_ys = _dense(ct_ys)
     after = _first_floating(ct_ys)
 
     def tile_grads(i, carry):
@@ -206,13 +244,26 @@ def _map_tiles_bwd(body: Callable[..., Any], residuals: tuple, ct_ys: Any) -> tu
     return _backward(body, *residuals, ct_ys, lambda j, tile_fn, *parts: jax.vjp(tile_fn, *parts)[1])
 
 
-_map_tiles.defvjp(_map_tiles_fwd, _map_tiles_bwd)
+_map_tiles.defvjp(_map_tiles_fwd, _map_tiles_bwd, symbolic_zeros=True)
 
 
-# What a kept tile keeps: its matmuls' outputs; elementwise values (activations, products,
-# norms) are recomputed from them, a few FLOPs per element against 2 x d per element of a matmul.
-# llama-3.1-70b, 4,096 tokens: 1.27 GiB per block instead of 2.40 GiB with every value kept.
-_KEPT_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# What a kept tile keeps: the projections' outputs its backward needs (``kept_projection``),
+# and nothing else. A linear map's backward needs its input, not its output, so only the outputs
+# that feed something nonlinear are kept (SwiGLU's gate and up, the o projection's output under
+# the next norm, Qwen3's q and k before their norms). Elementwise values (activations, products,
+# norms, a quantized kernel's dequantized tile) and LoRA's rank-r products x @ a are recomputed
+# from them: a few FLOPs per element, or 2 x r per element, against 2 x d of a projection. The
+# alternative, every matmul's output (jax.checkpoint's dots policy), also keeps a LoRA
+# projection's base and adapter outputs apart, and the ones no backward reads: llama-3.1-70b,
+# 4,096 tokens, 1.27 GiB per block against 0.6 GiB.
+PROJECTION = "pstar_jax.projection"
+_KEPT_POLICY = jax.checkpoint_policies.save_only_these_names(PROJECTION)
+
+
+def kept_projection(y: jax.Array) -> jax.Array:
+    """``y``, a projection's output, marked as a value a kept tile may keep instead of recomputing
+    (the identity everywhere else)."""
+    return checkpoint_name(y, PROJECTION)
 
 
 class _KeptTiles:
@@ -230,15 +281,15 @@ def _map_kept(body: Callable[..., Any], record: _KeptTiles, consts: Any, hoisted
 def _map_kept_fwd(body: Callable[..., Any], record: _KeptTiles, consts: Any, hoisted: tuple,
                   xs: Any) -> tuple[Any, tuple]:
     """Each tile under jax.vjp in a scan, which stacks the residuals per tile (``_KEPT_POLICY``'s
-    values: the matmuls' outputs). Residuals that are
-    the loop's constants or the tile's own inputs are left out (the backward has them): a weight
-    is never copied once per tile."""
+    values: the projections' outputs the backward reads). Residuals that are the loop's
+    constants or the tile's own inputs are left out (the backward has them): a weight is never
+    copied once per tile."""
+    consts, hoisted, xs, perturbed = _perturbed(consts, hoisted, xs)
     shared, shared_def = jax.tree.flatten((consts, hoisted))
-    shared_f = [k for k, x in enumerate(shared) if _floating(x)]
+    shared_f, tiles_f = _differentiated(perturbed)
 
     def tile(_, x):
         tiles, tiles_def = jax.tree.flatten(x)
-        tiles_f = [k for k, t in enumerate(tiles) if _floating(t)]
 
         def tile_fn(shared_part, tile_part):
             cs, h = jax.tree.unflatten(shared_def, _with(shared, shared_f, shared_part))
@@ -250,12 +301,12 @@ def _map_kept_fwd(body: Callable[..., Any], record: _KeptTiles, consts: Any, hoi
         record.sources = tuple(next((k for k, a in enumerate(known) if a is leaf), None) for leaf in leaves)
         return None, (y, [leaf for leaf, s in zip(leaves, record.sources) if s is None])
     _, (ys, kept) = jax.lax.scan(tile, None, xs)
-    return ys, (consts, hoisted, xs, kept)
+    return ys, (consts, hoisted, xs, perturbed, kept)
 
 
 def _map_kept_bwd(body: Callable[..., Any], record: _KeptTiles, residuals: tuple, ct_ys: Any) -> tuple:
     """Each tile's vjp rebuilt from its kept residuals and its known values: no tile recomputed."""
-    consts, hoisted, xs, kept = residuals
+    consts, hoisted, xs, perturbed, kept = residuals
     shared = jax.tree.leaves((consts, hoisted))
     tiles = jax.tree.leaves(xs)
 
@@ -263,16 +314,17 @@ def _map_kept_bwd(body: Callable[..., Any], record: _KeptTiles, residuals: tuple
         known = shared + _at(tiles, j)
         mine = iter(_at(kept, j))
         return jax.tree.unflatten(record.treedef, [next(mine) if s is None else known[s] for s in record.sources])
-    return _backward(body, consts, hoisted, xs, ct_ys, tile_vjp)
+    return _backward(body, consts, hoisted, xs, perturbed, ct_ys, tile_vjp)
 
 
-_map_kept.defvjp(_map_kept_fwd, _map_kept_bwd)
+_map_kept.defvjp(_map_kept_fwd, _map_kept_bwd, symbolic_zeros=True)
 
 
 def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any, *, keepable: bool = True) -> Any:
     """``body(consts, x)`` for each tile x of ``xs`` (a pytree with the tiles as leading axis),
     one tile's intermediates alive at a time in the forward and the backward. A single tile is
-    a plain call: the whole sequence fits, and nothing is recomputed.
+    a plain call: the whole sequence fits, and nothing is recomputed (kept, it still keeps only
+    the projections' outputs its backward reads, not every intermediate).
 
     The backward recomputes one tile at a time (``_map_tiles_bwd``) and adds up the gradients
     of ``consts`` and of the arrays body closes over in float32 sums, while the constants stay
@@ -283,11 +335,12 @@ def map_tiles(body: Callable[[Any, Any], Any], consts: Any, xs: Any, *, keepable
     Under ``keeping_tiles()`` a ``keepable`` map keeps every tile's residuals and its backward
     recomputes nothing (same sums). Attention is not keepable: its tiles' residuals are its
     whole [H, L, L] probabilities (4 GiB per llama-3.1-70b block at 4096 tokens)."""
-    if jax.tree.leaves(xs)[0].shape[0] == 1:  # one tile: nothing to save, so no recomputation
+    keep = keepable and _KEEPING.get()
+    if jax.tree.leaves(xs)[0].shape[0] == 1 and not keep:  # one tile: nothing to save, so no recomputation
         out = body(consts, jax.tree.map(lambda x: x[0], xs))
         return jax.tree.map(lambda y: y[None], out)
     converted, hoisted = jax.closure_convert(body, consts, _at(xs, 0))
-    if keepable and _KEEPING.get():
+    if keep:
         return _map_kept(converted, _KeptTiles(), consts, tuple(hoisted), xs)
     return _map_tiles(converted, consts, tuple(hoisted), xs)
 
