@@ -471,3 +471,33 @@ def test_the_engine_carries_out_a_finished_plan_and_asks_planning_only_through_i
     engine.evaluate(batches(1)[0])
     engine.evaluate(batches(1)[0])
     assert Recording.asked == [("batch", (2, 64)), ("eval", (4, 64))]
+
+
+def test_copies_issued_moments_ahead_run_as_planned(monkeypatch):
+    """A plan whose moments issue their copies up to three moments ahead (PlanMoment.lead, forced
+    here: the planner goes deeper only when it predicts a gain): the store keeps every moment's
+    budget over the moments the copies share the device with (it raises otherwise), traffic equals
+    the plan's each step, and losses and params equal those of the plan one moment ahead, bit for bit."""
+    from pstar_jax.planner import build as planning
+    from pstar_jax.plan.placement import plan_step
+
+    def at_depth(depth):
+        def planned(shape, budget, host_bytes, machine, adam_placement, disk_bytes=0):
+            return plan_step(shape, budget, host_bytes, machine, [False] * shape.n_chunks, prefetch_depth=depth)
+        return planned
+    m = deep()
+    engines = []
+    for depth in (3, 1):
+        monkeypatch.setattr(planning, "make_plan", at_depth(depth))
+        engines.append(chunked(m, precision="bf16", micro_batches=2))
+        monkeypatch.undo()
+    deeper, shallow = engines
+    leads = [mo.issued_at for mo in deeper.plan.moments]
+    assert max(leads) == deeper.plan.prefetch_depth == 3 and max(mo.issued_at for mo in shallow.plan.moments) == 1
+    assert deeper.plan.h2d_bytes > 0
+    for step in batches(3, micro_batches=2):
+        a, b = deeper.step(step), shallow.step(step)
+        assert a.loss == b.loss
+        assert (a.h2d_bytes, a.d2h_bytes) == (a.predicted_h2d_bytes, a.predicted_d2h_bytes)
+    for name, value in deeper.params().items():
+        np.testing.assert_array_equal(value, shallow.params()[name], err_msg=name)

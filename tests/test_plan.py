@@ -3,6 +3,8 @@
 import dataclasses as dc
 import json
 
+import pytest
+
 from hypothesis import example, given, settings, strategies as st
 
 from pstar_jax.plan.machine import H200
@@ -414,3 +416,85 @@ def test_plans_are_those_recorded():
     got = {name: plan_goldens.digest(plan) for name, plan in plan_goldens.plans().items()}
     assert sorted(got) == sorted(want)
     assert [name for name in want if got[name] != want[name]] == []
+
+
+def _carry_out(plan, shape):
+    """Walk ``plan``'s moments in the executor's order (engine/executor.py: a moment's own copies
+    before it, its stage, its final grads sent up, the copies of the moments issued as it starts
+    (predict.issued_during), then what it drops), holding the device's items as the store does.
+    Returns the worst overshoot of a budget: each moment's capacity while it runs, and while a
+    later moment's copies are issued the least capacity of the moments they overlap (0: none)."""
+    from pstar_jax.plan.predict import issued_during, window_capacity
+    accesses = step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads)
+    device = {item for item, _ in plan.initial_device}
+    held = lambda: sum(map(shape.item_size, device))  # noqa: E731
+    worst = 0
+
+    def act(u):
+        for item in plan.moments[u].evict:
+            assert item in device, (u, item)
+            device.remove(item)
+        for item in plan.moments[u].fetch:
+            assert item not in device, (u, item)
+            device.add(item)
+    issued = issued_during(plan.moments)
+    for t, (moment, a) in enumerate(zip(plan.moments, accesses)):
+        if not moment.prefetch:
+            act(t)
+        device.update(a.needs)  # what is not there is created by the moment (a grad, a stage input)
+        worst = max(worst, held() - moment.capacity_bytes)
+        device.difference_update(a.to_host)
+        for u in issued.get(t, ()):
+            unborn = {it for w in accesses[t + 1:u] for it in (*w.creates_host, *w.creates_device, *w.to_host)}
+            assert not unborn & set(plan.moments[u].fetch), (t, u)  # nothing is fetched before it exists
+            act(u)
+            worst = max(worst, held() - window_capacity(plan.moments, u))
+        device.difference_update(a.drops + a.consumes)
+        device.update(a.creates_device)
+    return worst
+
+
+@pytest.mark.parametrize("case", ["frozen 16x1 m2 in50", "6x2 m2 in60", "5x2 m2 in60 stream"])
+def test_copies_issued_moments_ahead_keep_every_budget(case):
+    """At every prefetch depth, carried out in the executor's order, no moment and no window of
+    moments a later moment's copies overlap holds more than its budget, nothing is fetched
+    before the moment that makes it has run, copies are issued in the moments' order, and
+    depth 1 is the plan as it was before deeper prefetch."""
+    if case.startswith("frozen"):
+        base = gpt_like_shape(16, 1, 2, input_bytes=50)
+        shape = frozen_shape(base, [c != 0 for c in range(base.n_chunks)])
+    else:
+        shape = gpt_like_shape(6 if case.startswith("6") else 5, 2, 2, input_bytes=60)
+    machine = dc.replace(H200, h2d_bytes_per_s=400 / 3e-6, d2h_bytes_per_s=400 / 3e-6, flops_per_s=1e15)
+    n = shape.n_chunks
+    streamed = [case.endswith("stream") and c % 2 == 1 for c in range(n)]
+    for device in (3500, 4000, 5000) if case.endswith("stream") else (1000, 1300, 2000):
+        plans = {depth: plan_step(shape, device, 10**9, machine, [False] * n, streamed=streamed, prefetch_depth=depth)
+                 for depth in (1, 2, 3, 8)}
+        assert plans[1] == plan_step(shape, device, 10**9, machine, [False] * n, streamed=streamed)
+        for depth, plan in plans.items():
+            assert plan.fits, (case, device, depth, plan.problem)
+            starts = [t - m.issued_at for t, m in enumerate(plan.moments)]
+            assert starts == sorted(starts)
+            assert max(1, *(m.issued_at for m in plan.moments)) == plan.prefetch_depth <= depth
+            assert _carry_out(plan, shape) <= 0, (case, device, depth)
+        assert max(m.issued_at for m in plans[8].moments) > 1  # the budgets leave room to go deeper
+
+
+def test_the_chosen_plan_goes_deeper_only_where_that_is_predicted_faster():
+    """make_plan deepens its choice while the copies show (one frozen-base shape on a slow link:
+    depth 2, at least 1% faster); where the copies hide under the compute, a plan stays one
+    moment ahead; either way the placement is the one chosen at depth 1."""
+    from pstar_jax.plan.placement import DEPTH_MARGIN, deepened
+    base = gpt_like_shape(16, 1, 2, input_bytes=50)
+    shape = frozen_shape(base, [c != 0 for c in range(base.n_chunks)])
+    slow = dc.replace(H200, h2d_bytes_per_s=400 / 3e-6, d2h_bytes_per_s=400 / 3e-6, flops_per_s=1e15)
+    chosen = make_plan(shape, 1000, 10**9, slow)
+    at_one = plan_step(shape, 1000, 10**9, slow, chosen.opt_on_device, chosen.victim_rule, chosen.opt_streamed,
+                       leads=chosen.state_leads)
+    assert chosen.prefetch_depth == 2 and chosen.opt_on_device == at_one.opt_on_device
+    assert chosen.predicted_step_s < at_one.predicted_step_s * (1 - DEPTH_MARGIN)
+    assert deepened(at_one, shape, 10**9, slow) == chosen
+    fast = make_plan(shape, 1000, 10**9, H200)
+    assert fast.fits and fast.prefetch_depth == 1 and "prefetch_depth" not in fast.to_json()
+    assert chosen.to_json()["prefetch_depth"] == 2

@@ -23,6 +23,7 @@ from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.stages import BoundStage
 from pstar_jax.engine.zero import replicated_value
 from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.predict import issued_during, window_capacity
 from pstar_jax.plan.replay import PlanMoment
 
 
@@ -76,6 +77,7 @@ class Evaluation:
         self.store.traffic.reset()
         self.store.peak_device_bytes = self.store.bytes[Space.DEVICE]
         moments, outs, x, batch = plan.moments, [], None, None
+        issued = issued_during(moments)
         pacer = Pacer()
         for t, moment in enumerate(moments):
             if not moment.prefetch:
@@ -92,8 +94,8 @@ class Evaluation:
                 else:
                     outs.append(last(self.bound[i])(params, self._offsets[i], x, batch))
                     pacer.mark(outs[-1])
-            if t + 1 < len(moments) and moments[t + 1].prefetch:
-                self._act(self._in_slots(moments[t + 1]), min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+            for u in issued.get(t, ()):
+                self._act(self._in_slots(moments[u]), window_capacity(moments, u))
         self._place_slots(self.plan)  # moves nothing: the restore moment put every slot back
         return outs
 

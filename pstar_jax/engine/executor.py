@@ -26,8 +26,8 @@ pending gradient, or its current params when no update is pending (a host update
 its chunk's slot, master and state until that moment); ``flush`` applies a pending update at
 once, and everything that reads or saves state calls it.
 
-Placement is the plan's: before each moment (or during the previous one, when the plan says
-prefetch; JAX dispatch is asynchronous, so those copies overlap the running stage) the executor
+Placement is the plan's: before each moment (or during the ``lead`` moments before it, when the plan
+says prefetch; JAX dispatch is asynchronous, so those copies overlap the running stages) the executor
 performs exactly the plan's evictions and fetches, and the store refuses anything that would
 break the moment's device budget. The executor never decides placement itself.
 
@@ -74,6 +74,7 @@ from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, cl
                              zeros_chunk)
 from pstar_jax.plan.homes import DISK_SLOTS
 from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.predict import issued_during, window_capacity
 from pstar_jax.plan.replay import PlanMoment
 from pstar_jax.plan.schedule import Access, staged_after
 from pstar_jax.engine.pacing import Pacer
@@ -253,6 +254,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
         staging = staged_after(accesses)
+        issued = issued_during(moments)
         pacer = Pacer()
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:
@@ -268,8 +270,8 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
                         self.store.evict(key)
             if self.measured_non_model is not None and len(self.measured_non_model) < len(moments):
                 self._measure_moment(run)
-            if t + 1 < len(moments) and moments[t + 1].prefetch:
-                self._act(moments[t + 1], min(moment.capacity_bytes, moments[t + 1].capacity_bytes))
+            for u in issued.get(t, ()):  # prefetched moments' copies, issued as the plan says
+                self._act(moments[u], window_capacity(moments, u))
             self._stage(accesses[u].index for u in staging.get(t, ()))
             for key in access.drops:
                 self.store.drop(key)

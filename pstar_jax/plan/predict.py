@@ -16,9 +16,28 @@ class MomentCopies(Protocol):
     """What the prediction reads of a planned moment (replay.PlanMoment): when its copies are issued
     and how many bytes they move. placement.py imports this module, never the other way round."""
     prefetch: bool
+    lead: int
     fetch: tuple
     h2d_bytes: int
     d2h_bytes: int
+
+
+def issued_during(moments: Sequence[MomentCopies]) -> dict[int, list[int]]:
+    """Moment t -> the later moments whose evictions and fetches are issued as t starts (right
+    after its call is dispatched), in order: each prefetched moment u at t = u - lead. The
+    executor, the evaluation and the prediction all issue them so."""
+    out: dict[int, list[int]] = {}
+    for u, m in enumerate(moments):
+        if m.prefetch and u:
+            out.setdefault(u - min(m.lead, u), []).append(u)
+    return out
+
+
+def window_capacity(moments: Sequence, u: int) -> int:
+    """The device memory moment u's copies may use: the least capacity of the moments they are
+    issued during (moments[u - lead] .. moments[u - 1]) and of u itself."""
+    lead = min(moments[u].lead, u) if moments[u].prefetch else 0
+    return min(m.capacity_bytes for m in moments[u - lead:u + 1])
 
 
 def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
@@ -56,8 +75,8 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
     """Replay the step on the device's compute stream and its copy engines, in the executor's order.
 
     Each moment computes after the previous one and after its own inputs have arrived. Copies
-    are issued when the executor issues them: a moment's evictions and fetches during the
-    previous moment when the plan prefetches it, else after it (evictions and grads bound for
+    are issued when the executor issues them: a moment's evictions and fetches as the moment
+    ``lead`` moments earlier starts when the plan prefetches it, else after the previous one (evictions and grads bound for
     host Adam go up first, then fetches come down into the room they freed); streamed state
     ``state_lead`` moments ahead, and back up after its update; final grads bound for host Adam
     go up after the moment that finished them. A copy waits for the copy engine of its direction;
@@ -116,6 +135,8 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
         if update_s:
             host_free = host_done[t] = host_free + update_s
 
+    issued = issued_during(moments)
+    ready_at: dict[int, float] = {}
     stage(-1, 0.0)
     compute_start = compute_end = 0.0
     ready = 0.0  # when the current moment's own copies are done
@@ -129,7 +150,9 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
             copy("up", compute_end, a.state_bytes_each_way / machine.d2h_bytes_per_s)
         if sent_up[t]:
             copy("up", compute_end, sent_up[t] / machine.d2h_bytes_per_s)
+        for u in issued.get(t, ()):  # the moments whose copies are issued as this one starts
+            ready_at[u] = own_copies(u, compute_start)
         if t + 1 < len(moments) and moments[t + 1].prefetch:
-            ready = own_copies(t + 1, compute_start)
+            ready = ready_at.pop(t + 1)
         stage(t, compute_start)
     return max(compute_end, host_free, *free.values())

@@ -5,8 +5,8 @@ capacity.
 ``simulate`` walks the step's accesses (schedule.py) from a starting state: what a moment needs
 but is not on the device is fetched (from its host copy) or created (grads at their first use,
 stage inputs at their forward); when the device would overflow, the eviction policy
-(eviction.py) picks the victims among items the moment (and, when prefetching, the previous one)
-does not use: a clean one leaves for free, a dirty one is written back. Items have sizes of their
+(eviction.py) picks the victims among items the moment (and, when prefetching, the moments it is
+issued during) does not use: a clean one leaves for free, a dirty one is written back. Items have sizes of their
 own (``Size``), so stage inputs and chunks share one capacity. placement.py drives the replay to a
 fixed point and turns its moments into a Plan. The items on the device wait in a heap by the
 policy's keys (re-keyed when they arrive or are used), so a victim costs a pop.
@@ -30,12 +30,18 @@ class PlanMoment:
     micro: int
     evict: tuple[Item, ...]
     fetch: tuple[Item, ...]
-    prefetch: bool  # evict/fetch run during the previous moment
+    prefetch: bool  # evict/fetch run during earlier moments (``lead`` of them), else right before it
     capacity_bytes: int  # device memory for items during the moment (beside non-model data)
     chunk_bytes: int  # chunk (param and grad) bytes on the device during the moment
     input_bytes: int  # stage-input bytes on the device during the moment
     h2d_bytes: int
     d2h_bytes: int
+    lead: int = 1  # with prefetch: issued as moment t - lead starts, so they run during lead moments
+
+    @property
+    def issued_at(self) -> int:
+        """How many moments before this one its evictions and fetches are issued (0: right before it)."""
+        return self.lead if self.prefetch else 0
 
 
 class Infeasible(Exception):
@@ -151,29 +157,24 @@ class ReplayState:
 
 
 def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: ReplayState,
-             policy: EvictionPolicy, prefetch: bool = True, host_limit: int | None = None
+             policy: EvictionPolicy, prefetch: int = 1, host_limit: int | None = None
              ) -> tuple[list[PlanMoment], ReplayState]:
     """Replay one step from ``state``; returns the moments' actions and the end state.
 
     ``capacity[t]`` is the device memory for items at moment t, ``size(item)`` an item's bytes.
-    Raises Infeasible when a moment's own items do not fit, HostShort when the host holds more
-    than ``host_limit`` bytes of items after a moment."""
+    ``prefetch``: the most moments ahead a moment's evictions and fetches may be issued (0: none
+    ahead; see ``_early``). Raises Infeasible when a moment's own items do not fit, HostShort when
+    the host holds more than ``host_limit`` bytes of items after a moment."""
     moments: list[PlanMoment] = []
     state.measure(size, policy)
     inputs = 0  # stage-input bytes on the device
+    lead = 0  # the previous moment's
     for t, a in enumerate(accesses):
-        fetched, evicted, early = None, None, False
-        if prefetch and t > 0:
-            prev = accesses[t - 1]
-            try:
-                evicted, fetched = _actions(a, set(a.needs) | set(prev.needs),
-                                            min(capacity[t], capacity[t - 1]), state,
-                                            extra=set(prev.drops) | set(prev.to_host))
-                early = True
-            except Infeasible:
-                pass
-        if not early:
+        # issued no earlier than the previous moment's: copies go out in the replay's order
+        lead, evicted, fetched = _early(accesses, capacity, state, t, min(prefetch, t, lead + 1))
+        if not lead:
             evicted, fetched = _actions(a, set(a.needs), capacity[t], state)
+        early = lead > 0
         if evicted:
             inputs -= sum(size(it) for it in evicted if it[0] == "act")
         inputs += sum(size(it) for it in a.needs if it[0] == "act" and it not in state.device)
@@ -182,7 +183,7 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, st
         up = sum(size(it) for it in a.to_host if state.device.get(it)) if a.to_host else 0
         moments.append(PlanMoment(a.phase, a.index, a.micro, tuple(evicted), tuple(fetched), early,
                                   capacity[t], state.device_bytes - inputs, inputs, h2d + a.state_bytes_each_way,
-                                  d2h + a.state_bytes_each_way + up))
+                                  d2h + a.state_bytes_each_way + up, max(lead, 1)))
         for item in a.to_host:
             state.off_device(item)
             state.to_host(item)
@@ -202,8 +203,38 @@ def simulate(accesses: Sequence[Access], capacity: Sequence[int], size: Size, st
     return moments, state
 
 
+def _early(accesses: Sequence[Access], capacity: Sequence[int], state: ReplayState, t: int, most: int
+           ) -> tuple[int, list[Item], list[Item]]:
+    """(lead, evictions, fetches) of moment t issued ``lead`` moments ahead, as the moment t - lead
+    starts: the most moments ahead (at most ``most``) at which they fit and what they fetch
+    exists; (0, [], []) if at none.
+
+    Issued ahead, moment t's fetches share the device with moments t - lead .. t - 1: they must fit
+    the least capacity of those moments and t, evict nothing those moments use, and count what
+    those moments drop or send up after they run as still there. Deeper leads hide a copy longer
+    than one moment's compute (a 70B block's 1.6 GiB takes 33 ms to fetch, its forward 19 ms) at
+    the price of holding the fetched bytes longer."""
+    a = accesses[t]
+    missing = {it for it in a.needs if it not in state.device}
+    for lead in range(most, 0, -1):
+        window = accesses[t - lead:t]
+        # the window's first moment has run when the copies are issued, the others have not: what
+        # they create or send up (an update's new params, a final grad) is not there to fetch yet
+        # (nor to evict)
+        unborn = set().union(*(set(w.creates_host) | set(w.creates_device) | set(w.to_host) for w in window[1:]))
+        if missing & unborn:
+            continue
+        protect = set(a.needs).union(*(w.needs for w in window)) | unborn
+        extra = set().union(*(set(w.drops) | set(w.to_host) for w in window))
+        try:
+            return (lead, *_actions(a, protect, min(capacity[t - lead:t + 1]), state, extra=extra))
+        except Infeasible:
+            pass
+    return 0, [], []
+
+
 def settle(accesses: Sequence[Access], capacity: Sequence[int], size: Size, state: ReplayState,
-           policy: EvictionPolicy, rounds: int = 8, host_limit: int | None = None, prefetch: bool = True
+           policy: EvictionPolicy, rounds: int = 8, host_limit: int | None = None, prefetch: int = 1
            ) -> tuple[list[PlanMoment], ReplayState, ReplayState]:
     """Replay the step from ``state`` until it ends in the state it started in: (moments, start,
     end). Raises Infeasible when a moment's own items do not fit, or after ``rounds`` replays.

@@ -29,7 +29,7 @@ from pstar_jax.engine.memory import Placement, available_host_bytes, device_tota
 from pstar_jax.model.staged import StagedModel, chunk_group, decays, validate_stages
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan.forward import plan_forward
-from pstar_jax.plan.placement import Plan, fewest_bytes, make_plan, plan_step
+from pstar_jax.plan.placement import Plan, deepened, fewest_bytes, make_plan, plan_step
 from pstar_jax.plan.schedule import Access, StepShape, kept_stages, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes
@@ -90,7 +90,7 @@ def plan_model(model: StagedModel, cfg: EngineConfig, mesh: Mesh, batch_shape: t
         if not plan.fits and any(adam[1]):  # streamed state one moment ahead needs less memory
             plan = plan_step(shape, budget, host_bytes, machine, adam[0], streamed=adam[1], hide_state=False,
                              disk_bytes=disk)
-        plan = fewest_bytes(plan, shape, host_bytes, machine, disk)
+        plan = deepened(fewest_bytes(plan, shape, host_bytes, machine, disk), shape, host_bytes, machine, disk)
     return Planned(layout, bound, fns, shape, plan,
                    step_accesses(shape, plan.opt_on_device, plan.opt_streamed, plan.state_leads), budget,
                    tuple(batch_shape))

@@ -213,7 +213,8 @@ class PlanReport:
                     + (f" ({frozen} frozen chunks have none)" if frozen else ""),
                     f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
                     f"device->host" + (f", {format_bytes(plan.disk_read_bytes)} read from disk"
-                                       if plan.disk_read_bytes else ""),
+                                       if plan.disk_read_bytes else "")
+                    + (f"; copies issued up to {plan.prefetch_depth} moments ahead" if plan.prefetch_depth > 1 else ""),
                     plan.stage_inputs_line(),
                     *filter(None, [plan.frozen_line(), residuals_line(self.planned.shape, plan)]),
                     f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
