@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 import pstar_jax as ps  # noqa: E402
 from pstar_models import build_model  # noqa: E402
 from pstar_jax.plan.machine import Machine  # noqa: E402
-from pstar_jax.plan.placement import Plan, plan_step  # noqa: E402
+from pstar_jax.plan.placement import plan_step  # noqa: E402
+from pstar_jax.plan.planned import Plan  # noqa: E402
 from pstar_jax.plan.schedule import StepShape  # noqa: E402
 from pstar_jax.planner.build import default_mesh  # noqa: E402
 from pstar_jax.config import format_seconds  # noqa: E402

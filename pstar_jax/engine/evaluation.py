@@ -22,7 +22,7 @@ from pstar_jax.engine.memory import Space
 from pstar_jax.engine.pacing import Pacer
 from pstar_jax.engine.stages import BoundStage
 from pstar_jax.engine.zero import replicated_value
-from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.planned import Plan
 from pstar_jax.plan.predict import issued_during, window_capacity
 from pstar_jax.plan.replay import PlanMoment
 

@@ -73,7 +73,7 @@ from pstar_jax.model.staged import StagedModel
 from pstar_jax.engine.optim import (ChunkOptimizer, PendingUpdate, TxFactory, clip_factor, clip_scale, sum_of_squares,
                              zeros_chunk)
 from pstar_jax.plan.homes import DISK_SLOTS
-from pstar_jax.plan.placement import Plan
+from pstar_jax.plan.planned import Plan
 from pstar_jax.plan.predict import issued_during, window_capacity
 from pstar_jax.plan.replay import PlanMoment
 from pstar_jax.plan.schedule import Access, staged_after
@@ -253,8 +253,7 @@ class ChunkedEngine(ChunkState, Evaluation, ChunkUpdates):
         run = _StepState(scale=scale, keeping=planned.shape.keeping)
         clip, self._pending_clip = self._pending_clip, None
         moments = plan.moments
-        staging = staged_after(accesses)
-        issued = issued_during(moments)
+        staging, issued = staged_after(accesses), issued_during(moments)
         pacer = Pacer()
         for t, (moment, access) in enumerate(zip(moments, accesses)):
             if not moment.prefetch:

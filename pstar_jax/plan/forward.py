@@ -10,7 +10,7 @@ from __future__ import annotations
 from pstar_jax.plan.eviction import policy_for
 from pstar_jax.plan.homes import DISK_SLOTS, disk_reads
 from pstar_jax.plan.machine import Machine
-from pstar_jax.plan.placement import Plan, shortfall
+from pstar_jax.plan.planned import Plan, shortfall
 from pstar_jax.plan.predict import predict_step_s
 from pstar_jax.plan.replay import Infeasible, PlanMoment, ReplayState, moment_name, simulate
 from pstar_jax.plan.schedule import StepShape, forward_accesses

@@ -76,8 +76,9 @@ def predict_step_s(moments: Sequence[MomentCopies], accesses: Sequence[Access], 
 
     Each moment computes after the previous one and after its own inputs have arrived. Copies
     are issued when the executor issues them: a moment's evictions and fetches as the moment
-    ``lead`` moments earlier starts when the plan prefetches it, else after the previous one (evictions and grads bound for
-    host Adam go up first, then fetches come down into the room they freed); streamed state
+    ``lead`` moments earlier starts when the plan prefetches it, else after the previous one
+    (evictions and grads bound for host Adam go up first, then fetches come down into the room
+    they freed); streamed state
     ``state_lead`` moments ahead, and back up after its update; final grads bound for host Adam
     go up after the moment that finished them. A copy waits for the copy engine of its direction;
     with ``machine.duplex`` False both directions share one, so a step never looks faster than

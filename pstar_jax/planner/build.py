@@ -29,7 +29,8 @@ from pstar_jax.engine.memory import Placement, available_host_bytes, device_tota
 from pstar_jax.model.staged import StagedModel, chunk_group, decays, validate_stages
 from pstar_jax.engine.optim import ChunkOptimizer, TxFactory, default_tx
 from pstar_jax.plan.forward import plan_forward
-from pstar_jax.plan.placement import Plan, deepened, fewest_bytes, make_plan, plan_step
+from pstar_jax.plan.placement import deepened, fewest_bytes, make_plan, plan_step
+from pstar_jax.plan.planned import Plan
 from pstar_jax.plan.schedule import Access, StepShape, kept_stages, step_accesses
 from pstar_jax.engine.stages import BoundStage, StageFunctions, bind
 from pstar_jax.planner.fit import MEMORY_FLAGS, fitting_seq_len, misfit_fixes

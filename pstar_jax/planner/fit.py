@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable
 
 from pstar_jax.config import ConfigError, EngineConfig, parse_bytes
 from pstar_jax.plan.machine import Machine
-from pstar_jax.plan.placement import make_plan, shortfall
+from pstar_jax.plan.placement import make_plan
+from pstar_jax.plan.planned import shortfall
 from pstar_jax.plan.schedule import StepShape, scale_batch
 from pstar_jax.planner.search import SEQ_LEN_GRANULE, resident_bytes, smallest_device_bytes, smallest_host_bytes
 

@@ -22,7 +22,7 @@ from pstar_jax.config.lora import LoraConfig
 from pstar_jax.engine.chunks import outgrown
 from pstar_jax.model.quant_bytes import quant_rule
 from pstar_jax.plan.machine import Machine, describe
-from pstar_jax.plan.placement import residuals_line
+from pstar_jax.plan.planned import residuals_line
 from pstar_jax.model.staged import StagedModel, chunk_group, chunk_groups, decays, flops_per_token, n_params
 from pstar_jax.planner.build import Planned, chunk_sizes, layout_for, plan_model, resolve_engine_config
 from pstar_jax.planner.fit import any_fits
@@ -211,10 +211,7 @@ class PlanReport:
                     f"adam: on the device for {on_device} chunks, on the host for {n - on_device - streamed}, "
                     f"state streamed through the device for {streamed}"
                     + (f" ({frozen} frozen chunks have none)" if frozen else ""),
-                    f"moved per step: {format_bytes(plan.h2d_bytes)} host->device, {format_bytes(plan.d2h_bytes)} "
-                    f"device->host" + (f", {format_bytes(plan.disk_read_bytes)} read from disk"
-                                       if plan.disk_read_bytes else "")
-                    + (f"; copies issued up to {plan.prefetch_depth} moments ahead" if plan.prefetch_depth > 1 else ""),
+                    plan.moved_line(),
                     plan.stage_inputs_line(),
                     *filter(None, [plan.frozen_line(), residuals_line(self.planned.shape, plan)]),
                     f"predicted: {format_seconds(step_s)}/step, {self.tokens_per_step / step_s:,.0f} tokens/s, "
