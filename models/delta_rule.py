@@ -31,6 +31,8 @@ width, N chunks of C tokens.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -53,16 +55,30 @@ def _heads_first(q_BxLxHkxK, k_BxLxHkxK, v_BxLxHxV, g_BxLxH, beta_BxLxH):
 
 @jax.custom_vjp
 def unit_lower_solve(a_NxCxC: jax.Array, rhs_NxCxW: jax.Array) -> jax.Array:
-    """X with (I + strictly_lower(a)) X = rhs over the last two axes (torch's unitriangular solve),
-    by forward substitution, one row at a time, in plain XLA ops. Not ``lax.linalg.triangular_solve``:
-    on a CPU that is a LAPACK call into scipy's multithreaded OpenBLAS from XLA's worker threads,
-    and a training step hung there for ever (every thread idle; one step in 5 to 10 of the tiny
-    Qwen3.5 at 64 tokens, none with OPENBLAS_NUM_THREADS=1). The backward substitutes the other
-    way (``_solve_bwd``), so the loop keeps no residuals beyond X."""
+    """X with (I + strictly_lower(a)) X = rhs over the last two axes (torch's unitriangular solve).
+    On a CPU by forward substitution, one row at a time, in plain XLA ops, not
+    ``lax.linalg.triangular_solve``: there that is a LAPACK call into scipy's multithreaded OpenBLAS
+    from XLA's worker threads, and a training step hung there for ever (every thread idle; one step
+    in 5 to 10 of the tiny Qwen3.5 at 64 tokens, none with OPENBLAS_NUM_THREADS=1). Other backends
+    keep their triangular solve (``_substitute``). The backward substitutes the other way
+    (``_solve_bwd``), so it keeps no residuals beyond X."""
     return _solve_fwd(a_NxCxC, rhs_NxCxW)[0]
 
 
 def _substitute(m_NxCxC: jax.Array, rhs_NxCxW: jax.Array, reverse: bool) -> jax.Array:
+    """X with (I + m) X = rhs, m strictly lower (``reverse`` False) or strictly upper: on a CPU by
+    the loop (``_substitute_rows``), elsewhere by the backend's triangular solve (cuBLAS's trsm on
+    a GPU, one batched call where the loop is C dependent steps; unmeasured there)."""
+    return jax.lax.platform_dependent(m_NxCxC, rhs_NxCxW, cpu=functools.partial(_substitute_rows, reverse=reverse),
+                                      default=functools.partial(_substitute_trsm, reverse=reverse))
+
+
+def _substitute_trsm(m_NxCxC: jax.Array, rhs_NxCxW: jax.Array, reverse: bool) -> jax.Array:
+    return jax.lax.linalg.triangular_solve(m_NxCxC, rhs_NxCxW, left_side=True, lower=not reverse,
+                                           unit_diagonal=True)
+
+
+def _substitute_rows(m_NxCxC: jax.Array, rhs_NxCxW: jax.Array, reverse: bool) -> jax.Array:
     """x_i = rhs_i - m_i . x, rows in order (m strictly lower) or in reverse (m strictly upper):
     the rows m_i reads are final, the others meet m_i's zeros."""
     C = m_NxCxC.shape[-1]

@@ -2,6 +2,11 @@
 fp32 (Qwen3-Next's on 4.57, Qwen3.5's on 5.x), outputs, final state and gradients; packed rows give
 each example its own outputs; the recurrent step (decoding) equals the chunked form."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +166,23 @@ def test_the_rule_and_its_gradient_are_plain_xla_ops():
         return jnp.sum(out) + jnp.sum(state)
     text = jax.jit(jax.grad(loss)).lower(x).as_text()
     assert "custom_call" not in text
+
+
+def test_the_solve_off_the_cpu_is_the_backends_triangular_solve_with_the_same_answer():
+    """Off a CPU, _substitute is lax.linalg.triangular_solve (cuBLAS's trsm on a GPU). Its flags,
+    checked here on the CPU against the loop the CPU runs, in both directions (unit_lower_solve's
+    forward substitutes down, its backward up). In a child process with OPENBLAS_NUM_THREADS=1, where LAPACK's solve
+    cannot hang (see delta_rule.unit_lower_solve), under a time limit."""
+    code = """
+import numpy as np, jax, jax.numpy as jnp
+from pstar_models import delta_rule as d
+rng = np.random.default_rng(1)
+m, rhs = (jnp.asarray(rng.normal(size=(3, 16, n)).astype(np.float32)) for n in (16, 6))
+for reverse, part in ((False, jnp.tril(m, -1)), (True, jnp.triu(m, 1))):
+    loop, trsm = d._substitute_rows(0.3 * part, rhs, reverse), d._substitute_trsm(0.3 * part, rhs, reverse)
+    np.testing.assert_allclose(trsm, loop, rtol=0, atol=4e-6 * float(jnp.abs(loop).max()))
+print("same")
+"""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "same", proc.stderr[-2000:]
