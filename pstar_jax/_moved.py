@@ -168,7 +168,10 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Loader(fullname))
+        # the new module's file as origin: ``python -m OLD`` puts it in sys.argv[0] (None there
+        # broke jax's compilation cache, whose key reads every argument)
+        origin = importlib.util.find_spec(MAIN.get(fullname, MOVED[fullname][0])).origin
+        return importlib.machinery.ModuleSpec(fullname, _Loader(fullname), origin=origin)
 
 
 def install() -> None:

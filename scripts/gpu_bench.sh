@@ -51,7 +51,7 @@ phase() {  # name, seconds, command...
 }
 phase bandwidth "${t[0]}" "$py" scripts/bandwidth.py "${small[@]}" --out "$out/bandwidth.json"
 phase host_adam "${t[5]}" bash -c "$py scripts/bench_host_adam.py ${adam[*]} --overlap --json && \
-    PSTAR_MACHINES_DIR=$out/machines $py -m pstar_jax.machine_cli --remeasure"
+    PSTAR_MACHINES_DIR=$out/machines $py -m pstar_jax.cli.machine --remeasure"
 phase gpt1b3 "${t[1]}" "$py" scripts/bench_compare.py --sizes "$s13" --batch-sizes "$b13" \
     --methods plain-none,plain-full,pstar --host-memory "$host" "${dev[@]}" --steps 5 --out "$out/gpt1b3"
 phase gpt12b "${t[2]}" "$py" scripts/bench_compare.py --sizes "$s12" --batch-sizes "$b12" \

@@ -122,6 +122,16 @@ def test_python_dash_m_runs_the_command_under_its_old_and_new_names(module):
     assert proc.stdout.startswith("usage: pstar-")
 
 
+def test_an_old_module_name_runs_as_its_new_module_s_file():
+    """``python -m OLD`` puts the spec's origin in sys.argv[0]: the new module's file, never None
+    (jax's compilation cache key reads every argument; pstar_jax.machine_cli --remeasure failed)."""
+    import importlib.util
+    from pstar_jax._moved import MAIN, MOVED
+    for old, targets in MOVED.items():
+        origin = importlib.util.find_spec(old).origin
+        assert origin == importlib.util.find_spec(MAIN.get(old, targets[0])).origin and origin.endswith(".py"), old
+
+
 def test_every_layer_is_a_package_that_pip_installs():
     import tomllib
     with open(ROOT / "pyproject.toml", "rb") as f:
