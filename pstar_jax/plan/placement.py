@@ -104,16 +104,6 @@ def plan_step(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         device_bytes = max(room + a.non_model_bytes + opt_device for room, a in zip(capacity, accesses))
     else:
         capacity = [device_bytes - a.non_model_bytes - opt_device for a in accesses]
-    return _replayed(shape, device_bytes, host_bytes, machine, opt_on_device, victim_rule, streamed, stop_short,
-                     leads, accesses, capacity, disk_bytes, 0 if streaming else prefetch_depth)
-
-
-def _replayed(shape: StepShape, device_bytes: int, host_bytes: int, machine: Machine, opt_on_device: tuple,
-              victim_rule: str, streamed: tuple, stop_short: bool, leads: tuple, accesses: list,
-              capacity: list[int], disk_bytes: int, prefetch_depth: int) -> Plan:
-    """plan_step's replay of ``accesses`` at one prefetch depth (0: none, only the streaming baseline's)."""
-    streaming = prefetch_depth == 0
-    opt_device = sum(b for b, d in zip(shape.opt_state_bytes, opt_on_device) if d)
     host, stored = start_items(shape)
     state = ReplayState({}, host, stored)  # every slot on the host; frozen params stored (homes come after)
     host_opt = sum(b for b, d in zip(shape.opt_state_bytes, opt_on_device) if not d)  # (a frozen chunk's: 0)
@@ -126,7 +116,7 @@ def _replayed(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
         # to the fixed point: the step ends where it started
         moments, start, state = settle(accesses, capacity, shape.item_size, state, policy_for(victim_rule, accesses),
                                        host_limit=host_bytes - host_opt if stop_short else None,
-                                       prefetch=prefetch_depth)
+                                       prefetch=0 if streaming else prefetch_depth)
     except HostShort as err:
         return Plan((), (), tuple(opt_on_device), streamed, leads, shape.chunk_bytes, shape.opt_state_bytes,
                     device_bytes, 0, 0, 0, err.host_bytes + host_opt, float("inf"), False,
@@ -151,7 +141,7 @@ def _replayed(shape: StepShape, device_bytes: int, host_bytes: int, machine: Mac
                 sum(m.d2h_bytes for m in moments), peak_device, peak_host,
                 predict_step_s(moments, accesses, shape, machine, homes, DISK_SLOTS), problem is None, problem,
                 shape.input_bytes_per_step, offloaded, "stream" if streaming else victim_rule, homes, read, staging,
-                max([m.issued_at for m in moments], default=1) if prefetch_depth > 1 else 1)
+                max([1, *(m.issued_at for m in moments)]))
 
 
 # While the copies leave a step predicted more than 1% longer than its compute, deeper prefetch

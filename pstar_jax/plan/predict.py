@@ -16,7 +16,7 @@ class MomentCopies(Protocol):
     """What the prediction reads of a planned moment (replay.PlanMoment): when its copies are issued
     and how many bytes they move. placement.py imports this module, never the other way round."""
     prefetch: bool
-    lead: int
+    issued_at: int  # moments ahead its copies are issued (0: right before it)
     fetch: tuple
     h2d_bytes: int
     d2h_bytes: int
@@ -28,16 +28,15 @@ def issued_during(moments: Sequence[MomentCopies]) -> dict[int, list[int]]:
     executor, the evaluation and the prediction all issue them so."""
     out: dict[int, list[int]] = {}
     for u, m in enumerate(moments):
-        if m.prefetch and u:
-            out.setdefault(u - min(m.lead, u), []).append(u)
+        if m.issued_at:
+            out.setdefault(u - m.issued_at, []).append(u)
     return out
 
 
 def window_capacity(moments: Sequence, u: int) -> int:
     """The device memory moment u's copies may use: the least capacity of the moments they are
     issued during (moments[u - lead] .. moments[u - 1]) and of u itself."""
-    lead = min(moments[u].lead, u) if moments[u].prefetch else 0
-    return min(m.capacity_bytes for m in moments[u - lead:u + 1])
+    return min(m.capacity_bytes for m in moments[u - moments[u].issued_at:u + 1])
 
 
 def compute_s(a: Access, shape: StepShape, machine: Machine) -> float:
